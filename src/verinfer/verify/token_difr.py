@@ -1,0 +1,108 @@
+"""Token-DiFR: replay each trace with one prefill and score every claimed token.
+
+Per-token scores (one row per output token, higher = more divergent unless noted):
+    exact_match     the verifier's sampler picks the claimed token (1) or not (0)
+    margin          Gumbel-max margin in raw-logit units (DiFR eq. 1 times T); inf if the claim is filtered
+    filter_distance raw-logit distance the claim is below the filter threshold (0 when kept): a finite
+                    companion to the infinite margin
+    cross_entropy   -log p(claim) under the verifier's processed (filtered, tempered) distribution
+    logit_rank      the claim's rank among the raw logits (0 = top)
+    gumbel_rank     the claim's rank among kept x + G (0 = the sampled token)
+The likelihood variant (DiFR appendix A) is derived from the margin by ``likelihood``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+from scipy.special import log_ndtr
+
+from verinfer.models.backend import Backend
+from verinfer.sampling.profiles import Profile, RowKeys, get_profile
+from verinfer.sampling.sampler import replay
+from verinfer.trace import Trace
+
+SCORE_COLUMNS = ("trace_id", "position", "claimed", "verifier_token", "exact_match", "margin",
+                 "filter_distance", "filtered", "cross_entropy", "logit_rank", "gumbel_rank")
+
+
+def likelihood(margin: np.ndarray, sigma: float = 1.0) -> np.ndarray:
+    """-log P(Gaussian logit noise of std ``sigma`` explains a gap of ``margin``), 0 at margin 0.
+
+    DiFR appendix A's likelihood score, shifted by log 2 so exact tokens score 0:
+    ``-log(2 * Phi(-margin / sigma))``; infinite margins stay infinite.
+    """
+    z = np.asarray(margin, dtype=np.float64) / sigma
+    return -(np.log(2.0) + log_ndtr(-z))
+
+
+@dataclass
+class ScoreBlock:
+    """Scores for a block of rows, as numpy columns named as in SCORE_COLUMNS."""
+
+    columns: dict[str, np.ndarray]
+    items: np.ndarray  # index of each row's trace in the caller's list
+    hidden: torch.Tensor  # [R, D] verifier hidden states (for activation commits)
+
+
+def _keys(traces: Sequence[Trace], items: np.ndarray, steps: np.ndarray) -> RowKeys:
+    return RowKeys(
+        requests=tuple(traces[i].id for i in items),
+        seeds=np.array([traces[i].sampling.seed for i in items], dtype=object),
+        positions=np.array([len(traces[i].prompt_token_ids) - 1 for i in items], dtype=np.int64) + steps,
+        steps=steps.astype(np.int64),
+    )
+
+
+def score_block(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, traces: Sequence[Trace],
+                profiles: dict[str, Profile]) -> dict[str, np.ndarray]:
+    """Token-DiFR scores for rows of logits; rows may mix traces and sampler profiles."""
+    n = len(items)
+    claimed = torch.tensor([traces[i].output_token_ids[k] for i, k in zip(items, steps)], dtype=torch.long)
+    cols = {
+        "verifier_token": np.empty(n, np.int64), "margin": np.empty(n), "filter_distance": np.empty(n),
+        "cross_entropy": np.empty(n), "logit_rank": np.empty(n, np.int64), "gumbel_rank": np.empty(n, np.int64),
+    }
+    groups: dict[str, list[int]] = defaultdict(list)
+    for r, i in enumerate(items):
+        groups[traces[i].sampling.profile].append(r)
+    for name, rows in groups.items():
+        idx = np.asarray(rows)
+        profile = profiles.setdefault(name, get_profile(name))
+        out = replay(logits[torch.as_tensor(idx)], [traces[i].sampling for i in items[idx]], profile,
+                     _keys(traces, items[idx], steps[idx]), claimed=claimed[idx])
+        cols["verifier_token"][idx] = out.token.numpy()
+        cols["margin"][idx] = out.margin.numpy()
+        cols["filter_distance"][idx] = out.filter_distance.numpy()
+        cols["cross_entropy"][idx] = -out.logprob.numpy()
+        cols["logit_rank"][idx] = out.logit_rank.numpy()
+        cols["gumbel_rank"][idx] = out.gumbel_rank.numpy()
+    cols["claimed"] = claimed.numpy()
+    cols["exact_match"] = cols["verifier_token"] == cols["claimed"]
+    cols["filtered"] = np.isinf(cols["margin"]) & (cols["filter_distance"] > 0)
+    cols["trace_id"] = np.array([traces[i].id for i in items], dtype=object)
+    cols["position"] = steps.astype(np.int64)
+    return {k: cols[k] for k in SCORE_COLUMNS}
+
+
+def verify_traces(
+    backend: Backend,
+    traces: Sequence[Trace],
+    token_budget: int = 4096,
+    row_block: int = 512,
+    on_rows: Callable[[int], None] | None = None,
+) -> Iterator[ScoreBlock]:
+    """Stream Token-DiFR scores for every output token of ``traces`` (one prefill per trace)."""
+    sequences = [t.prompt_token_ids + t.output_token_ids for t in traces]
+    starts = [len(t.prompt_token_ids) for t in traces]
+    profiles: dict[str, Profile] = {}
+    for block in backend.prefill(sequences, starts, token_budget=token_budget, row_block=row_block):
+        items, steps = block.items.numpy(), block.steps.numpy()
+        cols = score_block(block.logits, items, steps, traces, profiles)
+        if on_rows:
+            on_rows(len(items))
+        yield ScoreBlock(cols, items, block.hidden)
