@@ -1,0 +1,103 @@
+"""The command line as a user meets it: real processes, bad input, exit codes, one-line errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from verinfer.sampling.params import SamplingParams
+from verinfer.trace import Trace, write_traces
+
+
+def run(*args, cwd=None):
+    proc = subprocess.run([sys.executable, "-m", "verinfer.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                                                     **{k: v for k, v in __import__("os").environ.items()
+                                                        if k in ("HOME", "VERINFER_CACHE", "PYTHONPATH")}})
+    return proc
+
+
+def good(i=0, **kw):
+    d = dict(id=f"t{i}", model="smollm2-135m", prompt_token_ids=[1, 9690, 198], output_token_ids=[28, 29, 30],
+             sampling=SamplingParams(seed=3, top_k=50, top_p=0.95))
+    d.update(kw)
+    return Trace(**d)
+
+
+def assert_one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert "Traceback" not in proc.stderr
+    text = " ".join(lines)
+    assert text.startswith("error:"), proc.stderr
+    for f in fragments:
+        assert f in text, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "content, fragments",
+    [
+        ("{oops\n", ["bad.jsonl:1: not valid JSON"]),
+        ('{"id": "a", "model": "m"}\n', ["bad.jsonl:1 (id 'a'): missing field 'prompt_token_ids'"]),
+        ("", ["no trace records"]),
+    ],
+)
+def test_verify_rejects_malformed_files(tmp_path, content, fragments):
+    (tmp_path / "bad.jsonl").write_text(content)
+    assert_one_line_error(run("verify", str(tmp_path / "bad.jsonl")), *fragments)
+
+
+def test_verify_rejects_out_of_vocabulary_and_skip_reports_counts(tmp_path):
+    path = write_traces([good(0), good(1, output_token_ids=[28, 10**6])], tmp_path / "t.jsonl")
+    proc = run("verify", str(path))
+    assert_one_line_error(proc, "record 2 (id 't1')", "output_token_ids[1]: token id 1000000 is outside the vocabulary")
+    assert not (tmp_path / "t.scores.parquet").exists()
+
+    proc = run("verify", str(path), "--skip-invalid", "--json", str(tmp_path / "s.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "1 invalid trace(s) skipped, 1 verified" in proc.stdout
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["traces"] == 1 and summary["tokens"] == 3 and len(summary["skipped"]) == 1
+    assert "uncalibrated" in summary["verdict"]
+
+
+def test_verify_rejects_model_mismatch_and_unknown_model(tmp_path):
+    path = write_traces([good(0, model="llama-3.1-8b")], tmp_path / "t.jsonl")
+    assert_one_line_error(run("verify", str(path)), "unknown model 'llama-3.1-8b'")
+    assert_one_line_error(run("verify", str(path), "--model", "smollm2-135m"),
+                          "trace claims 'llama-3.1-8b' but the verifier runs 'smollm2-135m'")
+
+
+def test_missing_file_and_bad_calibration(tmp_path):
+    assert_one_line_error(run("verify", str(tmp_path / "nope.jsonl")), "no such file")
+    path = write_traces([good(0)], tmp_path / "t.jsonl")
+    (tmp_path / "c.json").write_text("{}")
+    assert_one_line_error(run("verify", str(path), "--calibration", str(tmp_path / "c.json")), "error:")
+
+
+def test_generate_rejects_bad_params(tmp_path):
+    assert_one_line_error(run("generate", "-o", str(tmp_path / "o.jsonl"), "--profile", "sglang"),
+                          "unknown sampler profile 'sglang'")
+    assert_one_line_error(run("generate", "-o", str(tmp_path / "o.jsonl"), "--top-p", "0"),
+                          "top_p must be in (0, 1]")
+    assert_one_line_error(run("generate", "-o", str(tmp_path / "o.jsonl"), "--prompts", str(tmp_path / "none.jsonl")),
+                          "neither a built-in set")
+
+
+def test_generate_calibrate_verify_round_trip(tmp_path):
+    """A user's path: generate honest traces, calibrate on their scores, verify other traces."""
+    cal = tmp_path / "cal.jsonl"
+    assert run("generate", "-o", str(cal), "--n", "6", "--max-tokens", "24", "--seed", "1").returncode == 0
+    proc = run("verify", str(cal))
+    assert proc.returncode == 0, proc.stderr
+    proc = run("calibrate", str(tmp_path / "cal.scores.parquet"), "-o", str(tmp_path / "c.json"),
+               "--batch-sizes", "1")
+    assert proc.returncode == 0, proc.stderr
+    test = tmp_path / "test.jsonl"
+    assert run("generate", "-o", str(test), "--n", "4", "--max-tokens", "16", "--seed", "50").returncode == 0
+    proc = run("verify", str(test), "--calibration", str(tmp_path / "c.json"), "--batch-size", "1",
+               "--json", str(tmp_path / "v.json"))
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((tmp_path / "v.json").read_text())
+    assert summary["verdict"].startswith("consistent"), summary
