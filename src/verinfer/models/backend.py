@@ -40,6 +40,7 @@ class Backend:
 
     def __init__(self, model, tokenizer, model_id: str, dtype: torch.dtype = torch.float32):
         self.model = model
+        self.device = next(model.parameters()).device
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.dtype = dtype
@@ -49,11 +50,13 @@ class Backend:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
     @classmethod
-    def load(cls, spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = torch.float32) -> "Backend":
+    def load(cls, spec: str = DEFAULT_MODEL, dtype: str | torch.dtype = torch.float32,
+             device: str = "cpu") -> "Backend":
+        """Load offline; ``device`` may be a GPU (logits always come back to the CPU sampler)."""
         source = resolve(spec)
         dt = parse_dtype(dtype) if isinstance(dtype, str) else dtype
         model, tokenizer = load_pretrained(source, dt)
-        return cls(model, tokenizer, source.model_id, dt)
+        return cls(model.to(device), tokenizer, source.model_id, dt)
 
     @property
     def hidden_size(self) -> int:
@@ -72,10 +75,11 @@ class Backend:
     @torch.inference_mode()
     def hidden(self, input_ids, attention_mask, position_ids=None, cache=None):
         """Final normed hidden states [B, T, D] and the updated KV cache."""
+        to = (lambda t: None if t is None else t.to(self.device))
         out = self.model.base_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
+            input_ids=to(input_ids),
+            attention_mask=to(attention_mask),
+            position_ids=to(position_ids),
             past_key_values=cache,
             use_cache=cache is not None,
         )
@@ -84,10 +88,10 @@ class Backend:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """lm_head (and the final soft-cap some models use) in fp32."""
-        out = self.model.get_output_embeddings()(hidden.to(self.dtype)).float()
+        out = self.model.get_output_embeddings()(hidden.to(self.device, self.dtype)).float()
         if self._softcap:
             out = torch.tanh(out / self._softcap) * self._softcap
-        return out
+        return out.cpu()
 
     def prefill(
         self,
@@ -130,5 +134,5 @@ class Backend:
         rb, rt, it, st = (torch.cat(x) for x in (rows_b, rows_t, items, steps))
         for lo in range(0, rb.numel(), row_block):
             sl = slice(lo, lo + row_block)
-            hid = h[rb[sl], rt[sl]]
-            yield PrefillBlock(it[sl], st[sl], self.logits(hid), hid.float())
+            hid = h[rb[sl].to(h.device), rt[sl].to(h.device)]
+            yield PrefillBlock(it[sl], st[sl], self.logits(hid), hid.float().cpu())
