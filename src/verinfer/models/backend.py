@@ -62,9 +62,12 @@ class Backend:
     def hidden_size(self) -> int:
         return int(self.model.config.get_text_config().hidden_size)
 
+    TURN_TERMINATORS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
+
     def stop_ids(self) -> set[int]:
         """Token ids that end a generation (EOS, plus the chat turn terminator where defined)."""
-        ids = set()
+        vocab = self.tokenizer.get_vocab()
+        ids = {vocab[t] for t in self.TURN_TERMINATORS if t in vocab}
         for value in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
             if isinstance(value, int):
                 ids.add(value)
