@@ -7,11 +7,12 @@ conversations). A user file holds one JSON object per line with ``messages`` (ch
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from verinfer.jsonl import read_jsonl
 
 
 class PromptError(ValueError):
@@ -79,15 +80,8 @@ def _from_record(record: object, where: str, index: int) -> Prompt:
 
 def read_prompt_file(path: Path) -> list[Prompt]:
     out = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PromptError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from None
-            out.append(_from_record(record, f"{path}:{lineno}", len(out)))
+    for where, record in read_jsonl(path, PromptError):
+        out.append(_from_record(record, where, len(out)))
     if not out:
         raise PromptError(f"{path}: no prompts")
     return out

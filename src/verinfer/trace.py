@@ -28,6 +28,7 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from verinfer.jsonl import read_jsonl
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import PROFILES
 
@@ -136,15 +137,8 @@ def read_traces(path: str | Path) -> list[Trace]:
 
 
 def _read_jsonl(path: Path) -> Iterator[Trace]:
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TraceError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            yield Trace.from_dict(record, f"{path}:{lineno}")
+    for where, record in read_jsonl(path, TraceError):
+        yield Trace.from_dict(record, where)
 
 
 def _read_parquet(path: Path) -> Iterator[Trace]:
