@@ -111,6 +111,7 @@ def reference_vllm_sample(logits, params, pos):
         SamplingParams(temperature=0.7, top_k=50, top_p=0.95, seed=2),
         SamplingParams(temperature=1.3, top_p=0.9, seed=3),
         SamplingParams(temperature=1.0, top_p=0.999, seed=4),
+        SamplingParams(temperature=2.0, top_p=0.7, seed=8),  # kept sets past 64 and 1024 tokens: widening
         SamplingParams(temperature=0.5, min_p=0.05, seed=5),
         SamplingParams(temperature=1.0, top_k=3, seed=6),
         SamplingParams(temperature=0.001, top_k=20, seed=7),
@@ -133,6 +134,7 @@ def test_replay_matches_reference_sampler(params):
     for i, (_, s, x) in enumerate(ref):
         t = float(params.temperature if params.temperature >= 0.01 else 0.01)
         c = int(other[i])
+        assert scored.logit_rank[i] == int((logits[i] > logits[i, c]).sum())
         if torch.isinf(x[c]):
             assert scored.margin[i] == float("inf")
             assert scored.filter_distance[i] > 0

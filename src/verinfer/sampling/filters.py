@@ -33,6 +33,7 @@ class KeptSet:
     rows: torch.Tensor  # [M] row of each kept token
     cols: torch.Tensor  # [M] token id of each kept token
     values: torch.Tensor  # [M] fp64 scaled logit of each kept token
+    view: torch.Tensor  # [N, W] the row's W largest x, descending (for ranks without a full pass)
 
 
 def _masked_logsumexp(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
@@ -90,16 +91,21 @@ def kept_set(
 ) -> KeptSet:
     """Apply min-p, top-k and top-p (in that order) to scaled logits ``x`` [N, V] fp32.
 
-    Rows whose kept set does not fit in a top-``width`` view are redone on a full sort, so the
-    result is exact whatever the parameters; the fast path covers top-k rows and peaked top-p rows.
+    Rows whose top-p set does not fit in a top-``width`` view are redone on a 16x wider view, and
+    so on up to a full sort, so the result is exact whatever the parameters while the common cases
+    (top-k, peaked top-p) never sort the vocabulary.
     """
     n, vocab = x.shape
     tau, log_norm, inside, wider, top_vals, top_ids = _block_kept(x, top_k, top_p, min_p, width)
-    if bool(wider.any()):
-        idx = wider.nonzero().squeeze(1)
-        t2, l2, _, _, _, _ = _block_kept(x[idx], top_k[idx], top_p[idx], min_p[idx], vocab)
-        tau[idx], log_norm[idx] = t2, l2
-        inside[idx] = top_vals[idx, -1] < t2  # usually False: fall through to the full-row mask
+    idx = wider.nonzero().squeeze(1)
+    w = width
+    while idx.numel():
+        w = min(vocab, w * 16)
+        t2, l2, _, again, _, _ = _block_kept(x[idx], top_k[idx], top_p[idx], min_p[idx], w)
+        done = idx[~again]
+        tau[done], log_norm[done] = t2[~again], l2[~again]
+        inside[done] = top_vals[done, -1] < tau[done]  # usually False: fall through to the full-row mask
+        idx = idx[again]
 
     view_mask = (top_vals >= tau[:, None]) & inside[:, None]
     r_in, c_in = view_mask.nonzero(as_tuple=True)
@@ -110,4 +116,13 @@ def kept_set(
         rows.append(outside[r_out])
         cols.append(c_out)
     rows_t, cols_t = torch.cat(rows), torch.cat(cols)
-    return KeptSet(tau, log_norm, rows_t, cols_t, x[rows_t, cols_t].double())
+    return KeptSet(tau, log_norm, rows_t, cols_t, x[rows_t, cols_t].double(), top_vals)
+
+
+def rank_in_row(x: torch.Tensor, view: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """How many entries of each row of ``x`` exceed ``value``, using the sorted top view when it suffices."""
+    rank = (view > value[:, None]).sum(-1)
+    outside = (value < view[:, -1]).nonzero().squeeze(1)
+    if outside.numel():
+        rank[outside] = (x[outside] > value[outside, None]).sum(-1)
+    return rank

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verinfer.sampling.filters import kept_set
+from verinfer.sampling.filters import kept_set, rank_in_row
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import Profile, RowKeys
 
@@ -51,11 +51,6 @@ def _segment_argmax(scores: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor
     return best, winner
 
 
-def _rank(values: torch.Tensor, claimed_values: torch.Tensor) -> torch.Tensor:
-    """How many entries of each row exceed the claimed value (computed in slices of rows)."""
-    return (values > claimed_values[:, None]).sum(-1)
-
-
 def replay(
     logits: torch.Tensor,
     params: list[SamplingParams],
@@ -84,13 +79,13 @@ def replay(
     g_idx = greedy.nonzero().squeeze(1)
     if g_idx.numel():
         lg = logits[g_idx]
-        top, arg = lg.max(-1)
-        token[g_idx] = arg
+        view = lg.topk(min(64, vocab), dim=-1).values
+        token[g_idx] = lg.argmax(-1)
         if claimed is not None:
             lc = lg.gather(1, claimed[g_idx, None]).squeeze(1)
-            out.margin[g_idx] = (top - lc).double()
+            out.margin[g_idx] = (view[:, 0] - lc).double()
             out.logprob[g_idx] = lc.double() - torch.logsumexp(lg.double(), -1)
-            rank = _rank(lg, lc)
+            rank = rank_in_row(lg, view, lc)
             out.logit_rank[g_idx] = rank
             out.gumbel_rank[g_idx] = rank
 
@@ -137,7 +132,7 @@ def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -
         is_kept, torch.zeros_like(margin), (kept.threshold - xc).double() * t64
     )
     out.logprob[s_idx] = torch.where(is_kept, xc.double() - kept.log_norm, torch.full_like(margin, -INF))
-    out.logit_rank[s_idx] = _rank(raw, raw.gather(1, c[:, None]).squeeze(1))
+    out.logit_rank[s_idx] = rank_in_row(x, kept.view, xc)  # x = raw / T has the raw logits' order
     above = (scores > sc[kept.rows]).long()
     out.gumbel_rank[s_idx] = torch.zeros(n, dtype=torch.int64).scatter_add(0, kept.rows, above)
 
