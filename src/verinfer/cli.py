@@ -126,7 +126,7 @@ def verify(
     """Replay traces with one prefill each and score every token (Token-DiFR)."""
     from verinfer.pipeline import check_traces, load_calibrator, verify_to_file
     from verinfer.trace import read_traces
-    from verinfer.verify.report import summarize
+    from verinfer.verify.report import summarize, summarize_commits
 
     traces = read_traces(traces_path)
     calibrator = load_calibrator(calibration) if calibration else None
@@ -139,11 +139,24 @@ def verify(
         err.print(f"[yellow]skipped:[/yellow] {line}", highlight=False)
     scores = scores or traces_path.with_name(traces_path.name.split(".")[0] + ".scores.parquet")
     total = sum(len(t.output_token_ids) for t in traces)
+    checks: list = []
     with _progress() as bar:
         task = bar.add_task("verifying", total=total)
-        columns = verify_to_file(backend, traces, scores, on_rows=lambda k: bar.advance(task, k))
+        columns = verify_to_file(backend, traces, scores, on_rows=lambda k: bar.advance(task, k), commit_checks=checks)
     summary = summarize(columns, calibrator, batch_size)
     _print_summaries({traces_path.name: summary})
+    if checks:
+        summary.details["commits"] = commits = summarize_commits(checks)
+        if "toploc" in commits:
+            t = commits["toploc"]
+            console.print(f"TOPLOC: {t['passed']}/{t['chunks']} chunks pass the reference bf16 thresholds"
+                          + (f"; failing traces: {', '.join(t['failed_traces'][:5])}" if t["failed_traces"] else ""))
+        if "activation_difr" in commits:
+            a = commits["activation_difr"]
+            console.print(f"Activation-DiFR: {a['fingerprints']} fingerprints, mean L2 {a['mean_l2']:.4g}, "
+                          f"max {a['max_l2']:.4g} (uncalibrated)")
+        for e in commits["errors"]:
+            err.print(f"[red]commit error:[/red] {e}", highlight=False)
     if skipped:
         console.print(f"{len(skipped)} invalid trace(s) skipped, {len(traces)} verified")
     console.print(f"per-token scores: {scores}")

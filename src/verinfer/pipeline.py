@@ -20,6 +20,7 @@ from verinfer.sampling.params import SamplingParams
 from verinfer.stats import Calibrator
 from verinfer.stats.calibration import min_batches
 from verinfer.trace import Trace, TraceError, write_traces
+from verinfer.verify.commits import CommitCheck, check_commits, commit_rows
 from verinfer.verify.report import ScoreWriter, Summary, fit_calibrator, summarize
 from verinfer.verify.token_difr import SCORE_COLUMNS, verify_traces
 
@@ -56,13 +57,24 @@ def check_traces(traces: Sequence[Trace], backend: Backend, source: str, skip_in
 
 
 def verify_to_file(backend: Backend, traces: Sequence[Trace], scores_path: Path | None,
-                   on_rows: Progress = None) -> dict[str, np.ndarray]:
-    """Score every token (streaming to ``scores_path`` when given); returns the compact columns."""
+                   on_rows: Progress = None, commit_checks: list[CommitCheck] | None = None) -> dict[str, np.ndarray]:
+    """Score every token (streaming to ``scores_path`` when given); returns the compact columns.
+
+    Traces carrying activation commits are checked from the same prefill; their results are
+    appended to ``commit_checks`` when a list is given.
+    """
     keep = ("trace_id", "exact_match", "margin", "cross_entropy")
     parts: dict[str, list[np.ndarray]] = {k: [] for k in keep}
     writer = ScoreWriter(scores_path) if scores_path else None
+
+    def check(i: int, hidden) -> None:
+        t = traces[i]
+        if commit_checks is not None and t.fingerprints:
+            rows = commit_rows(hidden, len(t.prompt_token_ids), len(t.output_token_ids))
+            commit_checks.append(check_commits(t.id, t.fingerprints, rows, len(t.prompt_token_ids)))
+
     try:
-        for block in verify_traces(backend, traces, on_rows=on_rows):
+        for block in verify_traces(backend, traces, on_rows=on_rows, on_sequence_hidden=check):
             if writer:
                 writer.write(block.columns)
             for k in keep:

@@ -8,7 +8,7 @@ Verification streams logits in row blocks, so memory stays flat however many tok
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -102,12 +102,14 @@ class Backend:
         starts: Sequence[int],
         token_budget: int = 4096,
         row_block: int = 512,
+        on_sequence_hidden: Callable[[int, torch.Tensor], None] | None = None,
     ) -> Iterator[PrefillBlock]:
         """Stream logits for the rows that predict ``sequences[i][starts[i]:]`` (one forward pass).
 
         Sequences are grouped by length into micro-batches of at most ``token_budget`` padded
         tokens; lm_head runs on blocks of at most ``row_block`` rows, so peak memory depends on
-        these two numbers, not on how many tokens are verified.
+        these two numbers, not on how many tokens are verified. ``on_sequence_hidden(i, h)``
+        receives each sequence's full hidden states [len, D] (for activation commits).
         """
         order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
         batch: list[int] = []
@@ -116,10 +118,11 @@ class Backend:
                 batch.append(i)
                 continue
             if batch:
-                yield from self._prefill_batch(sequences, starts, batch, row_block)
+                yield from self._prefill_batch(sequences, starts, batch, row_block, on_sequence_hidden)
             batch = [i] if i is not None else []
 
-    def _prefill_batch(self, sequences, starts, batch: list[int], row_block: int) -> Iterator[PrefillBlock]:
+    def _prefill_batch(self, sequences, starts, batch: list[int], row_block: int,
+                       on_sequence_hidden=None) -> Iterator[PrefillBlock]:
         width = max(len(sequences[i]) for i in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -127,6 +130,9 @@ class Backend:
             ids[b, : len(sequences[i])] = torch.as_tensor(sequences[i], dtype=torch.long)
             mask[b, : len(sequences[i])] = 1
         h, _ = self.hidden(ids, mask if len(batch) > 1 else None)
+        if on_sequence_hidden is not None:
+            for b, i in enumerate(batch):
+                on_sequence_hidden(i, h[b, : len(sequences[i])].float().cpu())
         rows_b, rows_t, items, steps = [], [], [], []
         for b, i in enumerate(batch):
             n_out = len(sequences[i]) - starts[i]

@@ -122,3 +122,21 @@ def fit_calibrator(columns: dict[str, np.ndarray], batch_sizes: tuple[int, ...],
     })
 
 
+
+
+def summarize_commits(checks: list) -> dict:
+    """Pool activation-commit checks: TOPLOC chunk pass rate (reference thresholds) and fingerprint
+    distances (uncalibrated: their honest band depends on the hardware, see RESULTS.md)."""
+    l2 = [c.fingerprint_l2 for c in checks if c.fingerprint_l2 is not None]
+    passed = [c.toploc_passed for c in checks if c.toploc_passed is not None]
+    out = {"traces_with_commits": len(checks), "errors": [c.error for c in checks if c.error]}
+    if l2:
+        all_l2 = np.concatenate(l2)
+        out["activation_difr"] = {"fingerprints": int(all_l2.size), "mean_l2": float(all_l2.mean()),
+                                  "max_l2": float(all_l2.max())}
+    if passed:
+        all_p = np.concatenate(passed)
+        out["toploc"] = {"chunks": int(all_p.size), "passed": int(all_p.sum()),
+                         "failed_traces": [c.trace_id for c in checks
+                                           if c.toploc_passed is not None and not c.toploc_passed.all()]}
+    return out

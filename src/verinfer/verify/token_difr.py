@@ -95,12 +95,18 @@ def verify_traces(
     token_budget: int = 4096,
     row_block: int = 512,
     on_rows: Callable[[int], None] | None = None,
+    on_sequence_hidden: Callable[[int, torch.Tensor], None] | None = None,
 ) -> Iterator[ScoreBlock]:
-    """Stream Token-DiFR scores for every output token of ``traces`` (one prefill per trace)."""
+    """Stream Token-DiFR scores for every output token of ``traces`` (one prefill per trace).
+
+    ``on_sequence_hidden(i, h)`` receives trace i's hidden states from the same prefill, for
+    checking activation commits without a second forward pass.
+    """
     sequences = [t.prompt_token_ids + t.output_token_ids for t in traces]
     starts = [len(t.prompt_token_ids) for t in traces]
     profiles: dict[str, Profile] = {}
-    for block in backend.prefill(sequences, starts, token_budget=token_budget, row_block=row_block):
+    for block in backend.prefill(sequences, starts, token_budget=token_budget, row_block=row_block,
+                                 on_sequence_hidden=on_sequence_hidden):
         items, steps = block.items.numpy(), block.steps.numpy()
         cols = score_block(block.logits, items, steps, traces, profiles)
         if on_rows:
