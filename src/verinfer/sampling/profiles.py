@@ -34,6 +34,9 @@ class Profile:
     def gumbel(self, keys: RowKeys, rows: torch.Tensor, cols: torch.Tensor, vocab_size: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def forget(self, request: str) -> None:
+        """Release any per-request state once a request is finished (stateless profiles keep none)."""
+
 
 class GreedyProfile(Profile):
     name = "greedy"
@@ -57,8 +60,9 @@ class VllmProfile(Profile):
 class TorchExponentialProfile(Profile):
     """vLLM V1: a per-request ``torch.Generator``; step k uses the k-th full-vocabulary draw.
 
-    Streams are cached per request so that consecutive steps (in generation, or in chunked
-    verification) continue a generator instead of redrawing from the start.
+    Each request keeps only its generator and the next step it will draw, so consecutive steps
+    (in generation, or in chunked verification) continue the stream without holding old draws;
+    asking for an earlier step restarts the stream from the seed. Callers ``forget`` finished requests.
     """
 
     name = "torch-exponential"
@@ -66,19 +70,16 @@ class TorchExponentialProfile(Profile):
     _streams: dict = field(default_factory=dict)
 
     def _draws(self, request: str, seed: int, steps: np.ndarray, vocab_size: int) -> torch.Tensor:
-        start, drawn, gen = self._streams.get(request, (0, None, None))
+        next_step, gen = self._streams.get(request, (0, None))
         lo, hi = int(steps.min()), int(steps.max()) + 1
-        if gen is None or lo < start:
+        if gen is None or lo < next_step:
             gen = torch.Generator(device="cpu").manual_seed(int(seed) % 2**64)
-            start, drawn = 0, torch.empty(0, vocab_size)
-        have = start + drawn.shape[0]
-        if hi > have:
-            drawn = torch.cat([drawn, torch.empty(hi - have, vocab_size).exponential_(generator=gen)])
-        # keep only what later (non-decreasing) steps can still ask for
-        keep_from = lo - start
-        drawn, start = drawn[keep_from:], lo
-        self._streams[request] = (start, drawn, gen)
-        return drawn[torch.as_tensor(steps - start)]
+            next_step = 0
+        if lo > next_step:  # skip draws nobody asked for
+            torch.empty(lo - next_step, vocab_size).exponential_(generator=gen)
+        drawn = torch.empty(hi - lo, vocab_size).exponential_(generator=gen)
+        self._streams[request] = (hi, gen)
+        return drawn[torch.as_tensor(steps - lo)]
 
     def gumbel(self, keys, rows, cols, vocab_size):
         out = torch.empty(rows.shape[0], dtype=torch.float64)
@@ -93,7 +94,6 @@ class TorchExponentialProfile(Profile):
         return out
 
     def forget(self, request: str) -> None:
-        """Drop a finished request's generator."""
         self._streams.pop(request, None)
 
 

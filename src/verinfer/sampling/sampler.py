@@ -84,7 +84,7 @@ def replay(
         if claimed is not None:
             lc = lg.gather(1, claimed[g_idx, None]).squeeze(1)
             out.margin[g_idx] = (view[:, 0] - lc).double()
-            out.logprob[g_idx] = lc.double() - torch.logsumexp(lg.double(), -1)
+            out.logprob[g_idx] = (lc - torch.logsumexp(lg, -1)).double()
             rank = rank_in_row(lg, view, lc)
             out.logit_rank[g_idx] = rank
             out.gumbel_rank[g_idx] = rank

@@ -109,6 +109,9 @@ def verify_traces(
                                  on_sequence_hidden=on_sequence_hidden):
         items, steps = block.items.numpy(), block.steps.numpy()
         cols = score_block(block.logits, items, steps, traces, profiles)
+        for i in np.unique(items[steps == np.array([len(traces[j].output_token_ids) - 1 for j in items])]):
+            for profile in profiles.values():
+                profile.forget(traces[i].id)
         if on_rows:
             on_rows(len(items))
         yield ScoreBlock(cols, items, block.hidden)
