@@ -17,6 +17,13 @@ from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import Profile, RowKeys, get_profile
 from verinfer.sampling.sampler import sample
 from verinfer.trace import Trace
+from verinfer.verify.commits import CommitSpec, build_commits
+
+
+# A per-step hook on the sampled tokens, for simulated sampler bugs (``verinfer.models.variants``):
+# called as ``hook(logits, tokens, requests, step)`` with the logits [n, V] and sampled tokens [n] of the
+# n active rows, their requests, and the output index ``step``; returns the tokens to emit instead.
+TokenHook = Callable[[torch.Tensor, torch.Tensor, Sequence["Request"], int], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -47,9 +54,21 @@ def _sample_rows(logits, rows: list[int], batch: Sequence[Request], profiles: di
     return tokens
 
 
+@dataclass
+class Decoded:
+    tokens: list[int]
+    finish_reason: str
+    rows: torch.Tensor | None = None  # committed hidden rows [L + n - 1, D] (verify/commits.py)
+
+
 def decode_batch(backend: Backend, batch: Sequence[Request], max_new_tokens: int, stop_ids: set[int],
-                 profiles: dict[str, Profile]) -> list[tuple[list[int], str]]:
-    """Decode one batch with a shared KV cache (left padding); returns (tokens, finish reason)."""
+                 profiles: dict[str, Profile], token_hook: TokenHook | None = None,
+                 capture: bool = False) -> list[Decoded]:
+    """Decode one batch with a shared KV cache (left padding).
+
+    With ``capture``, keep each request's final normed hidden states as they are computed (prompt
+    rows from the prefill, one row per fed-back output token), for activation commits: no extra pass.
+    """
     lengths = torch.tensor([len(r.prompt_token_ids) for r in batch])
     width = int(lengths.max())
     ids = torch.full((len(batch), width), backend.pad_id, dtype=torch.long)
@@ -61,11 +80,14 @@ def decode_batch(backend: Backend, batch: Sequence[Request], max_new_tokens: int
     cache = DynamicCache()
     h, cache = backend.hidden(ids, mask, positions, cache)
     logits = backend.logits(h[:, -1])
+    rows = [[h[b, width - len(r.prompt_token_ids):].float().cpu()] for b, r in enumerate(batch)] if capture else None
     outputs: list[list[int]] = [[] for _ in batch]
     finish = ["length"] * len(batch)
     active = list(range(len(batch)))
     for step in range(max_new_tokens):
         tokens = _sample_rows(logits, active, batch, profiles, step)
+        if token_hook is not None:
+            tokens = token_hook(logits[active], tokens, [batch[r] for r in active], step)
         step_tokens = torch.full((len(batch),), backend.pad_id, dtype=torch.long)
         for r, t in zip(active, tokens.tolist()):
             outputs[r].append(t)
@@ -78,7 +100,12 @@ def decode_batch(backend: Backend, batch: Sequence[Request], max_new_tokens: int
         mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=torch.long)], dim=1)
         h, cache = backend.hidden(step_tokens[:, None], mask, (lengths + step)[:, None], cache)
         logits = backend.logits(h[:, -1])
-    return list(zip(outputs, finish))
+        if rows is not None:
+            last = h[:, -1].float().cpu()
+            for r in active:
+                rows[r].append(last[r: r + 1])
+    return [Decoded(out, fin, torch.cat(rows[b]) if rows is not None else None)
+            for b, (out, fin) in enumerate(zip(outputs, finish))]
 
 
 def generate(
@@ -88,25 +115,39 @@ def generate(
     batch_size: int = 8,
     provider: str = "verinfer-simulator",
     on_batch: Callable[[int], None] | None = None,
+    token_hook: TokenHook | None = None,
+    commits: CommitSpec | None = None,
 ) -> list[Trace]:
-    """Generate a trace per request, in batches of similar prompt length."""
+    """Generate a trace per request, in batches of similar prompt length.
+
+    ``token_hook`` may replace sampled tokens at each step (see ``TokenHook``); honest generation has none.
+    ``commits`` attaches activation commits (Activation-DiFR, TOPLOC) built from the hidden
+    states the decoding computed anyway.
+    """
     stop_ids = backend.stop_ids()
     profiles: dict[str, Profile] = {}
     order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_token_ids))
-    results: dict[int, tuple[list[int], str]] = {}
+    results: dict[int, Decoded] = {}
     for lo in range(0, len(order), batch_size):
         chunk = order[lo: lo + batch_size]
-        for i, res in zip(chunk, decode_batch(backend, [requests[i] for i in chunk], max_new_tokens, stop_ids, profiles)):
+        decoded = decode_batch(backend, [requests[i] for i in chunk], max_new_tokens, stop_ids, profiles, token_hook,
+                               capture=commits is not None)
+        for i, res in zip(chunk, decoded):
             results[i] = res
+            for profile in profiles.values():
+                profile.forget(requests[i].id)
         if on_batch:
             on_batch(len(chunk))
     traces = []
     for i, req in enumerate(requests):
-        out, reason = results[i]
+        out, reason = results[i].tokens, results[i].finish_reason
+        fingerprints = (build_commits(results[i].rows, len(req.prompt_token_ids), commits, backend.model_id)
+                        if commits is not None else None)
         traces.append(Trace(
             id=req.id, model=backend.model_id, prompt_token_ids=list(req.prompt_token_ids), output_token_ids=out,
             sampling=req.params, messages=list(req.messages) if req.messages else None,
             output_text=backend.tokenizer.decode(out, skip_special_tokens=True), provider=provider,
+            fingerprints=fingerprints,
             meta={"finish_reason": reason, "dtype": str(backend.dtype).replace("torch.", "")},
         ))
     return traces
