@@ -16,6 +16,7 @@ def test_projection_is_orthonormal_and_seeded():
     assert torch.allclose(p.T @ p, torch.eye(16, dtype=torch.float64), atol=1e-6)
     assert torch.equal(projection(576, 16, 42), projection(576, 16, 42))
     assert not torch.equal(projection(576, 16, 42), projection(576, 16, 43))
+    assert torch.equal(projection(576, 4, 42), projection(576, 128, 42)[:, :4])  # nested prefixes
 
 
 @pytest.mark.parametrize("precision, tol", [("fp32", 0), ("fp16", 1e-3), ("bf16", 8e-3), ("int8", 1e-2)])

@@ -12,7 +12,7 @@ from verinfer.trace import Trace, write_traces
 
 def run(*args, cwd=None):
     proc = subprocess.run([sys.executable, "-m", "verinfer.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                          cwd=cwd, timeout=1200, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
                                                      **{k: v for k, v in __import__("os").environ.items()
                                                         if k in ("HOME", "VERINFER_CACHE", "PYTHONPATH")}})
     return proc
@@ -101,3 +101,17 @@ def test_generate_calibrate_verify_round_trip(tmp_path):
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "v.json").read_text())
     assert summary["verdict"].startswith("consistent"), summary
+
+
+def test_generate_with_commits_then_verify_reports_them(tmp_path):
+    path = tmp_path / "c.jsonl"
+    proc = run("generate", "-o", str(path), "--n", "3", "--max-tokens", "40", "--fingerprint-dim", "8",
+               "--fingerprint-precision", "int8", "--toploc")
+    assert proc.returncode == 0, proc.stderr
+    proc = run("verify", str(path), "--json", str(tmp_path / "v.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "TOPLOC:" in proc.stdout and "Activation-DiFR:" in proc.stdout
+    commits = json.loads((tmp_path / "v.json").read_text())["details"]["commits"]
+    assert commits["toploc"]["passed"] == commits["toploc"]["chunks"] > 0 and not commits["errors"]
+    assert commits["activation_difr"]["fingerprints"] > 0
+    assert_one_line_error(run("generate", "-o", str(path), "--fingerprint-dim", "9999"), "dim 9999 is not in 1..576")

@@ -85,6 +85,10 @@ def generate(
     seed: int = typer.Option(1000, help="request i uses seed + i"),
     max_tokens: int = 64,
     batch_size: int = 8,
+    fingerprint_dim: int = typer.Option(0, help="attach Activation-DiFR fingerprints of this many dims (0: off)"),
+    fingerprint_precision: str = typer.Option("fp32", help="fingerprint storage: fp32, fp16, bf16, int8"),
+    fingerprint_stride: int = typer.Option(1, help="fingerprint 1 of every N output tokens"),
+    toploc: bool = typer.Option(False, help="attach TOPLOC proofs (top-128 of the bf16 hidden state per 32 tokens)"),
 ):
     """Generate traces with a sampler profile (the provider simulator)."""
     from verinfer.pipeline import build_requests
@@ -101,10 +105,21 @@ def generate(
     if params.problems():
         raise ValueError(f"sampling: {params.problems()[0]}")
     backend = _load_backend(model, dtype)
+    commits = None
+    if fingerprint_dim or toploc:
+        from verinfer.verify.activation_difr import FingerprintSpec
+        from verinfer.verify.commits import CommitSpec
+
+        spec = FingerprintSpec(fingerprint_dim, precision=fingerprint_precision, stride=fingerprint_stride,
+                               hidden_size=backend.hidden_size) if fingerprint_dim else None
+        if spec is not None and spec.problems():
+            raise ValueError(f"fingerprint: {spec.problems()[0]}")
+        commits = CommitSpec(fingerprint=spec, toploc_k=128 if toploc else None)
     requests = build_requests(backend, load_prompts(prompts, n), params)
     with _progress() as bar:
         task = bar.add_task("generating", total=len(requests))
-        traces = run(backend, requests, max_tokens, batch_size, on_batch=lambda k: bar.advance(task, k))
+        traces = run(backend, requests, max_tokens, batch_size, on_batch=lambda k: bar.advance(task, k),
+                     commits=commits)
     write_traces(traces, out)
     tokens = sum(len(t.output_token_ids) for t in traces)
     console.print(f"wrote {len(traces)} traces ({tokens} output tokens) to {out}")

@@ -68,16 +68,24 @@ class FingerprintSpec:
 _PROJECTIONS: dict[tuple[int, int, int], torch.Tensor] = {}
 
 
+NESTED_DIM = 128
+
+
 def projection(hidden_size: int, dim: int, seed: int) -> torch.Tensor:
-    """The shared D x k matrix with orthonormal columns (fp64 QR of a seeded Gaussian, stored fp32)."""
-    key = (hidden_size, dim, seed)
+    """The shared D x k matrix with orthonormal columns (fp64 QR of a seeded Gaussian, stored fp32).
+
+    The Gaussian is drawn D x max(k, 128) and the first k columns of its Q are used, so the
+    projections for k <= 128 are nested: a k-dim fingerprint is a prefix of the 128-dim one
+    (Gram-Schmidt keeps earlier columns), and a verifier can compare any prefix.
+    """
+    width = max(dim, min(NESTED_DIM, hidden_size))
+    key = (hidden_size, width, seed)
     if key not in _PROJECTIONS:
         gen = torch.Generator().manual_seed(seed)
-        gauss = torch.randn(hidden_size, dim, generator=gen, dtype=torch.float64)
+        gauss = torch.randn(hidden_size, width, generator=gen, dtype=torch.float64)
         q, r = torch.linalg.qr(gauss)
-        q = q * torch.sign(torch.diagonal(r))  # unique QR: positive diagonal of R
-        _PROJECTIONS[key] = q.float()
-    return _PROJECTIONS[key]
+        _PROJECTIONS[key] = (q * torch.sign(torch.diagonal(r))).float()  # unique QR: positive diagonal of R
+    return _PROJECTIONS[key][:, :dim]
 
 
 def fingerprint(hidden: torch.Tensor, spec: FingerprintSpec) -> np.ndarray:
