@@ -228,6 +228,15 @@ def demo(
                   f"files in {result.out_dir}/")
 
 
+def _register_subcommands() -> None:
+    from verinfer.determinism.cli import app as margingate
+
+    app.add_typer(margingate, name="margingate", help="MarginGate: reproducible greedy decoding under dynamic batching")
+
+
+_register_subcommands()
+
+
 def main() -> None:  # pragma: no cover - console entry
     app()
 

