@@ -29,13 +29,22 @@ from verinfer.generate import Request, generate
 from verinfer.models.backend import Backend
 from verinfer.sampling.params import SamplingParams
 from verinfer.trace import read_traces, write_traces
+from verinfer.verify.activation_difr import FingerprintSpec
+from verinfer.verify.commits import CommitSpec
+from verinfer.verify.report import summarize_commits
 
 SAMPLED = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=20_000)
 GREEDY = SamplingParams(profile="greedy")
 
 
-def configurations(n_prompts: int) -> list[dict]:
+COMMITS = CommitSpec(fingerprint=FingerprintSpec(dim=16, precision="fp32", hidden_size=576), toploc_k=128)
+
+
+def configurations(n_prompts: int, commits: bool = False) -> list[dict]:
     """(name, dtype, batch size, sampling, prompts used) of each trace set."""
+    if commits:  # honest providers attaching activation commits, at two precisions
+        return [dict(name="commits-bf16-b32", dtype="bfloat16", batch=32, params=SAMPLED, n=n_prompts),
+                dict(name="commits-fp32-b32", dtype="float32", batch=32, params=SAMPLED, n=n_prompts)]
     return [
         dict(name="sampled-bf16-b32", dtype="bfloat16", batch=32, params=SAMPLED, n=n_prompts),
         dict(name="sampled-bf16-b4", dtype="bfloat16", batch=4, params=SAMPLED, n=n_prompts),
@@ -56,17 +65,19 @@ def write_prompts(out: Path, n_chat: int, n_code: int) -> None:
             fh.write(json.dumps({"id": p.id, "prompt_token_ids": render(backend.tokenizer, p)}) + "\n")
 
 
-def run_generate(prompt_file: Path, out_dir: Path, device: str, max_new: int, model: str) -> None:
+def run_generate(prompt_file: Path, out_dir: Path, device: str, max_new: int, model: str,
+                 commits: bool = False) -> None:
     records = [json.loads(line) for line in open(prompt_file)]
     out_dir.mkdir(parents=True, exist_ok=True)
     timings = {}
-    for cfg in configurations(len(records)):
+    for cfg in configurations(len(records), commits):
         backend = Backend.load(model, cfg["dtype"], device=device)
         reqs = [Request(r["id"], tuple(r["prompt_token_ids"]),
                         cfg["params"].with_(seed=None if cfg["params"].seed is None else cfg["params"].seed + i))
                 for i, r in enumerate(records[: cfg["n"]])]
         start = time.perf_counter()
-        traces = generate(backend, reqs, max_new, cfg["batch"], provider=f"{device}:{cfg['name']}")
+        traces = generate(backend, reqs, max_new, cfg["batch"], provider=f"{device}:{cfg['name']}",
+                          commits=COMMITS if commits else None)
         timings[cfg["name"]] = time.perf_counter() - start
         for t in traces:
             t.meta = {**(t.meta or {}), "variant": cfg["name"], "device": device, "batch": cfg["batch"]}
@@ -99,11 +110,20 @@ def run_score(in_dir: Path, out: Path) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     traces_by_name = {}
+    commit_lines = []
     for path in sorted(in_dir.glob("*.jsonl")):
         traces = read_traces(path)
         traces_by_name[path.stem] = traces
         scores_path = out.parent / f"{path.stem}.scores.parquet"
-        verify_to_file(backend, traces, scores_path)
+        checks: list = []
+        verify_to_file(backend, traces, scores_path, commit_checks=checks)
+        if checks:
+            c = summarize_commits(checks)
+            l2 = np.concatenate([x.fingerprint_l2 for x in checks if x.fingerprint_l2 is not None])
+            exp = np.concatenate([x.toploc_exp_mismatches for x in checks if x.toploc_exp_mismatches is not None])
+            commit_lines.append(
+                f"| {path.stem} | {c['toploc']['passed']}/{c['toploc']['chunks']} | {int(exp.max())} | "
+                f"{np.median(l2):.4f} | {np.percentile(l2, 99):.4f} | {l2.max():.4f} | {len(c['errors'])} |")
         s = read_scores(scores_path)
         m = s["margin"]
         finite = m[np.isfinite(m)]
@@ -122,6 +142,12 @@ def run_score(in_dir: Path, out: Path) -> str:
                       f"{len(changed)}/{len(div)} sequences differ; first divergence at steps "
                       f"{sorted(changed)}; {len(changed)} first flips in {steps} compared steps "
                       f"({len(changed) / max(steps, 1):.2%} of steps, counting only the first flip of each sequence)."]
+    if commit_lines:
+        lines += ["", "Activation commits of the honest GPU providers, checked by the CPU fp32 verifier "
+                  "(TOPLOC: reference bf16 thresholds, exponent mismatches <= 38 of 128; Activation-DiFR: 16 dims, "
+                  "L2 distance per output token):", "",
+                  "| trace set | TOPLOC chunks passed | max exponent mismatches | fingerprint L2 median | p99 | max | "
+                  "commit errors |", "|---|---|---|---|---|---|---|", *commit_lines]
     report = "\n".join(lines) + "\n"
     out.write_text(report)
     return report
@@ -140,6 +166,7 @@ def main() -> None:
     g.add_argument("--device", default="cuda")
     g.add_argument("--max-new", type=int, default=128)
     g.add_argument("--model", default="smollm2-135m")
+    g.add_argument("--commits", action="store_true", help="honest providers attaching activation commits")
     s = sub.add_parser("score")
     s.add_argument("dir", type=Path)
     s.add_argument("--out", type=Path, required=True)
@@ -147,7 +174,7 @@ def main() -> None:
     if args.cmd == "prompts":
         write_prompts(args.out, args.chat, args.code)
     elif args.cmd == "generate":
-        run_generate(args.prompts, args.out, args.device, args.max_new, args.model)
+        run_generate(args.prompts, args.out, args.device, args.max_new, args.model, args.commits)
     else:
         print(run_score(args.dir, args.out))
 
