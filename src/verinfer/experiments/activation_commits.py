@@ -61,7 +61,7 @@ def provider_rows(reference: Backend, variant: str, requests, max_new: int, batc
 def verifier_rows(reference: Backend, request, tokens: list[int]) -> torch.Tensor:
     ids = list(request.prompt_token_ids) + tokens
     h, _ = reference.hidden(torch.tensor([ids]), None)
-    return h[0, : len(ids) - 1].float()
+    return h[0, : len(ids) - 1].float().cpu()
 
 
 def collect(reference: Backend, requests, max_new: int, batch: int) -> dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]]:
@@ -118,12 +118,14 @@ def first_reaching(curve: dict[int, float], target: float = 0.99) -> int | None:
     return next((n for n in sorted(curve) if curve[n] >= target), None)
 
 
-def run(n_prompts: int, max_new: int, batch: int) -> str:
-    reference = Backend.load()
-    prompts = load_prompts("chitchat", n_prompts, seed=21) + load_prompts("human-eval", n_prompts // 2, seed=21)
+def run(n_prompts: int, max_new: int, batch: int, device: str = "cpu", prompt_file: str | None = None) -> str:
+    reference = Backend.load(device=device)
+    prompts = (load_prompts(prompt_file) if prompt_file else
+               load_prompts("chitchat", n_prompts, seed=21) + load_prompts("human-eval", n_prompts // 2, seed=21))
     requests = build_requests(reference, prompts, PARAMS)
     data = collect(reference, requests, max_new, batch)
-    lines = [f"SmolLM2-135M, {len(requests)} prompts (chitchat + human-eval) x up to {max_new} tokens, vLLM sampler "
+    where = torch.cuda.get_device_name() if device.startswith("cuda") else "CPU"
+    lines = [f"SmolLM2-135M on {where}, {len(requests)} prompts (chitchat + human-eval) x up to {max_new} tokens, vLLM sampler "
              "(T=1, top-k 50, top-p 0.95, same seeds for every provider); honest pool = fp32 decode + bf16 decode; "
              "verifier = fp32 prefill. AUC at 1% FPR (standardized partial AUC); n = tokens per batch.", ""]
     token_sizes = [1, 2, 4, 8, 16, 32, 64]
@@ -177,12 +179,16 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="chitchat prompts (plus half as many human-eval)")
     parser.add_argument("--max-new", type=int, default=96)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--device", default="cpu", help="where providers and the verifier run (cuda for a GPU)")
+    parser.add_argument("--prompt-file", help="pre-rendered prompts (JSONL with prompt_token_ids) instead of the sets")
     args = parser.parse_args()
-    report = run(args.prompts, args.max_new, args.batch)
+    report = run(args.prompts, args.max_new, args.batch, args.device, args.prompt_file)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(f"# Activation commits: detection vs bytes\n\nCommand: `python -m verinfer.experiments."
-                        f"activation_commits --out {args.out} --prompts {args.prompts} --max-new {args.max_new}`\n"
-                        f"Machine: 2-core CPU, torch {torch.__version__}.\n\n" + report)
+                        f"activation_commits --out {args.out} --prompts {args.prompts} --max-new {args.max_new} "
+                        f"--batch {args.batch} --device {args.device}"
+                        + (f" --prompt-file {args.prompt_file}" if args.prompt_file else "") + "`\n"
+                        f"torch {torch.__version__}.\n\n" + report)
     print(report)
 
 

@@ -1,0 +1,685 @@
+"""Configuration variants: honest noise sources and misconfigurations of a provider, by name.
+
+A ``Variant`` says how a provider deviates from the reference configuration while still *claiming*
+it. It can touch three things, each optional:
+
+- the model (``transform``): a new ``Backend`` derived from the reference one. The reference is never
+  modified: weights are copied when they change (bf16, w4, w8) and shared read-only when they do not
+  (attention kernel, fp8 KV cache, which replace only module/config objects or the KV cache);
+- the sampler (``sampling``): the parameters actually used, while traces record the claimed ones;
+- the decode loop (``batch_size``, ``hook``): the generation batch (padding) and a per-step token hook
+  (simulated sampler bugs).
+
+``Variant.generate(reference, requests)`` runs a variant and returns traces that claim the honest
+configuration (model id, sampling parameters and seeds of ``requests``, ``meta["dtype"]`` of the
+reference) and record the truth in ``meta["variant"]`` and ``meta["variant_settings"]`` (plus
+``meta["bug_steps"]`` and ``meta["bug_changed_steps"]`` for sampler bugs).
+
+All variants live in one registry (``get_variant(name)``, ``list_variants()``). Besides the named
+entries, parametric families are recognised (``batch-N``, ``wB-gG[-asym]``, ``temperature-X``,
+``top-p-X``, ``bug-topK[-rateR]``) and names compose with ``+`` (``w4-g128+temperature-0.9`` is the
+4-bit model sampling at T=0.9), which is how the cross-entropy-matching adversary
+(``match_cross_entropy``) names what it found.
+
+Semantics worth knowing:
+
+- ``w4-*``/``w8``: round-to-nearest fake quantization (codes dequantized back to the compute dtype, as
+  w4a16/w8a16 kernels do) of every ``nn.Linear`` in the decoder (q, k, v, o, gate, up, down). The
+  embeddings and lm_head (tied in SmolLM2) stay at full precision, as bitsandbytes, GPTQ, AWQ and
+  compressed-tensors w4a16 leave them by default. Groups run along the input dimension; a dimension
+  that is not a multiple of the group size (576 = 4 x 128 + 64 in SmolLM2) ends in one shorter group.
+  Symmetric: ``scale = amax / (2**(B-1) - 1)``, codes in ``[-2**(B-1), 2**(B-1) - 1]``. Asymmetric
+  (``-asym``): min/max range widened to include 0, ``2**B - 1`` steps and an integer zero point.
+- ``fp8-kv*``: keys and values are stored in the KV cache as ``torch.float8_e4m3fn`` (saturated at
+  +-448) with a per-layer scale, and read back as ``fp8 * scale``. ``fp8-kv`` is vLLM's default for a
+  checkpoint without KV scales (scale 1.0) and vLLM's read path: attention reads every key and value,
+  including those of the chunk being computed, from the fp8 cache, so even the prompt pass changes.
+  ``fp8-kv-tensor`` / ``fp8-kv-head`` calibrate the scale (``amax / 448``, per layer or per layer and
+  KV head) on the prompt pass and freeze it (transformers' ``Fp8QuantizedLayer`` rule).
+  ``fp8-kv-fresh`` lets each pass attend to its own fresh keys and values at full precision and to
+  earlier tokens through the fp8 cache (as engines that attend before writing the cache do): the
+  prompt pass, hence the first output token's logits, is bit-identical to the reference, while every
+  decode step reads the prompt and earlier outputs from fp8, so decode logits differ.
+  When ``hidden`` is called without a cache (a verifier-style prefill), the fp8 backend makes one, so
+  its prefill goes through the same fp8 cache as its decode.
+- ``bug-topK``: with probability ``rate`` (1% by default) per output token, decided by an RNG of its
+  own keyed by (bug seed, request id, step), the sampler's token is replaced by one drawn uniformly from
+  the top K raw logits (DiFR section 5.1). Independent of batching; the steps where it fired are
+  recorded in ``meta["bug_steps"]``.
+- ``wrong-seed``: samples with ``seed + 1_000_003`` while claiming ``seed``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from verinfer.generate import Request, TokenHook, generate
+from verinfer.models.backend import Backend
+from verinfer.sampling.params import SamplingParams
+from verinfer.trace import Trace
+
+MARGIN_CLIP = 20.0  # raw-logit units, the paper's bounded margin
+WRONG_SEED_OFFSET = 1_000_003
+
+# --------------------------------------------------------------------------------------------------
+# Deriving backends without touching the reference
+
+
+def _derive(backend: Backend, cls: type | None = None, **changes: Any) -> Backend:
+    """A shallow copy of ``backend`` (optionally as subclass ``cls``) with some attributes replaced."""
+    new = (cls or type(backend)).__new__(cls or type(backend))
+    new.__dict__.update(backend.__dict__)
+    new.__dict__.update(changes)
+    return new
+
+
+def _clone_model(model: nn.Module, weight: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
+    """A new module tree (own modules and config) whose parameters are ``weight(name, data)``.
+
+    Without ``weight`` the parameters and buffers are shared with ``model`` (no copy): right for
+    variants that change only module or config state. Tied parameters stay tied. Buffers are always
+    shared (rotary frequencies stay fp32, as when a model is loaded in bf16).
+    """
+    memo: dict[int, Any] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied parameters appear once
+            data = p.data if weight is None else weight(name, p.data)
+            memo[id(p)] = p if weight is None else nn.Parameter(data, requires_grad=False)
+        for b in model.buffers():
+            memo[id(b)] = b
+        return copy.deepcopy(model, memo)
+
+
+def with_dtype(backend: Backend, dtype: torch.dtype) -> Backend:
+    """The same weights cast to ``dtype`` and computed in it (a copy; the reference is untouched)."""
+    model = _clone_model(backend.model, lambda _, w: w.to(dtype, copy=True))
+    model.config.dtype = dtype
+    return _derive(backend, model=model, dtype=dtype)
+
+
+def with_attention(backend: Backend, implementation: str) -> Backend:
+    """The same weights run with transformers' ``attn_implementation`` (``eager``, ``sdpa``)."""
+    model = _clone_model(backend.model)
+    model.set_attn_implementation(implementation)
+    return _derive(backend, model=model)
+
+
+# --------------------------------------------------------------------------------------------------
+# Weight quantization (round to nearest)
+
+
+def _rtn_last_dim(x: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
+    """Fake-quantize ``x`` [..., g] with one scale (and zero point) per group along the last dim."""
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        scale = x.abs().amax(-1, keepdim=True) / qmax
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        return torch.round(x / scale).clamp(-qmax - 1, qmax) * scale
+    qmax = 2**bits - 1
+    lo = x.amin(-1, keepdim=True).clamp(max=0)
+    hi = x.amax(-1, keepdim=True).clamp(min=0)
+    scale = (hi - lo) / qmax
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    zero = torch.round(-lo / scale)
+    return (torch.round(x / scale + zero).clamp(0, qmax) - zero) * scale
+
+
+def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int | None = 128, symmetric: bool = True) -> torch.Tensor:
+    """Round-to-nearest fake quantization of a ``[out, in]`` weight, returned in its own dtype.
+
+    One scale per output channel and group of ``group_size`` consecutive input columns (``None``: one
+    group per output channel); a ragged tail forms one shorter group.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"quantize_rtn expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
+    if not 2 <= bits <= 8:
+        raise ValueError(f"bits must be between 2 and 8, got {bits}")
+    x = weight.float()
+    n_out, n_in = x.shape
+    g = n_in if group_size is None else int(group_size)
+    if g <= 0:
+        raise ValueError(f"group_size must be positive, got {group_size}")
+    full = (n_in // g) * g
+    parts = []
+    if full:
+        parts.append(_rtn_last_dim(x[:, :full].reshape(n_out, -1, g), bits, symmetric).reshape(n_out, full))
+    if full < n_in:
+        parts.append(_rtn_last_dim(x[:, full:], bits, symmetric))
+    return torch.cat(parts, dim=1).to(weight.dtype)
+
+
+def quantized_linear_names(model: nn.Module) -> list[str]:
+    """Weights a quantization variant rewrites: every ``nn.Linear`` except the output embeddings."""
+    head = model.get_output_embeddings()
+    return [f"{name}.weight" for name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m is not head and m.weight is not head.weight]
+
+
+def with_quantized_weights(backend: Backend, bits: int, group_size: int | None, symmetric: bool = True) -> Backend:
+    """A copy of ``backend`` whose decoder linear weights are RTN-quantized (see ``quantize_rtn``)."""
+    targets = set(quantized_linear_names(backend.model))
+    if not targets:
+        raise ValueError("the model has no nn.Linear layers to quantize")
+
+    def weight(name: str, w: torch.Tensor) -> torch.Tensor:
+        return quantize_rtn(w, bits, group_size, symmetric) if name in targets else w.clone()
+
+    return _derive(backend, model=_clone_model(backend.model, weight))
+
+
+# --------------------------------------------------------------------------------------------------
+# fp8 KV cache
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+
+
+@dataclass(frozen=True)
+class Fp8KV:
+    """How the fp8 KV cache scales and reads its entries.
+
+    ``scale``: ``"unit"`` (1.0, vLLM's default without calibrated scales), ``"tensor"`` (amax / 448 per
+    layer) or ``"head"`` (amax / 448 per layer and KV head); calibrated ones are measured on the first
+    (prompt) pass and then frozen. ``read_current``: attention reads the current chunk's own keys and
+    values back from the fp8 cache too (vLLM) instead of using them fresh.
+    """
+
+    scale: str = "unit"
+    read_current: bool = True
+
+    def __post_init__(self):
+        if self.scale not in ("unit", "tensor", "head"):
+            raise ValueError(f"fp8 KV scale must be 'unit', 'tensor' or 'head', got {self.scale!r}")
+
+
+def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """``x`` stored as float8_e4m3fn with ``scale`` (saturating at +-448) and read back in x's dtype."""
+    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).to(x.dtype)
+
+
+class Fp8KVLayer(DynamicLayer):
+    """A transformers cache layer that stores keys and values as float8_e4m3fn plus a scale."""
+
+    def __init__(self, spec: Fp8KV):
+        super().__init__()
+        self.spec = spec
+        self.key_scale: torch.Tensor | None = None
+        self.value_scale: torch.Tensor | None = None
+
+    def _calibrate(self, x: torch.Tensor) -> torch.Tensor:  # x [B, H, T, D]
+        if self.spec.scale == "unit":
+            return torch.ones((), dtype=torch.float32, device=x.device)
+        amax = x.abs().amax() if self.spec.scale == "tensor" else x.abs().amax(dim=(0, 2, 3), keepdim=True)
+        return (amax.float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+
+    @staticmethod
+    def _store(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+    def _read(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return (q.float() * scale).to(self.dtype)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.key_scale, self.value_scale = self._calibrate(key_states), self._calibrate(value_states)
+            self.keys = self._store(key_states, self.key_scale)
+            self.values = self._store(value_states, self.value_scale)
+            self.is_initialized = True
+        else:
+            self.keys = torch.cat([self.keys, self._store(key_states, self.key_scale)], dim=-2)
+            self.values = torch.cat([self.values, self._store(value_states, self.value_scale)], dim=-2)
+        if self.spec.read_current:
+            return self._read(self.keys, self.key_scale), self._read(self.values, self.value_scale)
+        n = key_states.shape[-2]
+        old_k = self._read(self.keys[..., :-n, :], self.key_scale)
+        old_v = self._read(self.values[..., :-n, :], self.value_scale)
+        return torch.cat([old_k, key_states], dim=-2), torch.cat([old_v, value_states], dim=-2)
+
+
+class Fp8KVBackend(Backend):
+    """A backend whose KV cache stores keys and values in fp8 (weights shared with its source)."""
+
+    kv: Fp8KV = Fp8KV()
+
+    def new_cache(self) -> DynamicCache:
+        cache = DynamicCache()
+        self._install(cache)
+        return cache
+
+    def _install(self, cache) -> None:
+        if isinstance(cache, DynamicCache) and all(isinstance(layer, Fp8KVLayer) for layer in cache.layers) \
+                and cache.layer_class_to_replicate is None and cache.layers:
+            return
+        if not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0:
+            raise ValueError("the fp8 KV cache variant needs an empty transformers DynamicCache to start from")
+        n_layers = int(self.model.config.get_text_config().num_hidden_layers)
+        cache.layers = [Fp8KVLayer(self.kv) for _ in range(n_layers)]
+        cache.layer_class_to_replicate = None
+
+    @torch.inference_mode()
+    def hidden(self, input_ids, attention_mask, position_ids=None, cache=None):
+        if cache is None:  # a prefill: it goes through an fp8 cache of its own, as in the engine
+            h, _ = super().hidden(input_ids, attention_mask, position_ids, self.new_cache())
+            return h, None
+        self._install(cache)  # generation hands in an empty DynamicCache: make its layers fp8
+        return super().hidden(input_ids, attention_mask, position_ids, cache)
+
+
+def with_fp8_kv(backend: Backend, spec: Fp8KV = Fp8KV()) -> Backend:
+    if isinstance(backend, Fp8KVBackend):
+        raise ValueError("the backend already has an fp8 KV cache")
+    return _derive(backend, Fp8KVBackend, kv=spec)
+
+
+# --------------------------------------------------------------------------------------------------
+# Sampler bug
+
+
+def _stable_hash(text: str) -> int:
+    return zlib.crc32(text.encode("utf-8"))
+
+
+class TopKUniformBug:
+    """A sampler bug: with probability ``rate`` the emitted token is uniform among the top ``k`` logits.
+
+    The decision and the pick come from an RNG keyed by (``seed``, request id, step), so they do not
+    depend on batching and do not touch the sampler's own noise. ``events[request_id]`` lists
+    ``(step, sampled, emitted)`` for every step where the bug fired (emitted may equal sampled).
+    """
+
+    def __init__(self, k: int, rate: float = 0.01, seed: int = 0):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        if not 0 <= rate <= 1:
+            raise ValueError(f"rate must be in [0, 1], got {rate}")
+        self.k, self.rate, self.seed = int(k), float(rate), int(seed)
+        self.events: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+        self.steps_seen = 0
+
+    def _rng(self, request_id: str, step: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, _stable_hash(request_id), int(step)])
+
+    def fires(self, request_id: str, step: int) -> bool:
+        return bool(self._rng(request_id, step).random() < self.rate)
+
+    def __call__(self, logits: torch.Tensor, tokens: torch.Tensor, requests: Sequence[Request], step: int):
+        out = tokens.clone()
+        self.steps_seen += len(requests)
+        for j, req in enumerate(requests):
+            rng = self._rng(req.id, step)
+            if rng.random() >= self.rate:
+                continue
+            top = torch.topk(logits[j].float(), min(self.k, logits.shape[-1])).indices
+            out[j] = top[int(rng.integers(top.numel()))]
+            self.events[req.id].append((int(step), int(tokens[j]), int(out[j])))
+        return out
+
+    def trace_meta(self, request_id: str) -> dict[str, Any]:
+        ev = self.events.get(request_id, [])
+        return {"bug_steps": [s for s, _, _ in ev], "bug_changed_steps": [s for s, a, b in ev if a != b]}
+
+
+# --------------------------------------------------------------------------------------------------
+# Variants and their registry
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A named way to run the provider: see the module docstring."""
+
+    name: str
+    description: str
+    honest: bool = False  # a benign noise source (True) or a misconfiguration (False)
+    transform: Callable[[Backend], Backend] | None = None
+    sampling: Callable[[SamplingParams], SamplingParams] | None = None
+    batch_size: int | None = None
+    hook: Callable[[], TokenHook] | None = None  # a factory: each run gets a fresh hook
+    settings: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def build(self, reference: Backend) -> Backend:
+        """The backend this variant generates with (the reference itself when the model is unchanged)."""
+        return self.transform(reference) if self.transform else reference
+
+    def actual_params(self, claimed: SamplingParams) -> SamplingParams:
+        return self.sampling(claimed) if self.sampling else claimed
+
+    def generate(self, reference: Backend, requests: Sequence[Request], max_new_tokens: int = 64,
+                 batch_size: int = 8, backend: Backend | None = None,
+                 on_batch: Callable[[int], None] | None = None, **generate_options: Any) -> list[Trace]:
+        """Generate as this variant; traces claim ``reference``'s model and ``requests``' parameters.
+
+        Pass ``backend`` (from ``build``) to reuse a built model across calls; ``generate_options``
+        (``provider``, ``commits``) go to ``verinfer.generate.generate`` unchanged, so activation
+        commits are built from the variant's own hidden states, as a misconfigured provider's would be.
+        """
+        backend = backend if backend is not None else self.build(reference)
+        actual = [replace(r, params=self.actual_params(r.params)) for r in requests]
+        hook = self.hook() if self.hook else None
+        traces = generate(backend, actual, max_new_tokens, self.batch_size or batch_size, on_batch=on_batch,
+                          token_hook=hook, **generate_options)
+        for req, t in zip(requests, traces):
+            t.sampling = req.params
+            t.model = reference.model_id
+            meta = {**(t.meta or {}), "dtype": str(reference.dtype).replace("torch.", ""), "variant": self.name}
+            if self.settings:
+                meta["variant_settings"] = dict(self.settings)
+            if hook is not None and hasattr(hook, "trace_meta"):
+                meta.update(hook.trace_meta(req.id))
+            t.meta = meta
+        return traces
+
+
+def compose(*variants: Variant) -> Variant:
+    """Apply variants in order (model transforms, then sampling changes, hooks chained)."""
+    if not variants:
+        raise ValueError("compose needs at least one variant")
+    if len(variants) == 1:
+        return variants[0]
+    transforms = [v.transform for v in variants if v.transform]
+    samplings = [v.sampling for v in variants if v.sampling]
+    hooks = [v.hook for v in variants if v.hook]
+
+    def transform(b: Backend) -> Backend:
+        for f in transforms:
+            b = f(b)
+        return b
+
+    def sampling(p: SamplingParams) -> SamplingParams:
+        for f in samplings:
+            p = f(p)
+        return p
+
+    hook = None
+    if len(hooks) == 1:
+        hook = hooks[0]
+    elif hooks:
+        hook = lambda: _ChainedHook([h() for h in hooks])  # noqa: E731
+    sizes = [v.batch_size for v in variants if v.batch_size]
+    return Variant(
+        name="+".join(v.name for v in variants),
+        description="; ".join(v.description for v in variants),
+        honest=all(v.honest for v in variants),
+        transform=transform if transforms else None,
+        sampling=sampling if samplings else None,
+        batch_size=sizes[-1] if sizes else None,
+        hook=hook,
+        settings={k: v for var in variants for k, v in var.settings.items()},
+    )
+
+
+class _ChainedHook:
+    def __init__(self, hooks):
+        self.hooks = hooks
+
+    def __call__(self, logits, tokens, requests, step):
+        for h in self.hooks:
+            tokens = h(logits, tokens, requests, step)
+        return tokens
+
+    def trace_meta(self, request_id):
+        out: dict[str, Any] = {}
+        for h in self.hooks:
+            if hasattr(h, "trace_meta"):
+                out.update(h.trace_meta(request_id))
+        return out
+
+
+# Builders for the parametric families (also used by the fixed entries below).
+
+def batch_variant(n: int) -> Variant:
+    if n < 1:
+        raise ValueError(f"batch size must be >= 1, got {n}")
+    return Variant(f"batch-{n}", f"honest: generate in batches of {n} (left padding, shared KV cache)", True,
+                   batch_size=n, settings={"batch_size": n})
+
+
+def weight_quant_variant(bits: int, group_size: int | None, symmetric: bool = True) -> Variant:
+    grouping = "per output channel" if group_size is None else f"groups of {group_size}"
+    name = f"w{bits}-" + ("channel" if group_size is None else f"g{group_size}") + ("" if symmetric else "-asym")
+    kind = "symmetric" if symmetric else "asymmetric"
+    return Variant(
+        name, f"{bits}-bit {kind} round-to-nearest decoder linear weights, {grouping} (embeddings/lm_head kept)",
+        transform=lambda b: with_quantized_weights(b, bits, group_size, symmetric),
+        settings={"weight_bits": bits, "group_size": group_size, "symmetric": symmetric},
+    )
+
+
+def fp8_kv_variant(scale: str = "unit", read_current: bool = True, name: str = "fp8-kv") -> Variant:
+    spec = Fp8KV(scale, read_current)
+    how = {"unit": "scale 1.0", "tensor": "per-layer amax scale", "head": "per-KV-head amax scale"}[scale]
+    read = "all K/V read back from fp8 (vLLM)" if read_current else "current chunk's K/V fresh, earlier ones fp8"
+    return Variant(name, f"KV cache stored as float8_e4m3fn, {how}; {read}",
+                   transform=lambda b: with_fp8_kv(b, spec),
+                   settings={"kv_cache_dtype": "float8_e4m3fn", "kv_scale": scale, "kv_read_current": read_current})
+
+
+def temperature_variant(t: float) -> Variant:
+    if not t > 0:
+        raise ValueError(f"temperature must be > 0, got {t}")
+    return Variant(f"temperature-{t:g}", f"samples at temperature {t:g} while claiming the requested one",
+                   sampling=lambda p: p.with_(temperature=float(t)), settings={"temperature": float(t)})
+
+
+def top_p_variant(p_: float) -> Variant:
+    if not 0 < p_ <= 1:
+        raise ValueError(f"top-p must be in (0, 1], got {p_}")
+    return Variant(f"top-p-{p_:g}", f"samples with top-p {p_:g} while claiming the requested one",
+                   sampling=lambda p: p.with_(top_p=float(p_)), settings={"top_p": float(p_)})
+
+
+def bug_variant(k: int, rate: float = 0.01, seed: int = 0) -> Variant:
+    suffix = "" if rate == 0.01 else f"-rate{rate:g}"
+    return Variant(f"bug-top{k}{suffix}",
+                   f"sampler bug: {rate:.3g} of tokens uniform among the top {k} logits (own seeded RNG)",
+                   hook=lambda: TopKUniformBug(k, rate, seed),
+                   settings={"bug_top_k": k, "bug_rate": rate, "bug_seed": seed})
+
+
+def _wrong_seed(p: SamplingParams) -> SamplingParams:
+    if p.seed is None:
+        return p
+    return p.with_(seed=(p.seed + WRONG_SEED_OFFSET) % 2**63)
+
+
+_REGISTRY: dict[str, Variant] = {}
+_ALIASES = {"w4": "w4-g128", "w8": "w8-channel"}
+
+
+def register(variant: Variant) -> Variant:
+    if variant.name in _REGISTRY:
+        raise ValueError(f"variant {variant.name!r} is already registered")
+    _REGISTRY[variant.name] = variant
+    return variant
+
+
+for _v in (
+    Variant("honest", "the reference configuration: KV-cache decode at the caller's batch size, verified by prefill",
+            True),
+    Variant("prefill-vs-decode", "honest, batch 1: the only difference from the verifier is KV-cache decode "
+            "vs full prefill", True, batch_size=1, settings={"batch_size": 1}),
+    batch_variant(1), batch_variant(4), batch_variant(8), batch_variant(16),
+    Variant("bf16", "honest: weights and activations in bfloat16 (lm_head output cast to fp32 for sampling)", True,
+            transform=lambda b: with_dtype(b, torch.bfloat16), settings={"dtype": "bfloat16"}),
+    Variant("attn-eager", "honest: transformers' eager attention (matmul + softmax) instead of the reference's",
+            True, transform=lambda b: with_attention(b, "eager"), settings={"attn_implementation": "eager"}),
+    Variant("attn-sdpa", "honest: torch scaled_dot_product_attention (the reference's default)", True,
+            transform=lambda b: with_attention(b, "sdpa"), settings={"attn_implementation": "sdpa"}),
+    weight_quant_variant(4, 128), weight_quant_variant(4, 32), weight_quant_variant(4, 128, symmetric=False),
+    weight_quant_variant(4, 32, symmetric=False), weight_quant_variant(8, None),
+    fp8_kv_variant("unit", True, "fp8-kv"), fp8_kv_variant("tensor", True, "fp8-kv-tensor"),
+    fp8_kv_variant("head", True, "fp8-kv-head"), fp8_kv_variant("unit", False, "fp8-kv-fresh"),
+    temperature_variant(1.1), top_p_variant(0.85),
+    Variant("wrong-seed", f"samples with seed + {WRONG_SEED_OFFSET} while claiming the requested seed",
+            sampling=_wrong_seed, settings={"seed_offset": WRONG_SEED_OFFSET}),
+    bug_variant(2), bug_variant(32),
+):
+    register(_v)
+
+_FAMILIES: list[tuple[re.Pattern, Callable[[re.Match], Variant], str]] = [
+    (re.compile(r"batch-(\d+)"), lambda m: batch_variant(int(m[1])), "batch-N: generation batch size N"),
+    (re.compile(r"w(\d)-(?:g(\d+)|channel)(-asym)?"),
+     lambda m: weight_quant_variant(int(m[1]), int(m[2]) if m[2] else None, not m[3]),
+     "wB-gG[-asym], wB-channel[-asym]: B-bit RTN weights, group size G or per channel"),
+    (re.compile(r"temperature-(\d+(?:\.\d*)?)"), lambda m: temperature_variant(float(m[1])),
+     "temperature-X: sample at temperature X"),
+    (re.compile(r"top-p-(\d+(?:\.\d*)?)"), lambda m: top_p_variant(float(m[1])), "top-p-X: sample with top-p X"),
+    (re.compile(r"bug-top(\d+)(?:-rate(\d+(?:\.\d*)?(?:e-?\d+)?))?"),
+     lambda m: bug_variant(int(m[1]), float(m[2]) if m[2] else 0.01),
+     "bug-topK[-rateR]: rate R (default 0.01) of tokens uniform among the top K"),
+]
+
+
+def get_variant(name: str) -> Variant:
+    """A variant by registry name, alias, family pattern, or ``+``-joined composition of those."""
+    if "+" in name:
+        return compose(*(get_variant(part) for part in name.split("+")))
+    key = _ALIASES.get(name, name)
+    if key in _REGISTRY:
+        return _REGISTRY[key]
+    for pattern, build, _ in _FAMILIES:
+        m = pattern.fullmatch(key)
+        if m:
+            return build(m)
+    raise KeyError(f"unknown variant {name!r}; known: {', '.join(sorted(_REGISTRY))}; "
+                   f"families: {'; '.join(doc for _, _, doc in _FAMILIES)}; combine with '+'")
+
+
+def list_variants() -> list[Variant]:
+    """The named registry entries, honest ones first."""
+    return sorted(_REGISTRY.values(), key=lambda v: (not v.honest, v.name))
+
+
+def family_docs() -> list[str]:
+    return [doc for _, _, doc in _FAMILIES]
+
+
+# --------------------------------------------------------------------------------------------------
+# Scoring and the cross-entropy-matching adversary
+
+
+@dataclass(frozen=True)
+class ScoreSummary:
+    """Pooled Token-DiFR scores of a set of traces against the reference."""
+
+    tokens: int
+    exact_match: float
+    mean_margin: float  # min(margin, clip) averaged
+    mean_cross_entropy: float  # min(-log p, clip) averaged, p under the claimed processed distribution
+    filtered: float  # share of claimed tokens outside the claimed top-k/top-p set
+
+    def to_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+def score_traces(reference: Backend, traces: Sequence[Trace], clip: float = MARGIN_CLIP) -> ScoreSummary:
+    """Verify ``traces`` with the reference (one prefill each) and pool the scores."""
+    from verinfer.verify.token_difr import verify_traces
+
+    em, margin, ce, filt = [], [], [], []
+    for block in verify_traces(reference, traces):
+        c = block.columns
+        em.append(c["exact_match"])
+        margin.append(np.minimum(c["margin"], clip))
+        ce.append(np.minimum(c["cross_entropy"], clip))
+        filt.append(c["filtered"])
+    em, margin, ce, filt = (np.concatenate(x) for x in (em, margin, ce, filt))
+    return ScoreSummary(int(em.size), float(em.mean()), float(margin.mean()), float(ce.mean()), float(filt.mean()))
+
+
+@dataclass
+class CrossEntropyMatch:
+    """What the temperature-tuning adversary found."""
+
+    variant: Variant  # base variant + the chosen temperature
+    temperature: float
+    cross_entropy: float
+    target: float
+    history: list[tuple[float, float]]  # (temperature, mean cross-entropy) per generation round
+    bracketed: bool  # whether the search bracket straddled the target
+
+    @property
+    def gap(self) -> float:
+        return self.cross_entropy - self.target
+
+
+def match_cross_entropy(
+    reference: Backend,
+    base: Variant | str,
+    requests: Sequence[Request],
+    max_new_tokens: int = 48,
+    batch_size: int = 8,
+    target: float | None = None,
+    bracket: tuple[float, float] = (0.6, 1.0),
+    rounds: int = 6,
+    tol: float = 0.01,
+    clip: float = MARGIN_CLIP,
+    backend: Backend | None = None,
+) -> CrossEntropyMatch:
+    """Tune the sampling temperature of ``base`` until the verifier's mean cross-entropy on its
+    outputs matches the honest one (DiFR figure 2's adversary).
+
+    ``target`` defaults to the mean cross-entropy of honest traces for the same requests. Each round
+    generates the same requests (same seeds) at one temperature and measures the clipped mean
+    cross-entropy with the reference; the search evaluates the bracket ends, then runs Illinois
+    regula falsi in T (cross-entropy grows with T), within ``rounds`` generations in all.
+    """
+    base = get_variant(base) if isinstance(base, str) else base
+    if target is None:
+        target = score_traces(reference, get_variant("honest").generate(reference, requests, max_new_tokens,
+                                                                         batch_size), clip).mean_cross_entropy
+    built = backend if backend is not None else base.build(reference)
+    history: list[tuple[float, float]] = []
+
+    def f(t: float) -> float:
+        v = compose(base, temperature_variant(round(t, 4)))
+        ce = score_traces(reference, v.generate(reference, requests, max_new_tokens, batch_size, backend=built),
+                          clip).mean_cross_entropy
+        history.append((round(t, 4), ce))
+        return ce - target
+
+    lo, hi = bracket
+    f_hi = f(hi)
+    f_lo = f(lo) if rounds > 1 and abs(f_hi) > tol else math.nan
+    bracketed = not math.isnan(f_lo) and f_lo <= 0 <= f_hi
+    if bracketed:
+        side = 0
+        for _ in range(rounds - 2):
+            t = hi - f_hi * (hi - lo) / (f_hi - f_lo) if f_hi != f_lo else (lo + hi) / 2
+            ft = f(t)
+            if abs(ft) <= tol:
+                break
+            if ft > 0:
+                hi, f_hi = t, ft
+                if side == 1:
+                    f_lo /= 2
+                side = 1
+            else:
+                lo, f_lo = t, ft
+                if side == -1:
+                    f_hi /= 2
+                side = -1
+    t_best, ce_best = min(history, key=lambda h: abs(h[1] - target))
+    return CrossEntropyMatch(compose(base, temperature_variant(t_best)), t_best, ce_best, float(target),
+                             history, bracketed)
+
+
+__all__ = [
+    "CrossEntropyMatch", "Fp8KV", "Fp8KVBackend", "Fp8KVLayer", "ScoreSummary", "TopKUniformBug", "Variant",
+    "batch_variant", "bug_variant", "compose", "family_docs", "fp8_kv_variant", "fp8_round_trip", "get_variant",
+    "list_variants", "match_cross_entropy", "quantize_rtn", "quantized_linear_names", "register",
+    "score_traces", "temperature_variant", "top_p_variant", "weight_quant_variant", "with_attention",
+    "with_dtype", "with_fp8_kv", "with_quantized_weights",
+]

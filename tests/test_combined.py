@@ -1,0 +1,63 @@
+"""Activation commits end to end, and why they must be combined with Token-DiFR (issue #5)."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from verinfer.generate import generate
+from verinfer.pipeline import build_requests, verify_to_file
+from verinfer.sampling.params import SamplingParams
+from verinfer.verify.activation_difr import FingerprintSpec
+from verinfer.verify.commits import CommitSpec, build_commits, commit_rows
+
+SAMPLED = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=300)
+SPEC = CommitSpec(fingerprint=FingerprintSpec(dim=8, hidden_size=576), toploc_k=128)
+
+
+@pytest.fixture(scope="module")
+def requests_(backend, chat_prompts):
+    return build_requests(backend, chat_prompts[:6], SAMPLED)
+
+
+def verify(backend, traces):
+    checks = []
+    cols = verify_to_file(backend, traces, None, commit_checks=checks)
+    return cols, checks
+
+
+def test_commits_built_during_generation_pass_validation(backend, requests_):
+    traces = generate(backend, requests_, 32, batch_size=6, commits=SPEC)
+    assert all(set(t.fingerprints) == {"activation-difr", "toploc"} for t in traces)
+    cols, checks = verify(backend, traces)
+    assert len(checks) == len(traces) and not any(c.error for c in checks)
+    assert all(c.toploc_passed.all() for c in checks)  # decode vs prefill noise passes TOPLOC
+    l2 = np.concatenate([c.fingerprint_l2 for c in checks])
+    assert l2.size == cols["margin"].size and l2.max() < 1e-2
+    assert cols["exact_match"].mean() >= 0.98
+
+
+def test_cheap_sampler_with_honest_fingerprints_is_caught_only_by_the_combination(backend, requests_):
+    """A provider samples from a 4-bit model, then prefills the honest model over those tokens to
+    compute fingerprints and proofs. The commits pass; Token-DiFR on the same prefill does not."""
+    from verinfer.models.variants import get_variant
+
+    cheap = get_variant("w4-g128").build(backend)
+    sampled = generate(cheap, requests_, 32, batch_size=6)
+    forged = []
+    for t in sampled:
+        h, _ = backend.hidden(torch.tensor([t.prompt_token_ids + t.output_token_ids]), None)
+        rows = commit_rows(h[0].float(), len(t.prompt_token_ids), len(t.output_token_ids))
+        forged.append(dataclasses.replace(t, model=backend.model_id,
+                                          fingerprints=build_commits(rows, len(t.prompt_token_ids), SPEC,
+                                                                     backend.model_id)))
+    honest = generate(backend, requests_, 32, batch_size=6, commits=SPEC)
+    cols_h, _ = verify(backend, honest)
+    cols_f, checks = verify(backend, forged)
+    # the commits alone accept the forgery
+    assert all(c.toploc_passed.all() for c in checks)
+    assert max(c.fingerprint_l2.max() for c in checks) < 1e-2
+    # Token-DiFR on the same prefill rejects it
+    assert cols_f["exact_match"].mean() <= cols_h["exact_match"].mean() - 0.05
+    assert np.minimum(cols_f["margin"], 20).mean() > 10 * max(np.minimum(cols_h["margin"], 20).mean(), 1e-3)
