@@ -7,7 +7,9 @@ so later loads take about a second. The dequantized weights are the reference mo
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import importlib.util
 import json
 import os
@@ -97,20 +99,33 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """Hold back transformers' progress bars (some are plain tqdm on stderr): the CLI shows its own
+    status, and stderr stays for errors. Failures still raise; only chatter is dropped."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
+
+
 def _convert_gguf(source: ModelSource, target: Path) -> None:
     """Dequantize a GGUF file through transformers and save it as a plain safetensors model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(source.path.parent), source.path.name
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
     model.hf_quantizer = None  # the weights are plain fp32 now; the GGUF marker blocks saving
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".tmp-"))
     try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        with _quiet_transformers():
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
         (tmp / "verinfer.json").write_text(
             json.dumps({"model_id": source.model_id, "gguf": str(source.path)}, indent=1)
         )
@@ -134,13 +149,12 @@ def local_dir(source: ModelSource) -> Path:
 def load_pretrained(source: ModelSource, dtype: torch.dtype = torch.float32):
     """(model, tokenizer) in eval mode, offline; ModelNotAvailable when files are missing."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     directory = local_dir(source)
-    hf_logging.disable_progress_bar()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
+        with _quiet_transformers():
+            tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype, local_files_only=True)
     except OSError as exc:
         raise ModelNotAvailable(f"model {source.model_id!r} is not available offline: {exc}".splitlines()[0]) from None
     model.eval()
