@@ -114,4 +114,9 @@ def test_generate_with_commits_then_verify_reports_them(tmp_path):
     commits = json.loads((tmp_path / "v.json").read_text())["details"]["commits"]
     assert commits["toploc"]["passed"] == commits["toploc"]["chunks"] > 0 and not commits["errors"]
     assert commits["activation_difr"]["fingerprints"] > 0
+    from verinfer.verify.report import read_commit_scores
+
+    stored = read_commit_scores(tmp_path / "c.commits.parquet")
+    assert stored["fingerprint_l2"].size == commits["activation_difr"]["fingerprints"]
+    assert stored["toploc"].size == commits["toploc"]["chunks"]
     assert_one_line_error(run("generate", "-o", str(path), "--fingerprint-dim", "9999"), "dim 9999 is not in 1..576")

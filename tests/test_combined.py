@@ -61,3 +61,23 @@ def test_cheap_sampler_with_honest_fingerprints_is_caught_only_by_the_combinatio
     # Token-DiFR on the same prefill rejects it
     assert cols_f["exact_match"].mean() <= cols_h["exact_match"].mean() - 0.05
     assert np.minimum(cols_f["margin"], 20).mean() > 10 * max(np.minimum(cols_h["margin"], 20).mean(), 1e-3)
+
+
+def test_calibrated_fingerprint_verdicts(backend, chat_prompts):
+    """Fingerprint distances calibrated on honest traces judge new honest traces consistent and a
+    4-bit provider divergent (batches of 4 fingerprints, 1% target FPR)."""
+    from verinfer.models.variants import get_variant
+    from verinfer.verify.report import commit_scores, commit_verdicts, fit_calibrator
+
+    spec = CommitSpec(fingerprint=FingerprintSpec(dim=8, hidden_size=576))
+    cal_requests = build_requests(backend, chat_prompts, SAMPLED.with_(seed=900))
+    cal = generate(backend, cal_requests, 48, batch_size=12, commits=spec)
+    cols, checks = verify(backend, cal)
+    calibrator = fit_calibrator(cols, (4,), 0.01, {"fingerprint_l2": commit_scores(checks)["fingerprint_l2"]})
+    test_requests = build_requests(backend, chat_prompts[:6], SAMPLED.with_(seed=1900))
+    honest = generate(backend, test_requests, 32, batch_size=6, commits=spec)
+    _, honest_checks = verify(backend, honest)
+    w4 = get_variant("w4-g128").generate(backend, test_requests, 32, 6, commits=spec)
+    _, bad_checks = verify(backend, w4)
+    assert commit_verdicts(commit_scores(honest_checks), calibrator, 4)["fingerprint_l2"].startswith("consistent")
+    assert commit_verdicts(commit_scores(bad_checks), calibrator, 4)["fingerprint_l2"].startswith("DIVERGES")

@@ -141,7 +141,7 @@ def verify(
     """Replay traces with one prefill each and score every token (Token-DiFR)."""
     from verinfer.pipeline import check_traces, load_calibrator, verify_to_file
     from verinfer.trace import read_traces
-    from verinfer.verify.report import summarize, summarize_commits
+    from verinfer.verify.report import commit_scores, commit_verdicts, summarize, summarize_commits, write_commit_scores
 
     traces = read_traces(traces_path)
     calibrator = load_calibrator(calibration) if calibration else None
@@ -172,6 +172,12 @@ def verify(
                           f"max {a['max_l2']:.4g} (uncalibrated)")
         for e in commits["errors"]:
             err.print(f"[red]commit error:[/red] {e}", highlight=False)
+        commit_path = write_commit_scores(checks, scores.with_name(scores.name.replace(".scores.", ".commits.")))
+        console.print(f"commit scores: {commit_path}")
+        if calibrator is not None:
+            commits["verdicts"] = commit_verdicts(commit_scores(checks), calibrator, batch_size)
+            for metric, verdict in commits["verdicts"].items():
+                console.print(f"[bold]{metric}[/bold]: {verdict}", highlight=False)
     if skipped:
         console.print(f"{len(skipped)} invalid trace(s) skipped, {len(traces)} verified")
     console.print(f"per-token scores: {scores}")
@@ -186,16 +192,20 @@ def calibrate(
     out: Path = typer.Option(..., "--out", "-o", help="calibration file to write (JSON)"),
     batch_sizes: str = typer.Option("10,100", help="comma-separated tokens per batch"),
     fpr: float = typer.Option(0.01, help="target false-positive rate"),
+    commit_scores: list[Path] = typer.Option([], help="honest *.commits.parquet files (activation commit detectors)"),
 ):
     """Fit thresholds on honest scores at a target false-positive rate."""
     import numpy as np
 
-    from verinfer.verify.report import fit_calibrator, read_scores
+    from verinfer.verify.report import fit_calibrator, read_commit_scores, read_scores
 
     parts = [read_scores(p) for p in honest_scores]
     columns = {k: np.concatenate([p[k] for p in parts]) for k in ("margin", "cross_entropy", "exact_match")}
+    commit_parts = [read_commit_scores(p) for p in commit_scores]
+    commits = {m: np.concatenate([p[m] for p in commit_parts if m in p])
+               for m in {m for p in commit_parts for m in p}}
     sizes = tuple(int(s) for s in batch_sizes.split(","))
-    calibrator = fit_calibrator(columns, sizes, fpr)
+    calibrator = fit_calibrator(columns, sizes, fpr, commits)
     out.write_text(json.dumps(calibrator.to_dict(), indent=1))
     console.print(f"calibrated on {columns['margin'].size} honest tokens at {fpr:.1%} FPR, "
                   f"batch sizes {sizes}: {out}")

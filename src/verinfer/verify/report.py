@@ -114,14 +114,81 @@ def summarize(columns: dict[str, np.ndarray], calibrator: Calibrator | None = No
                    details={"detector": f"{metric} {rule}", "threshold": calibrator.threshold(metric, rule, size)})
 
 
-def fit_calibrator(columns: dict[str, np.ndarray], batch_sizes: tuple[int, ...], fpr: float = 0.01) -> Calibrator:
-    """Fit the margin / cross-entropy / exact-match detectors on honest per-token scores."""
+def fit_calibrator(columns: dict[str, np.ndarray], batch_sizes: tuple[int, ...], fpr: float = 0.01,
+                   commit_scores: dict[str, np.ndarray] | None = None) -> Calibrator:
+    """Fit the margin / cross-entropy / exact-match detectors on honest per-token scores, plus the
+    commit detectors (fingerprint_l2 per fingerprint, toploc per chunk) when honest commit scores are given."""
     return Calibrator(batch_sizes=batch_sizes, fpr=fpr).fit({
         "margin": columns["margin"], "cross_entropy": columns["cross_entropy"],
-        "exact_match": np.asarray(columns["exact_match"], dtype=np.float64),
+        "exact_match": np.asarray(columns["exact_match"], dtype=np.float64), **(commit_scores or {}),
     })
 
 
+
+
+COMMIT_SCHEMA = pa.schema([("trace_id", pa.string()), ("metric", pa.string()), ("index", pa.int64()),
+                           ("score", pa.float64())])
+COMMIT_METRICS = {"fingerprint_l2": "Activation-DiFR L2 per logged token",
+                  "toploc": "TOPLOC exponent mismatches + mean mantissa error per 32-token chunk"}
+COMMIT_RULE = "clip:99.9"
+
+
+def commit_scores(checks: list) -> dict[str, np.ndarray]:
+    """Continuous commit scores (higher = more divergent) by metric, in trace order."""
+    l2 = [c.fingerprint_l2 for c in checks if c.fingerprint_l2 is not None]
+    tl = [c.toploc_exp_mismatches + np.minimum(c.toploc_mean_mantissa, 128.0)
+          for c in checks if c.toploc_exp_mismatches is not None]
+    out = {}
+    if l2:
+        out["fingerprint_l2"] = np.concatenate(l2).astype(np.float64)
+    if tl:
+        out["toploc"] = np.concatenate(tl).astype(np.float64)
+    return out
+
+
+def write_commit_scores(checks: list, path: str | Path) -> Path:
+    """One row per fingerprint (metric fingerprint_l2) and per TOPLOC chunk (metric toploc)."""
+    cols: dict[str, list] = {n: [] for n in COMMIT_SCHEMA.names}
+    for c in checks:
+        for metric, values in (("fingerprint_l2", c.fingerprint_l2),
+                               ("toploc", None if c.toploc_exp_mismatches is None else
+                                c.toploc_exp_mismatches + np.minimum(c.toploc_mean_mantissa, 128.0))):
+            if values is None:
+                continue
+            cols["trace_id"] += [c.trace_id] * len(values)
+            cols["metric"] += [metric] * len(values)
+            cols["index"] += list(range(len(values)))
+            cols["score"] += [float(v) for v in values]
+    path = Path(path)
+    pq.write_table(pa.table(cols, schema=COMMIT_SCHEMA), path)
+    return path
+
+
+def read_commit_scores(path: str | Path) -> dict[str, np.ndarray]:
+    table = pq.read_table(path).to_pydict()
+    metrics = np.asarray(table["metric"], dtype=object)
+    scores = np.asarray(table["score"], dtype=np.float64)
+    return {m: scores[metrics == m] for m in COMMIT_METRICS if (metrics == m).any()}
+
+
+def commit_verdicts(scores: dict[str, np.ndarray], calibrator: Calibrator, batch_size: int | None) -> dict[str, str]:
+    """Calibrated verdict per commit metric the calibrator knows (batch = fingerprints or chunks)."""
+    out = {}
+    for metric, values in scores.items():
+        if metric not in calibrator.percentile_values_:
+            continue
+        size = batch_size if batch_size in calibrator.batch_sizes else min(
+            calibrator.batch_sizes, key=lambda s: (s > values.size, -s))
+        if size > values.size:
+            out[metric] = f"too few {metric} scores ({values.size}) for the smallest calibrated batch ({size})"
+            continue
+        flags = calibrator.predict(values, size, metric=metric, rule=COMMIT_RULE)
+        k, n = int(flags.sum()), int(flags.size)
+        ci = wilson_interval(k, n)
+        word = "DIVERGES" if k / n > calibrator.fpr and ci.low > calibrator.fpr else "consistent"
+        out[metric] = (f"{word}: {k}/{n} batches of {size} flagged (95% CI {ci.low:.0%}-{ci.high:.0%}; "
+                       f"calibrated false-positive rate {calibrator.fpr:.0%})")
+    return out
 
 
 def summarize_commits(checks: list) -> dict:
