@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import os
-import platform
 import statistics
 import struct
 import sys
@@ -39,7 +38,7 @@ import mmh3  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import verinfer  # noqa: E402
+from machine import describe  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
 from verinfer.sampling.noise import vllm_gumbel  # noqa: E402
 from verinfer.sampling.params import SamplingParams  # noqa: E402
@@ -157,9 +156,7 @@ def main() -> None:
     command = " ".join(["python benchmarks/scoring_cost.py", *sys.argv[1:]])
     started = dt.datetime.now().astimezone()
     load_before = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    mach = (f"{platform.processor() or platform.machine()} ({platform.machine()}), {os.cpu_count()} CPU cores "
-            f"(shared with other processes), torch {torch.__version__} CPU, {torch.get_num_threads()} torch "
-            f"thread(s), numpy {np.__version__}, Python {platform.python_version()}, verinfer {verinfer.__version__}")
+    mach = describe(torch.get_num_threads(), f"numpy {np.__version__}")
     print(f"# {mach}", flush=True)
 
     be = Backend.load()

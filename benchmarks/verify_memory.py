@@ -28,7 +28,6 @@ import datetime as dt
 import gc
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
@@ -192,18 +191,14 @@ def main() -> None:
         child(args)
         return
 
-    import torch
-
-    import verinfer
+    from machine import describe
 
     out = args.out or RESULTS / ("verify_memory.md" if args.profile == "vllm-topk"
                                  else f"verify_memory_{args.profile}.md")
     command = " ".join(["python benchmarks/verify_memory.py", *sys.argv[1:]])
     started = dt.datetime.now().astimezone()
     load_before = " / ".join(f"{x:.2f}" for x in os.getloadavg())
-    mach = (f"{platform.processor() or platform.machine()} ({platform.machine()}), {os.cpu_count()} CPU cores "
-            f"(shared with other processes), torch {torch.__version__} CPU, {args.threads} torch thread(s), "
-            f"Python {platform.python_version()}, verinfer {verinfer.__version__}")
+    mach = describe(args.threads)
     print(f"# {mach}", flush=True)
     res = {}
     runs = (("small", args.small, False), ("large", args.large, False), ("small, forward pass only", args.small, True))

@@ -26,7 +26,6 @@ import datetime as dt
 import hashlib
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import torch  # noqa: E402
 
 import verinfer  # noqa: E402
 import verinfer.verify.token_difr as token_difr  # noqa: E402
+from machine import describe  # noqa: E402
 from verinfer.generate import generate  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
 from verinfer.pipeline import build_requests  # noqa: E402
@@ -61,9 +61,7 @@ GEN_CASE = 0  # the case whose generation is re-timed for (b)
 
 
 def machine() -> str:
-    return (f"{platform.processor() or platform.machine()} ({platform.machine()}), {os.cpu_count()} CPU cores "
-            f"(shared with other processes), torch {torch.__version__} CPU, {torch.get_num_threads()} torch threads, "
-            f"Python {platform.python_version()}, verinfer {verinfer.__version__}")
+    return describe(torch.get_num_threads())
 
 
 def load_avg() -> str:
@@ -218,7 +216,7 @@ def main() -> None:
     rows_a, verdicts = [], []
     for d in data:
         bw, bc, vw, vc = med(d["bare"], 0), med(d["bare"], 1), med(d["verify"], 0), med(d["verify"], 1)
-        sw, sc = med(d["scoring"], 0), med(d["scoring"], 1)
+        sc = med(d["scoring"], 1)
         per_round = ", ".join(f"{v[1] / b[1]:.2f}" for v, b in zip(d["verify"], d["bare"]))
         ok = vc / bc - 1 < GOAL and sc / bc < GOAL
         verdicts.append((d["name"], vc / bc, sc / bc, vw / bw, ok))

@@ -6,6 +6,7 @@ bars and tables.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,26 +66,21 @@ def verify_to_file(backend: Backend, traces: Sequence[Trace], scores_path: Path 
     """
     keep = ("trace_id", "exact_match", "margin", "cross_entropy")
     parts: dict[str, list[np.ndarray]] = {k: [] for k in keep}
-    writer = ScoreWriter(scores_path) if scores_path else None
 
     def check(i: int, hidden) -> None:
         t = traces[i]
-        if commit_checks is not None and t.fingerprints:
+        if t.fingerprints:
             rows = commit_rows(hidden, len(t.prompt_token_ids), len(t.output_token_ids))
             commit_checks.append(check_commits(t.id, t.fingerprints, rows, len(t.prompt_token_ids)))
 
-    try:
-        for block in verify_traces(backend, traces, on_rows=on_rows, on_sequence_hidden=check):
+    wants_hidden = commit_checks is not None and any(t.fingerprints for t in traces)
+    with ScoreWriter(scores_path) if scores_path else contextlib.nullcontext() as writer:
+        for block in verify_traces(backend, traces, on_rows=on_rows,
+                                   on_sequence_hidden=check if wants_hidden else None):
             if writer:
                 writer.write(block.columns)
             for k in keep:
                 parts[k].append(block.columns[k])
-    except BaseException:
-        if writer:
-            writer.__exit__(RuntimeError, None, None)
-        raise
-    if writer:
-        writer.close()
     return {k: np.concatenate(v) for k, v in parts.items()}
 
 

@@ -99,7 +99,7 @@ def toploc_scores(seqs, k: int) -> np.ndarray:
         rows_p, rows_v = prov[: L + n_dec], ver[: L + n_dec]
         commit = ToplocCommit.from_hidden(rows_p, L, "m", decode_chunk=32, k=k)
         checks = commit.verify(rows_v, Thresholds())[1:]
-        out += [c.exp_mismatches + min(c.mean_mantissa_err, 128.0) for c in checks]
+        out += [c.score for c in checks]
     return np.asarray(out, dtype=np.float64)
 
 

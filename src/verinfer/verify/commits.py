@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from verinfer.verify.activation_difr import FingerprintCommit, FingerprintError, FingerprintSpec, distances
-from verinfer.verify.toploc import CommitError, Thresholds, ToplocCommit
+from verinfer.verify.toploc import CommitError, Thresholds, ToplocCommit, chunk_score
 
 
 @dataclass(frozen=True)
@@ -62,6 +62,13 @@ class CommitCheck:
     toploc_mean_mantissa: np.ndarray | None = None
     toploc_passed: np.ndarray | None = None
     error: str | None = None
+
+    @property
+    def toploc_score(self) -> np.ndarray | None:
+        """Per chunk: ``toploc.chunk_score`` (None without a TOPLOC commit)."""
+        if self.toploc_exp_mismatches is None:
+            return None
+        return chunk_score(self.toploc_exp_mismatches, self.toploc_mean_mantissa)
 
 
 def check_commits(trace_id: str, fingerprints: dict | None, rows: torch.Tensor, prompt_len: int,

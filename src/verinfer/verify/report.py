@@ -136,8 +136,7 @@ COMMIT_RULE = "clip:99.9"
 def commit_scores(checks: list) -> dict[str, np.ndarray]:
     """Continuous commit scores (higher = more divergent) by metric, in trace order."""
     l2 = [c.fingerprint_l2 for c in checks if c.fingerprint_l2 is not None]
-    tl = [c.toploc_exp_mismatches + np.minimum(c.toploc_mean_mantissa, 128.0)
-          for c in checks if c.toploc_exp_mismatches is not None]
+    tl = [c.toploc_score for c in checks if c.toploc_score is not None]
     out = {}
     if l2:
         out["fingerprint_l2"] = np.concatenate(l2).astype(np.float64)
@@ -150,9 +149,7 @@ def write_commit_scores(checks: list, path: str | Path) -> Path:
     """One row per fingerprint (metric fingerprint_l2) and per TOPLOC chunk (metric toploc)."""
     cols: dict[str, list] = {n: [] for n in COMMIT_SCHEMA.names}
     for c in checks:
-        for metric, values in (("fingerprint_l2", c.fingerprint_l2),
-                               ("toploc", None if c.toploc_exp_mismatches is None else
-                                c.toploc_exp_mismatches + np.minimum(c.toploc_mean_mantissa, 128.0))):
+        for metric, values in (("fingerprint_l2", c.fingerprint_l2), ("toploc", c.toploc_score)):
             if values is None:
                 continue
             cols["trace_id"] += [c.trace_id] * len(values)

@@ -113,6 +113,16 @@ class ChunkCheck:
     sign_mismatches: int
     passed: bool
 
+    @property
+    def score(self) -> float:
+        return chunk_score(self.exp_mismatches, self.mean_mantissa_err)
+
+
+def chunk_score(exp_mismatches, mean_mantissa_err):
+    """One continuous divergence score per chunk (for calibration and AUC): exponent mismatches
+    plus the mean mantissa error, capped at 128 (it is infinite when no exponent matches)."""
+    return exp_mismatches + np.minimum(mean_mantissa_err, 128.0)
+
 
 # --- hidden states and chunks ------------------------------------------------------------------
 
