@@ -1,0 +1,317 @@
+"""The OpenAI-compatible provider server: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
+
+Seeds and replay. Every response is generated with the server's sampler profile (``--sampler``)
+through ``verinfer.generate.decode_batch``, the code the verifier replays, and each choice carries
+``verinfer_sampling``: the ``SamplingParams`` dict (profile, temperature, top_k, top_p, min_p, seed)
+the provider claims. A request without ``seed`` gets a random one in [0, 2^63), reported there.
+For the ``vllm`` profile the k-th output token (k = 0, 1, ...) uses the noise of position
+``len(prompt_token_ids) - 1 + k`` under that seed, where ``prompt_token_ids`` are the ids returned
+with ``return_token_ids`` (for chat: the prompt rendered with the model's chat template and the
+generation prompt); for ``torch-exponential`` it uses the k-th full-vocabulary draw of a
+``torch.Generator`` seeded with the seed; ``temperature`` 0 (below 1e-5) is greedy. So
+
+    Trace(id, model, choice["prompt_token_ids"], choice["token_ids"],
+          SamplingParams.from_dict(choice["verinfer_sampling"]), fingerprints=choice.get("verinfer_commits"))
+
+(for chat, ``prompt_token_ids`` is at the top level of the response, as in vLLM) verifies as honest
+with ``verinfer verify`` against an honest server, batch noise aside: requests decoded in one batch
+are left-padded together, which can move fp32 logits by ~1e-6 (the honest band calibrates this).
+
+Returned token ids follow vLLM's ``return_token_ids``: completions put ``prompt_token_ids`` and
+``token_ids`` in each choice; chat puts ``prompt_token_ids`` at the top level and ``token_ids`` in
+each choice. ``token_ids`` are the output tokens only (a stop token, if emitted, included; with a
+``stop`` string, up to the token that completed it).
+
+Misconfigured servers (``ServeConfig.misconfig``, see ``verinfer.serve.config``) claim the honest
+configuration in every field: model id, ``verinfer_sampling``, ``/v1/models``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import sys
+import time
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from verinfer.generate import Request as GenRequest
+from verinfer.models.backend import Backend
+from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.profiles import get_profile
+from verinfer.serve.config import Misconfiguration, ServeConfig, parse_misconfig
+from verinfer.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
+from verinfer.serve.prompting import PromptIds, chat_prompt, completion_prompt
+from verinfer.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
+from verinfer.serve.worker import BatchWorker, Generation, Job
+from verinfer.verify.activation_difr import FingerprintSpec
+from verinfer.verify.commits import CommitSpec, build_commits
+
+
+@dataclass
+class Outcome:
+    """One finished request, after stop strings: what the response is built from."""
+
+    prompt: PromptIds
+    generation: Generation
+    tokens: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: str | None
+    claimed: SamplingParams
+    commits: dict | None
+
+
+def cut_at_stop(tokenizer, tokens: list[int], stops: list[str] | None) -> tuple[int, str, str | None]:
+    """(tokens kept, text, matched stop string): cut at the first stop string, as OpenAI does."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    if not stops or not any(s in text for s in stops):
+        return len(tokens), text, None
+    for k in range(1, len(tokens) + 1):
+        partial = tokenizer.decode(tokens[:k], skip_special_tokens=True)
+        hits = [(partial.find(s), s) for s in stops if s in partial]
+        if hits:
+            at, stop = min(hits)
+            return k, partial[:at], stop
+    return len(tokens), text, None  # pragma: no cover - the full text contained a stop string
+
+
+class ServedModel:
+    """The model behind the API: reference backend, misconfiguration, worker, limits."""
+
+    def __init__(self, backend: Backend, config: ServeConfig):
+        problems = config.problems()
+        if problems:
+            raise ValueError(f"serve config: {problems[0]}")
+        get_profile(config.sampler)  # ValueError naming the known profiles
+        self.reference = backend
+        self.config = config
+        self.mis: Misconfiguration = parse_misconfig(config.misconfig)
+        variant = self.mis.variant
+        self.generator = variant.build(backend) if variant is not None else backend
+        self.name = config.served_model_name or backend.model_id
+        context = int(getattr(backend.model.config.get_text_config(), "max_position_embeddings", 0) or 2048)
+        self.max_model_len = min(config.max_model_len or context, context)
+        max_batch = variant.batch_size if variant is not None and variant.batch_size else config.max_batch
+        self.worker = BatchWorker(self.generator, variant, max_batch, config.batch_wait_s)
+        self.created = int(time.time())
+
+    @property
+    def tokenizer(self):
+        return self.reference.tokenizer
+
+    def card(self) -> dict[str, Any]:
+        return {
+            "id": self.name, "object": "model", "created": self.created, "owned_by": "verinfer",
+            "root": self.reference.model_id, "max_model_len": self.max_model_len,
+            "verinfer": {"sampler_profile": self.config.sampler, "vocab_size": self.reference.vocab_size,
+                         "model_id": self.reference.model_id,
+                         "dtype": str(self.reference.dtype).replace("torch.", "")},
+        }
+
+    # -- request handling ----------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.name:
+            raise APIError(f"model {name!r} does not exist; this server serves {self.name!r}", "model", 404,
+                           code="model_not_found")
+
+    def check_ids(self, ids: list[int], param: str) -> None:
+        bad = [(i, t) for i, t in enumerate(ids) if not 0 <= t < self.reference.vocab_size]
+        if bad:
+            i, t = bad[0]
+            more = f" ({len(bad)} such ids)" if len(bad) > 1 else ""
+            raise APIError(f"{param}[{i}]: token id {t} is outside the vocabulary [0, {self.reference.vocab_size})"
+                           + more, param)
+
+    def check_length(self, prompt: PromptIds, max_tokens: int, param: str) -> None:
+        if max_tokens > self.config.max_tokens_limit:
+            raise APIError(f"max_tokens: {max_tokens} is above this server's limit of {self.config.max_tokens_limit}",
+                           "max_tokens")
+        hidden = len(prompt.actual) - len(prompt.reported)
+        context = self.max_model_len - hidden  # a concealed injection also hides the room it takes
+        if len(prompt.reported) + max_tokens > context:
+            raise APIError(f"{param}: the prompt has {len(prompt.reported)} tokens and max_tokens is {max_tokens}, "
+                           f"more than the context of {context} tokens", param)
+
+    def claimed_params(self, req) -> SamplingParams:
+        seed = req.seed if req.seed is not None else secrets.randbelow(2**63)
+        params = SamplingParams(profile=self.config.sampler, temperature=req.temperature, top_k=req.top_k,
+                                top_p=req.top_p, min_p=req.min_p, seed=seed)
+        problems = params.problems()
+        if problems:  # the request model's ranges make this unreachable; keep the check honest anyway
+            raise APIError(f"sampling: {problems[0]}")
+        return params
+
+    def commit_spec(self, req, max_tokens: int) -> CommitSpec | None:
+        c = req.verinfer_commits
+        if c is None:
+            return None
+        if max_tokens < 1:
+            raise APIError("verinfer_commits: commits cover generated tokens; max_tokens must be >= 1",
+                           "verinfer_commits")
+        fp = None
+        if c.fingerprint_dim:
+            fp = FingerprintSpec(c.fingerprint_dim, precision=c.fingerprint_precision, stride=c.fingerprint_stride,
+                                 hidden_size=self.reference.hidden_size)
+            if fp.problems():
+                raise APIError(f"verinfer_commits.fingerprint_dim: {fp.problems()[0]}", "verinfer_commits.fingerprint_dim")
+        return CommitSpec(fingerprint=fp, toploc_k=128 if c.toploc else None)
+
+    async def run(self, req, prompt: PromptIds, max_tokens: int, logprobs: int | None,
+                  prompt_logprobs: int | None) -> Outcome:
+        claimed = self.claimed_params(req)
+        spec = self.commit_spec(req, max_tokens)
+        actual = self.mis.variant.actual_params(claimed) if self.mis.variant is not None else claimed
+        job = Job(GenRequest(f"req-{uuid.uuid4().hex}", prompt.actual, actual), max_tokens, logprobs,
+                  prompt_logprobs, capture=spec is not None)
+        try:
+            gen: Generation = await asyncio.wrap_future(self.worker.submit(job))
+        except RuntimeError as exc:
+            raise APIError(str(exc), status=503, type="server_error") from None
+        n, text, stop = cut_at_stop(self.tokenizer, gen.tokens, req.stop)
+        tokens = gen.tokens[:n]
+        finish = "stop" if stop is not None else gen.finish_reason if n == len(gen.tokens) else "stop"
+        commits = None
+        if spec is not None and tokens:
+            rows = gen.rows[: len(prompt.actual) + n - 1]
+            commits = build_commits(rows, len(prompt.actual), spec, self.reference.model_id)
+        return Outcome(prompt, gen, tokens, text, finish, stop, claimed, commits)
+
+    @staticmethod
+    def usage(o: Outcome) -> dict[str, int]:
+        p, c = len(o.prompt.reported), len(o.tokens)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def extensions(self, o: Outcome, choice: dict) -> None:
+        choice["verinfer_sampling"] = o.claimed.to_dict()
+        if o.commits is not None:
+            choice["verinfer_commits"] = o.commits
+
+    async def completion(self, body: Any) -> dict[str, Any]:
+        req: CompletionRequest = parse(CompletionRequest, body)
+        self.check_model(req.model)
+        if isinstance(req.prompt, str):
+            client_ids = self.tokenizer.encode(req.prompt)
+            if not client_ids:
+                raise APIError("prompt: the prompt tokenizes to no tokens", "prompt")
+        else:
+            client_ids = list(req.prompt)
+            self.check_ids(client_ids, "prompt")
+        prompt = completion_prompt(self.tokenizer, client_ids, self.mis)
+        self.check_length(prompt, req.max_tokens, "prompt")
+        wants_prompt_lp = req.echo and req.logprobs is not None
+        o = await self.run(req, prompt, req.max_tokens, req.logprobs, req.logprobs if wants_prompt_lp else None)
+        text = o.text
+        if req.echo:
+            prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(client_ids)
+            text = prompt_text + text
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": o.finish_reason,
+                                  "stop_reason": o.stop_reason}
+        if req.logprobs is not None:
+            entries: list = []
+            if req.echo:
+                reported = o.prompt.reported
+                plp = o.generation.prompt_logprobs[len(o.prompt.actual) - len(reported):]
+                entries = [reported[0], *plp]
+            entries += o.generation.logprobs[: len(o.tokens)]
+            choice["logprobs"] = completion_logprobs(TokenText(self.tokenizer, req.return_tokens_as_token_ids), entries)
+        if req.return_token_ids:
+            choice["prompt_token_ids"] = list(o.prompt.reported)
+            choice["token_ids"] = o.tokens
+        self.extensions(o, choice)
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.name, "choices": [choice], "usage": self.usage(o)}
+
+    async def chat(self, body: Any) -> dict[str, Any]:
+        req: ChatRequest = parse(ChatRequest, body)
+        self.check_model(req.model)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompt = chat_prompt(self.tokenizer, messages, self.mis)
+        limit = req.token_limit
+        if limit is None:  # OpenAI: as much as fits
+            limit = max(0, min(self.config.max_tokens_limit, self.max_model_len - len(prompt.actual)))
+        self.check_length(prompt, limit, "messages")
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        o = await self.run(req, prompt, limit, top, None)
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": o.text},
+                                  "logprobs": None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        if top is not None:
+            choice["logprobs"] = chat_logprobs(TokenText(self.tokenizer, req.return_tokens_as_token_ids),
+                                               o.generation.logprobs[: len(o.tokens)])
+        if req.return_token_ids:
+            choice["token_ids"] = o.tokens
+        self.extensions(o, choice)
+        out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+               "model": self.name, "choices": [choice], "usage": self.usage(o)}
+        if req.return_token_ids:
+            out["prompt_token_ids"] = list(o.prompt.reported)
+        return out
+
+
+def _error(exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(f"request body is not valid JSON ({exc})") from None
+
+
+def create_app(backend: Backend, config: ServeConfig = ServeConfig(), served: ServedModel | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts and stops the model's worker thread."""
+    served = served or ServedModel(backend, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        served.worker.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(served.worker.close)
+
+    app = FastAPI(title="verinfer provider", lifespan=lifespan)
+    app.state.served = served
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return _error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        return _error(APIError(str(exc.detail), status=exc.status_code, code=code))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception):
+        print(f"verinfer serve: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return _error(APIError(f"internal server error: {type(exc).__name__}: {exc}", status=500, type="server_error"))
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [served.card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        served.check_model(model_id)
+        return served.card()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await served.completion(await _json_body(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await served.chat(await _json_body(request))
+
+    return app

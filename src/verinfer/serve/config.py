@@ -1,0 +1,133 @@
+"""What a served provider is: its settings, and the misconfigurations it hides behind an honest API.
+
+A misconfiguration is either a configuration variant of the detection study
+(``verinfer.models.variants``: quantized weights, fp8 KV cache, temperature, top-p, wrong seed,
+sampler bugs, ...), applied inside the server exactly as the study applies it, or one of two
+serving-level deviations that only exist where prompts are rendered:
+
+- ``system-prompt:TEXT``: a system prompt the client never sees. Chat requests get TEXT as the
+  first system message (prepended to the client's own system message, if any, separated by a blank
+  line); completion requests get the tokens of ``TEXT + "\\n\\n"`` prepended to the prompt. The
+  provider conceals it: ``prompt_token_ids``, ``usage`` and echoed prompts describe the client's
+  prompt as rendered without the injection, which is what a dishonest provider reports.
+- ``old-template``: chat is rendered with a plain ChatML template that has no default system
+  message (SmolLM2's own template inserts one). This is a stale deployment rather than a lie:
+  ``prompt_token_ids`` are the ids the server really used, as vLLM reports them, so an auditor
+  who compares them with its own rendering sees the drift; one who re-renders sees divergence.
+
+Names are given comma-separated or repeated; ``system-prompt:TEXT`` takes the rest of its value
+(commas included), so give it last or on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verinfer.models.variants import Variant, compose, get_variant
+
+SYSTEM_PROMPT = "system-prompt:"
+OLD_TEMPLATE = "old-template"
+
+# A plain ChatML template as older ChatML deployments shipped it: no default system message.
+PLAIN_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """How ``verinfer serve`` runs; the defaults are an honest vLLM-like provider.
+
+    ``misconfig``: names as described in the module docstring (empty: honest).
+    ``served_model_name``: the id the API reports and requires (default: the backend's model id,
+    which is what traces must claim for ``verinfer verify``).
+    """
+
+    sampler: str = "vllm"
+    max_batch: int = 8
+    misconfig: tuple[str, ...] = ()
+    served_model_name: str | None = None
+    max_tokens_limit: int = 1024
+    max_model_len: int | None = None  # default: the model's context length
+    batch_wait_s: float = 0.005  # how long the worker waits for companions before decoding a batch
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.max_batch < 1:
+            out.append(f"max_batch must be >= 1, got {self.max_batch}")
+        if self.max_tokens_limit < 1:
+            out.append(f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            out.append(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not 0 <= self.batch_wait_s <= 10:
+            out.append(f"batch_wait_s must be in [0, 10] seconds, got {self.batch_wait_s}")
+        if not 0 <= self.port <= 65535:
+            out.append(f"port must be in 0..65535, got {self.port}")
+        return out
+
+
+@dataclass(frozen=True)
+class Misconfiguration:
+    """The parsed ``misconfig`` list: one composed variant plus the serving-level deviations."""
+
+    names: tuple[str, ...] = ()
+    variant: Variant | None = None
+    system_prompt: str | None = None
+    old_template: bool = False
+    settings: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def honest(self) -> bool:
+        return not self.names
+
+
+def split_names(values: list[str] | tuple[str, ...] | str) -> tuple[str, ...]:
+    """Split comma-separated names; ``system-prompt:TEXT`` keeps the rest of its value."""
+    if isinstance(values, str):
+        values = [values]
+    out: list[str] = []
+    for value in values:
+        rest = value
+        while rest:
+            rest = rest.strip()
+            if rest.startswith(SYSTEM_PROMPT):
+                out.append(rest)
+                break
+            head, _, rest = rest.partition(",")
+            if head.strip():
+                out.append(head.strip())
+    return tuple(out)
+
+
+def parse_misconfig(names: list[str] | tuple[str, ...] | str) -> Misconfiguration:
+    """Resolve names against the variant registry; ValueError naming the bad one otherwise."""
+    names = split_names(names)
+    variants: list[Variant] = []
+    system_prompt = None
+    old_template = False
+    for name in names:
+        if name.startswith(SYSTEM_PROMPT):
+            text = name[len(SYSTEM_PROMPT):]
+            if not text.strip():
+                raise ValueError("misconfig 'system-prompt:TEXT' needs a non-empty TEXT")
+            if system_prompt is not None:
+                raise ValueError("misconfig 'system-prompt:' given twice")
+            system_prompt = text
+        elif name == OLD_TEMPLATE:
+            old_template = True
+        else:
+            try:
+                variants.append(get_variant(name))
+            except KeyError as exc:
+                raise ValueError(f"misconfig {name!r}: {exc.args[0]}; serving-level: "
+                                 f"{SYSTEM_PROMPT}TEXT, {OLD_TEMPLATE}") from None
+    variant = compose(*variants) if variants else None
+    settings = dict(variant.settings) if variant else {}
+    if system_prompt is not None:
+        settings["system_prompt"] = system_prompt
+    if old_template:
+        settings["chat_template"] = "plain-chatml"
+    return Misconfiguration(names, variant, system_prompt, old_template, settings)

@@ -1,0 +1,202 @@
+"""Request bodies of the OpenAI-compatible API, validated strictly, and errors in OpenAI's shape.
+
+Unknown fields are refused (``extra="forbid"``) so a typo or an unsupported option never silently
+means a default; every error names the field (``param``) and says what is wrong with it.
+Field names, defaults and ranges follow OpenAI and vLLM: ``top_k`` -1 or 0 disables it,
+``temperature`` 0 is greedy, ``return_token_ids`` is vLLM's extension, ``verinfer_commits`` ours.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+INT64 = 2**63
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error the API returns as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class CommitsRequest(_Strict):
+    """``verinfer_commits``: activation commits to attach (see ``verinfer.verify.commits``)."""
+
+    fingerprint_dim: int = Field(0, ge=0)
+    fingerprint_precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
+    fingerprint_stride: int = Field(1, ge=1)
+    toploc: bool = False
+
+    @model_validator(mode="after")
+    def _some(self) -> "CommitsRequest":
+        if not self.fingerprint_dim and not self.toploc:
+            raise ValueError("asks for no commit: set fingerprint_dim > 0 and/or toploc: true")
+        return self
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = Field(None, ge=-INT64, lt=INT64)
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    user: str | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    verinfer_commits: CommitsRequest | None = None
+
+    @field_validator("temperature", "top_p", "min_p", mode="before")
+    @classmethod
+    def _number(cls, v: Any) -> Any:
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"must be a number, got {v!r}")
+        return float(v)
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v: int) -> int:
+        if v < -1:
+            raise ValueError(f"must be -1 or 0 (disabled) or a positive integer, got {v}")
+        return v
+
+    @field_validator("n")
+    @classmethod
+    def _n(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError(f"only n=1 is supported, got {v}; send one request per sample (seed + i for vLLM's n)")
+        return v
+
+    @field_validator("stream")
+    @classmethod
+    def _stream(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("streaming is not supported by this server; send stream: false")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> list[str] | None:
+        stops = [v] if isinstance(v, str) else v
+        if stops is None:
+            return None
+        if len(stops) > 4:
+            raise ValueError(f"at most 4 stop strings, got {len(stops)}")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+
+class CompletionRequest(_Sampling):
+    prompt: Any
+    max_tokens: int = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, str):
+            if not v:
+                raise ValueError("must be a non-empty string or a non-empty list of token ids")
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+            return v
+        if isinstance(v, list) and v and all(isinstance(t, (str, list)) for t in v):
+            raise ValueError("batched prompts are not supported: send one prompt (a string or a list of "
+                             "token ids) per request")
+        raise ValueError(f"must be a non-empty string or a non-empty list of token ids, got {type(v).__name__}")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ChatRequest":
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        if (self.max_tokens is not None and self.max_completion_tokens is not None
+                and self.max_tokens != self.max_completion_tokens):
+            raise ValueError("max_tokens and max_completion_tokens disagree; send one of them")
+        return self
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _param(loc: tuple) -> str | None:
+    parts = [str(p) for p in loc]
+    if not parts:
+        return None
+    out = parts[0]
+    for p in parts[1:]:
+        out += f"[{p}]" if p.isdigit() else f".{p}"
+    return out
+
+
+def _message(err: dict) -> str:
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if err["type"] == "extra_forbidden":
+        return "unknown field (not supported by this server)"
+    if err["type"] == "missing":
+        return "required field is missing"
+    got = err.get("input")
+    if err["type"] not in ("value_error", "assertion_error") and not isinstance(got, (dict, list)):
+        msg += f" (got {got!r})"
+    return msg
+
+
+def parse(model: type[BaseModel], data: Any) -> Any:
+    """Validate a JSON body; APIError (400) naming the first bad field, with all problems listed."""
+    if not isinstance(data, dict):
+        raise APIError(f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        # Keep the most specific error per field (unions report one per alternative).
+        seen: dict[str | None, str] = {}
+        for e in errors:
+            loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "list"))))
+            seen.setdefault(_param(loc), _message(e))
+        message = "; ".join(f"{p}: {m}" if p else m for p, m in seen.items())
+        raise APIError(message, param=next(iter(seen))) from None
