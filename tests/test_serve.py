@@ -177,8 +177,12 @@ def test_concurrent_requests_are_batched_without_mixing(honest, backend):
              "In winter the lake", "A good breakfast has"]
     bodies = [{"prompt": _ids(backend, t), "max_tokens": 8 + i, "seed": 100 + i, "return_token_ids": True,
                **SAMPLING} for i, t in enumerate(texts)]
+    before = honest.get(honest.base_url.join("/health")).json()
     with cf.ThreadPoolExecutor(len(bodies)) as pool:
         replies = list(pool.map(lambda b: honest.post("/completions", json=b), bodies))
+    after = honest.get(honest.base_url.join("/health")).json()
+    assert after["requests"] - before["requests"] == len(bodies)
+    assert after["batches"] - before["batches"] < len(bodies)  # some requests shared a batch
     choices = [r.json()["choices"][0] for r in replies]
     for body, choice in zip(bodies, choices):
         assert choice["prompt_token_ids"] == body["prompt"]
@@ -225,3 +229,38 @@ def test_injected_system_prompt_is_hidden_but_changes_outputs(honest, backend):
     assert echo["choices"][0]["prompt_token_ids"] == _ids(backend, "Hello there")
     cols = _verify(backend, [_trace(0, dirty["choices"][0], dirty["prompt_token_ids"])])
     assert not cols["exact_match"].all()
+
+
+def test_greedy_stop_strings_and_commit_limits(honest, backend):
+    prompt = _ids(backend, "Count: one, two, three, four, five, six,")
+    full = honest.post("/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0,
+                                             "return_token_ids": True}).json()["choices"][0]
+    with torch.inference_mode():  # temperature 0 is greedy: the first token is the reference argmax
+        h, _ = backend.hidden(torch.tensor([prompt]), None)
+        assert full["token_ids"][0] == int(backend.logits(h[0, -1:]).argmax())
+    assert _verify(backend, [_trace(0, full)])["exact_match"].all()
+    stop = full["text"].strip().split()[1][:2]  # a string from the second generated word
+    cut = honest.post("/completions", json={"prompt": prompt, "max_tokens": 10, "temperature": 0, "stop": [stop],
+                                            "return_token_ids": True}).json()["choices"][0]
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == stop
+    assert stop not in cut["text"] and full["text"].startswith(cut["text"])
+    assert cut["token_ids"] == full["token_ids"][: len(cut["token_ids"])] and len(cut["token_ids"]) < 10
+    r = honest.post("/completions", json={"prompt": prompt, "max_tokens": 0, "verinfer_commits": {"toploc": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "verinfer_commits"
+
+
+def test_torch_exponential_server_and_old_template(backend):
+    messages = [{"role": "user", "content": "Say something about rivers."}]
+    default = render(backend.tokenizer, Prompt("p", (("user", messages[0]["content"]),)))
+    with serve_in_thread(backend, ServeConfig(sampler="torch-exponential", misconfig=("old-template",))) as url, \
+            httpx.Client(base_url=url, timeout=120) as c:
+        assert c.get("/models").json()["data"][0]["verinfer"]["sampler_profile"] == "torch-exponential"
+        body = c.post("/chat/completions", json={"messages": messages, "max_tokens": 10, "seed": 3,
+                                                 "return_token_ids": True, **SAMPLING}).json()
+    choice = body["choices"][0]
+    assert choice["verinfer_sampling"]["profile"] == "torch-exponential"
+    # The stale template drops SmolLM2's default system message, and the ids say so (as vLLM reports them).
+    assert body["prompt_token_ids"] != default
+    assert "SmolLM" not in backend.tokenizer.decode(body["prompt_token_ids"])
+    assert "SmolLM" in backend.tokenizer.decode(default)
+    assert _verify(backend, [_trace(0, choice, body["prompt_token_ids"])])["exact_match"].all()

@@ -297,6 +297,12 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), served: Se
         print(f"verinfer serve: internal error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return _error(APIError(f"internal server error: {type(exc).__name__}: {exc}", status=500, type="server_error"))
 
+    @app.get("/health")
+    async def health():
+        w = served.worker
+        return {"status": "ok", "requests": w.requests, "batches": w.batches, "largest_batch": w.largest_batch,
+                "max_batch": w.max_batch}
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [served.card()]}

@@ -112,8 +112,9 @@ class BatchWorker:
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
         self.stop_ids = backend.stop_ids()
-        self.batches = 0  # decoded batches, and their sizes (for tests and logs)
-        self.batch_sizes: list[int] = []
+        self.batches = 0  # decoded batches (reported by /health)
+        self.requests = 0
+        self.largest_batch = 0
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._profiles: dict[str, Profile] = {}
         self._thread = threading.Thread(target=self._run, name="verinfer-serve-worker", daemon=True)
@@ -183,7 +184,8 @@ class BatchWorker:
             for profile in self._profiles.values():
                 profile.forget(r.id)
         self.batches += 1
-        self.batch_sizes.append(len(jobs))
+        self.requests += len(jobs)
+        self.largest_batch = max(self.largest_batch, len(jobs))
         out = []
         for job, dec in zip(jobs, decoded):
             n = min(len(dec.tokens), job.max_tokens)

@@ -1,0 +1,101 @@
+"""``verinfer serve``: run the OpenAI-compatible provider server (honest or misconfigured) with uvicorn.
+
+``verinfer.cli`` registers ``serve`` as a command; ``app`` runs it standalone.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import typer  # noqa: E402
+
+MISCONFIG_HELP = (
+    "Serve misconfigured while the API claims the honest configuration; comma-separated or repeated. "
+    "Any variant of the detection study (verinfer.models.variants): w4 (4-bit RTN weights, groups of 128), "
+    "w8 (8-bit per channel), wB-gG[-asym], fp8-kv (fp8 KV cache, scale 1, as vLLM), fp8-kv-tensor, fp8-kv-head, "
+    "fp8-kv-fresh, bf16, temperature-X (samples at X), top-p-X, wrong-seed (seed + 1000003), bug-topK[-rateR] "
+    "(a sampler bug: rate R of tokens uniform among the top K), batch-N; joined with '+' they compose. "
+    "Serving-level: system-prompt:TEXT (a hidden system prompt; responses report the client's prompt ids; "
+    "takes the rest of the value, commas included) and old-template (chat rendered with plain ChatML, "
+    "no default system message; reported prompt ids are the ones used). --list-misconfigs prints them all."
+)
+
+app = typer.Typer(add_completion=False, help="Serve a local model over an OpenAI-compatible HTTP API.")
+
+
+def _list_misconfigs() -> None:
+    from verinfer.models.variants import family_docs, list_variants
+
+    for v in list_variants():
+        typer.echo(f"{v.name:<20} {'(honest) ' if v.honest else ''}{v.description}")
+    for doc in family_docs():
+        typer.echo(f"{'':<20} family {doc}")
+    typer.echo(f"{'system-prompt:TEXT':<20} inject TEXT as a system prompt the client never sees")
+    typer.echo(f"{'old-template':<20} render chat with plain ChatML (no default system message)")
+
+
+@app.callback(invoke_without_command=True)
+def serve(
+    model: str = typer.Option("smollm2-135m", help="model alias, .gguf file, local directory or cached hub id"),
+    host: str = typer.Option("127.0.0.1", help="interface to listen on"),
+    port: int = typer.Option(8000, help="TCP port (0: a free one, printed at start)"),
+    sampler: str = typer.Option("vllm", help="sampler profile: vllm, torch-exponential, greedy"),
+    dtype: str = typer.Option("float32", help="compute dtype of the served (claimed) model"),
+    max_batch: int = typer.Option(8, help="most requests decoded together"),
+    batch_wait_ms: float = typer.Option(5.0, help="how long the worker waits for companions before decoding"),
+    max_tokens_limit: int = typer.Option(1024, help="largest max_tokens a request may ask for"),
+    max_model_len: Optional[int] = typer.Option(None, help="context length (default: the model's)"),
+    misconfig: list[str] = typer.Option([], help=MISCONFIG_HELP),
+    served_model_name: Optional[str] = typer.Option(None, help="model id the API reports (default: the model's id)"),
+    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
+    list_misconfigs: bool = typer.Option(False, "--list-misconfigs", help="print every misconfiguration and exit"),
+):
+    """Serve MODEL at http://HOST:PORT/v1 (/models, /completions, /chat/completions)."""
+    from rich.console import Console
+
+    err = Console(stderr=True)
+    if list_misconfigs:
+        _list_misconfigs()
+        raise typer.Exit(0)
+    try:
+        _serve(err, model, host, port, sampler, dtype, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
+               misconfig, served_model_name, threads)
+    except (ValueError, OSError) as exc:
+        err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+
+
+def _serve(err, model, host, port, sampler, dtype, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
+           misconfig, served_model_name, threads) -> None:
+    import torch
+    import uvicorn
+
+    from verinfer.models.backend import Backend
+    from verinfer.models.load import ModelNotAvailable
+    from verinfer.serve.app import ServedModel, create_app
+    from verinfer.serve.config import ServeConfig, split_names
+    from verinfer.serve.runner import base_url, bind
+
+    if threads:
+        torch.set_num_threads(threads)
+    config = ServeConfig(sampler=sampler, max_batch=max_batch, misconfig=split_names(misconfig),
+                         served_model_name=served_model_name, max_tokens_limit=max_tokens_limit,
+                         max_model_len=max_model_len, batch_wait_s=batch_wait_ms / 1000, host=host, port=port)
+    if config.problems():
+        raise ValueError(config.problems()[0])
+    try:
+        with err.status(f"loading {model} ({dtype})"):
+            backend = Backend.load(model, dtype)
+    except ModelNotAvailable as exc:
+        raise ValueError(str(exc)) from None
+    with err.status("building the served model" + (f" ({', '.join(config.misconfig)})" if config.misconfig else "")):
+        served = ServedModel(backend, config)
+    sock = bind(host, port)
+    state = "honest" if served.mis.honest else f"MISCONFIGURED: {', '.join(served.mis.names)}"
+    err.print(f"serving {served.name} ({state}; sampler {sampler}, {dtype}, batches of up to "
+              f"{served.worker.max_batch}) at {base_url(sock)}", highlight=False)
+    uvicorn.Server(uvicorn.Config(create_app(backend, config, served), log_level="info")).run(sockets=[sock])
