@@ -1,0 +1,189 @@
+"""``verinfer audit``: audit OpenAI-compatible providers, and build the calibrated bands it uses."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Audit OpenAI-compatible providers against a trusted reference, with calibrated bands.")
+console = Console()
+err = Console(stderr=True)
+
+
+def _friendly(fn):
+    """Input, provider and file errors become one red line and exit code 2."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from verinfer.audit.client import ProviderError
+        from verinfer.models.load import ModelNotAvailable
+        from verinfer.prompts import PromptError
+        from verinfer.trace import TraceError
+
+        try:
+            return fn(*args, **kwargs)
+        except (ProviderError, TraceError, PromptError, ModelNotAvailable, ValueError, OSError, KeyError) as exc:
+            err.print(f"[red]error:[/red] {exc.args[0] if isinstance(exc, KeyError) else exc}", highlight=False,
+                      soft_wrap=True)
+            raise typer.Exit(2) from None
+    return wrapper
+
+
+def _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, endpoint, token_ids=True):
+    from verinfer.audit.plan import AuditSpec
+
+    spec = AuditSpec(mode=mode, sampler=sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                     seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids)
+    if spec.problems():
+        raise ValueError(spec.problems()[0])
+    return spec
+
+
+@app.command()
+@_friendly
+def bands(
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="bands file; default: the shipped data directory"),
+    model: str = typer.Option("smollm2-135m", help="reference model"),
+    prompts: str = typer.Option("chitchat", help="prompt set or JSONL file"),
+    n: int = typer.Option(48, help="prompts per band"),
+    prompt_seed: int = typer.Option(1, help="which prompts a built-in set samples"),
+    variants: str = typer.Option(",".join(("honest", "bf16", "w8", "fp8-kv", "w4")), help="comma-separated variants"),
+    mode: str = typer.Option("greedy", help="greedy or seeded"),
+    sampler: str = typer.Option("vllm", help="seeded mode: sampler profile"),
+    temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
+    seed: int = typer.Option(1000, help="seeded mode: prompt i uses seed + i"),
+    max_tokens: int = 48,
+    batch_size: int = 16,
+):
+    """Build calibrated bands (honest, bf16-, 8-bit-, fp8-KV-, 4-bit-like) for an audit's settings."""
+    import torch
+
+    from verinfer.audit.bands import DATA_DIR, bands_filename, build_bands
+    from verinfer.models.backend import Backend
+    from verinfer.prompts import load_prompts
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    spec = _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, "chat")
+    backend = Backend.load(model)
+    data = build_bands(backend, load_prompts(prompts, n, seed=prompt_seed), spec,
+                       [v.strip() for v in variants.split(",") if v.strip()], batch_size,
+                       on_stage=lambda s: err.print(s), command=" ".join(
+                           ["verinfer audit bands", f"--model {model}", f"--prompts {prompts}", f"--n {n}",
+                            f"--prompt-seed {prompt_seed}", f"--variants {variants}", f"--mode {mode}",
+                            *([f"--sampler {sampler}", f"--temperature {temperature:g}", f"--top-k {top_k}",
+                               f"--top-p {top_p:g}", f"--min-p {min_p:g}", f"--seed {seed}"]
+                              if mode == "seeded" else []), f"--max-tokens {max_tokens}"]))
+    out = out or DATA_DIR / bands_filename(backend.model_id, spec.signature())
+    out.write_text(json.dumps(data, indent=1))
+    for name, b in data["bands"].items():
+        toks = sum(s[0] for s in b["sequences"])
+        console.print(f"{b['label']:>18}: {len(b['sequences'])} sequences, {toks} tokens, "
+                      f"mean clipped margin {sum(s[1] for s in b['sequences']) / max(toks, 1):.4f}")
+    console.print(f"clip {data['clip']:.4g}; wrote {out} in {data['built_s']} s")
+
+
+def _endpoints(provider: list[str], providers_file: Optional[Path], model: str, api_key_env: str):
+    """``name=url`` options and/or a JSON file of ``{name, url, model?, api_key_env?}`` objects."""
+    from verinfer.audit.client import Endpoint
+
+    out = []
+    for item in provider:
+        name, sep, url = item.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--provider {item!r}: expected NAME=URL with an http(s) base URL ending in /v1")
+        out.append(Endpoint(name, url, model, api_key_env))
+    if providers_file:
+        try:
+            entries = json.loads(providers_file.read_text())
+            out += [Endpoint(e["name"], e["url"], e.get("model", model), e.get("api_key_env", api_key_env))
+                    for e in entries]
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"{providers_file}: expected a JSON list of {{name, url, model?, api_key_env?}} "
+                             f"objects ({type(exc).__name__}: {exc})") from None
+    if not out:
+        raise ValueError("no provider to audit: pass --provider NAME=URL (repeatable) or --providers-file")
+    return out
+
+
+@app.command()
+@_friendly
+def run(
+    provider: list[str] = typer.Option([], "--provider", "-p", help="NAME=BASE_URL (ending in /v1); repeatable"),
+    providers_file: Optional[Path] = typer.Option(None, help="JSON list of {name, url, model?, api_key_env?}"),
+    out: Path = typer.Option(Path("verinfer-audit"), "--out", "-o", help="audit directory (re-running resumes)"),
+    model: Optional[str] = typer.Option(None, help="model id sent to providers; default: the reference model's id"),
+    reference_model: str = typer.Option("smollm2-135m", help="local reference model (also the tokenizer)"),
+    reference_url: Optional[str] = typer.Option(None, help="reference API base URL returning prompt logprobs "
+                                                "(echo); default: score with the local reference model"),
+    reference_api_model: Optional[str] = typer.Option(None, help="model id at the reference API"),
+    reference_api_key_env: Optional[str] = typer.Option(None, help="env var of the reference API's key"),
+    api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable holding providers' API key"),
+    prompts: str = typer.Option("chitchat", help="prompt set (chitchat, human-eval, gsm8k) or JSONL file"),
+    n: int = typer.Option(16, help="number of prompts"),
+    prompt_seed: int = typer.Option(0, help="which prompts a built-in set samples"),
+    mode: str = typer.Option("greedy", help="greedy (temperature 0 spot checks) or seeded"),
+    sampler: str = typer.Option("vllm", help="seeded mode: the provider's sampler profile"),
+    temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
+    seed: int = typer.Option(1000, help="seeded mode: prompt i uses seed + i"),
+    max_tokens: int = 48,
+    endpoint: str = typer.Option("chat", help="chat (messages) or completions (token-id prompts)"),
+    no_token_ids: bool = typer.Option(False, help="do not ask for return_token_ids (re-tokenize text instead)"),
+    bands_file: Optional[Path] = typer.Option(None, "--bands", help="bands file from `verinfer audit bands`"),
+    calibration: Optional[Path] = typer.Option(None, help="calibration file from `verinfer calibrate` instead of bands"),
+    batch_size: Optional[int] = typer.Option(None, help="with --calibration: tokens per batch"),
+    fpr: float = typer.Option(0.01, help="target false-positive rate"),
+    concurrency: int = typer.Option(4, help="requests in flight per provider"),
+    timeout: float = typer.Option(120.0, help="seconds per HTTP attempt"),
+    retries: int = typer.Option(4, help="retries on connection errors, timeouts, 5xx and 429"),
+):
+    """Audit providers: ask, persist, verify against the reference, judge against calibrated bands."""
+    import torch
+
+    from verinfer.audit.bands import Bands, bands_filename, find_bands
+    from verinfer.audit.client import Endpoint, ProviderClient, RetryPolicy
+    from verinfer.audit.reference import ApiReference, LocalReference
+    from verinfer.audit.report import write_reports
+    from verinfer.audit.run import run_audit
+    from verinfer.audit.store import ResponseStore
+    from verinfer.models.backend import Backend
+    from verinfer.pipeline import load_calibrator
+    from verinfer.prompts import load_prompts
+
+    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    spec = _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, endpoint, not no_token_ids)
+    if not 0 < fpr < 1:
+        raise ValueError(f"--fpr must be in (0, 1), got {fpr}")
+    backend = Backend.load(reference_model)
+    endpoints = _endpoints(provider, providers_file, model or backend.model_id, api_key_env)
+    calibrator = load_calibrator(calibration) if calibration else None
+    bands = None
+    if calibrator is None:
+        bands = Bands.load(bands_file) if bands_file else find_bands(backend.model_id, spec.signature())
+        if bands is None:
+            raise ValueError(f"no bands for {backend.model_id} with {spec.signature()} "
+                             f"(looked for {bands_filename(backend.model_id, spec.signature())}); build them with "
+                             "`verinfer audit bands` and pass --bands, or pass --calibration")
+        if bands.signature != spec.signature():
+            raise ValueError(f"{bands.source}: bands were built for sampling {bands.signature}, the audit uses "
+                             f"{spec.signature()}")
+    policy = RetryPolicy(retries=retries, timeout_s=timeout)
+    if reference_url:
+        ref_endpoint = Endpoint("reference", reference_url, reference_api_model or backend.model_id,
+                                reference_api_key_env)
+        store = ResponseStore(out / "reference" / "responses.jsonl")
+        reference = ApiReference(ProviderClient(ref_endpoint, store, concurrency, policy), backend.tokenizer)
+    else:
+        reference = LocalReference(backend)
+    result = run_audit(endpoints, load_prompts(prompts, n, seed=prompt_seed), spec, reference, out, bands,
+                       calibrator, batch_size, fpr, concurrency, policy, on_stage=lambda s: err.print(s))
+    json_path, html_path = write_reports(result, backend.tokenizer)
+    for a in result.providers:
+        style = "green" if a.verdict.consistent else "red"
+        console.print(f"[bold]{a.endpoint.name}[/bold]: [{style}]{a.verdict.text}[/{style}]", highlight=False,
+                      soft_wrap=True)
+    console.print(f"reports: {json_path} {html_path}")

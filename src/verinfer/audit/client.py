@@ -1,0 +1,199 @@
+"""An OpenAI-compatible HTTP client for audits: bounded concurrency, timeouts, retries, persistence.
+
+Transient failures (connection errors, timeouts, 5xx, 429) are retried with exponential backoff
+and full jitter, honouring ``Retry-After``; anything else stops the audit with one line naming the
+provider, the endpoint and what was wrong. Every accepted response is written to the provider's
+``ResponseStore`` (fsync'd) before the caller sees it, and requests already in the store are never
+sent again. Responses that are not JSON or lack the fields every caller needs are kept in a
+``rejected.jsonl`` beside the store (they were paid for) and reported. The API key is read from
+an environment variable at request time and only ever placed in the ``Authorization`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import httpx
+
+from verinfer.audit.store import ResponseStore, request_key
+
+RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
+
+
+class ProviderError(Exception):
+    """A provider that cannot be audited as asked; the message names the provider and what failed."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One OpenAI-compatible endpoint: a name for reports, its base URL (ending in ``/v1``), the
+    model id it serves, and the environment variable holding its API key (unset: no key sent)."""
+
+    name: str
+    base_url: str
+    model: str
+    api_key_env: str | None = "OPENAI_API_KEY"
+
+    def headers(self) -> dict[str, str]:
+        key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def url(self, path: str) -> str:
+        return self.base_url.rstrip("/") + "/" + path.lstrip("/")
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request to make: endpoint path, JSON body, and metadata stored with the response."""
+
+    path: str
+    body: dict[str, Any]
+    meta: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        return request_key(self.path, self.body)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    retries: int = 4  # extra attempts after the first
+    backoff_s: float = 0.5  # base of the exponential backoff
+    max_backoff_s: float = 30.0
+    timeout_s: float = 120.0  # per attempt (connect, read, write, pool)
+
+    def delay(self, attempt: int, retry_after: float | None) -> float:
+        """Full-jitter exponential backoff, or the server's Retry-After when it says more."""
+        jittered = random.uniform(0, min(self.max_backoff_s, self.backoff_s * 2**attempt))
+        return min(max(jittered, retry_after or 0.0), max(self.max_backoff_s, 1.0) * 4)
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds or an HTTP date); None if absent or bad."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    return max(0.0, when.timestamp() - time.time()) if when else None
+
+
+def has_choices(response: Any) -> str | None:
+    """The shape every completion or chat response must have; a problem phrase, or None."""
+    if not isinstance(response, dict):
+        return f"the body is a JSON {type(response).__name__}, expected an object"
+    if "error" in response and "choices" not in response:
+        return f"it returned an error object: {str(response['error'])[:200]}"
+    choices = response.get("choices")
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return "field 'choices' is missing or not a non-empty list of objects"
+    return None
+
+
+class ProviderClient:
+    """Sends ``Call``s to one endpoint, at most ``concurrency`` at a time, persisting each response."""
+
+    def __init__(self, endpoint: Endpoint, store: ResponseStore, concurrency: int = 4,
+                 policy: RetryPolicy = RetryPolicy(), check: Callable[[Any], str | None] = has_choices,
+                 transport: httpx.AsyncBaseTransport | None = None):
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        self.endpoint, self.store, self.concurrency, self.policy, self.check = endpoint, store, concurrency, policy, check
+        self.transport = transport
+        self.rejected = ResponseStore(store.path.with_name("rejected.jsonl"))
+        self.sent = 0  # HTTP attempts made by this client (retries included)
+
+    def fetch(self, calls: Sequence[Call], on_done: Callable[[int], None] | None = None) -> list[dict[str, Any]]:
+        """Stored records for ``calls`` (in order), requesting only those not stored yet."""
+        missing = list({c.key: c for c in calls if c.key not in self.store}.values())
+        if missing:
+            asyncio.run(self._fetch_all(missing, on_done))
+        return [self.store.get(c.key) for c in calls]
+
+    async def _fetch_all(self, calls: list[Call], on_done) -> None:
+        gate = asyncio.Semaphore(self.concurrency)
+        failed: list[BaseException] = []
+        limits = httpx.Limits(max_connections=self.concurrency)
+        timeout = httpx.Timeout(self.policy.timeout_s)
+        async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=self.transport) as http:
+            async def one(call: Call) -> None:
+                async with gate:
+                    if failed:  # stop paying for more once the audit cannot finish
+                        return
+                    try:
+                        await self._fetch_one(http, call)
+                    except ProviderError as exc:
+                        failed.append(exc)
+                        return
+                    if on_done:
+                        on_done(1)
+
+            await asyncio.gather(*(one(c) for c in calls))
+        if failed:
+            raise failed[0]
+
+    async def _fetch_one(self, http: httpx.AsyncClient, call: Call) -> None:
+        url, where = self.endpoint.url(call.path), f"provider {self.endpoint.name!r} ({self.endpoint.url(call.path)})"
+        attempt = 0
+        while True:
+            retry_after = None
+            self.sent += 1
+            try:
+                started = time.monotonic()
+                resp = await http.post(url, json=call.body, headers=self.endpoint.headers())
+                elapsed = time.monotonic() - started
+            except httpx.TimeoutException:
+                problem = f"timed out after {self.policy.timeout_s:g} s"
+            except httpx.TransportError as exc:
+                problem = f"connection failed ({type(exc).__name__}: {str(exc)[:120] or 'no detail'})"
+            else:
+                if resp.status_code == 200:
+                    break
+                problem = f"HTTP {resp.status_code}: {_error_text(resp)}"
+                if resp.status_code not in RETRY_STATUS:
+                    raise ProviderError(f"{where}: request {call.key} ({_describe(call)}) was refused: {problem}")
+                retry_after = retry_after_seconds(resp.headers.get("retry-after"))
+            if attempt >= self.policy.retries:
+                raise ProviderError(f"{where}: request {call.key} ({_describe(call)}) failed after "
+                                    f"{attempt + 1} attempt(s): {problem}")
+            await asyncio.sleep(self.policy.delay(attempt, retry_after))
+            attempt += 1
+        meta = {**call.meta, "elapsed_s": round(elapsed, 4), "attempts": attempt + 1, "received_at": time.time()}
+        try:
+            payload = resp.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            self.rejected.append(call.key, call.path, call.body, resp.text[:100_000], **meta)
+            raise ProviderError(f"{where}: request {call.key} ({_describe(call)}): the response is not JSON "
+                                f"(starts {resp.text[:60]!r}); kept in {self.rejected.path}") from None
+        problem = self.check(payload)
+        if problem:
+            self.rejected.append(call.key, call.path, call.body, payload, **meta)
+            raise ProviderError(f"{where}: request {call.key} ({_describe(call)}): malformed response: {problem}; "
+                                f"kept in {self.rejected.path}")
+        self.store.append(call.key, call.path, call.body, payload, **meta)
+
+
+def _describe(call: Call) -> str:
+    return ", ".join(f"{k} {v}" for k, v in call.meta.items() if k in ("prompt_id", "kind")) or call.path
+
+
+def _error_text(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+        if isinstance(body, dict) and isinstance(body.get("error"), dict):
+            return str(body["error"].get("message", body["error"]))[:200]
+        return json.dumps(body)[:200]
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return resp.text[:200] or resp.reason_phrase

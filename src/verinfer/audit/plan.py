@@ -1,0 +1,94 @@
+"""What an audit asks each provider: one request per prompt, greedy or seeded.
+
+Greedy spot checks (temperature 0) need nothing from the provider but argmax decoding. Seeded
+mode asks for sampling with a per-prompt seed and replays it with the provider's sampler profile
+(``--sampler vllm``), so only engines whose sampler the project reproduces can be audited that way.
+Chat requests are what customers send (the provider applies its chat template, which is part of
+what gets audited); completion requests send our rendering as token ids, fixing the prompt exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from verinfer.audit.client import Call
+from verinfer.prompts import Prompt, render
+from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.profiles import get_profile
+
+MODES = ("greedy", "seeded")
+ENDPOINTS = {"chat": "chat/completions", "completions": "completions"}
+
+
+@dataclass(frozen=True)
+class AuditSpec:
+    """How the audit samples: mode, the claimed sampler settings, the endpoint and token budget."""
+
+    mode: str = "greedy"
+    sampler: str = "vllm"  # profile replaying the provider's seeded sampler (seeded mode)
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 1000  # prompt i gets seed + i
+    max_tokens: int = 48
+    endpoint: str = "chat"
+    token_ids: bool = True  # ask for vLLM's return_token_ids (omit for providers that refuse unknown fields)
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.mode not in MODES:
+            out.append(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.endpoint not in ENDPOINTS:
+            out.append(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
+        if self.max_tokens < 1:
+            out.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.mode == "seeded":
+            try:
+                get_profile(self.sampler)
+            except (KeyError, ValueError) as exc:
+                out.append(str(exc.args[0]))
+            out += self.params(0).problems()
+            if self.params(0).is_greedy:
+                out.append("seeded mode needs a temperature > 0 (use --mode greedy for argmax spot checks)")
+        return out
+
+    def params(self, index: int) -> SamplingParams:
+        """The sampling parameters prompt ``index`` claims (what the verifier replays)."""
+        if self.mode == "greedy":
+            return SamplingParams(profile="greedy", temperature=0.0)
+        return SamplingParams(profile=self.sampler, temperature=self.temperature, top_k=self.top_k,
+                              top_p=self.top_p, min_p=self.min_p, seed=self.seed + index)
+
+    def signature(self) -> dict:
+        """The settings a calibration band must share with the audit (seeds excluded)."""
+        p = self.params(0).to_dict()
+        p.pop("seed")
+        return p
+
+
+def generation_calls(spec: AuditSpec, prompts: Sequence[Prompt], tokenizer, model: str) -> list[Call]:
+    """One request per prompt; metadata carries the prompt id and our rendering of the prompt."""
+    calls = []
+    for i, prompt in enumerate(prompts):
+        params = spec.params(i)
+        ids = render(tokenizer, prompt)
+        body: dict = {"model": model, "max_tokens": spec.max_tokens, "temperature": params.temperature}
+        if spec.endpoint == "chat":
+            if not prompt.messages:
+                raise ValueError(f"prompt {prompt.id!r} has only token ids; audit it with --endpoint completions")
+            body["messages"] = prompt.message_dicts()
+        else:
+            body["prompt"] = ids
+        if not params.is_greedy:
+            body.update(seed=params.seed, top_p=params.top_p)
+            if params.top_k > 0:
+                body["top_k"] = params.top_k
+            if params.min_p > 0:
+                body["min_p"] = params.min_p
+        if spec.token_ids:
+            body["return_token_ids"] = True
+        calls.append(Call(ENDPOINTS[spec.endpoint], body,
+                          {"kind": "generate", "prompt_id": prompt.id, "index": i, "prompt_token_ids": ids}))
+    return calls

@@ -1,0 +1,149 @@
+"""Audit reports: a JSON document and a self-contained HTML page (inline SVG plots, no links out).
+
+The HTML shows what a person needs to act on: each provider's verdict line, a comparison table
+(with Holm-adjusted p-values when several providers were audited), the pooled statistic with its
+interval against the bands' ranges at the same number of tokens, the per-token margin histogram
+against the honest band, tokenization drift, and a per-prompt table whose output tokens are
+highlighted where the reference disagrees with the provider.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+
+from verinfer.audit.bands import HIST_EDGES, histogram
+from verinfer.audit.run import AuditResult, ProviderAudit
+
+TEMPLATE = Path(__file__).with_name("templates") / "report.html.j2"
+
+
+def prompt_rows(audit: ProviderAudit, tokenizer, clip: float) -> list[dict]:
+    """One row per verified sequence: scores and the output as tokens with their margins."""
+    ids = np.asarray(audit.columns["trace_id"], dtype=object)
+    margin = np.asarray(audit.columns["margin"], dtype=np.float64)
+    rows = []
+    for c in audit.claims:
+        m = margin[ids == f"{audit.endpoint.name}/{c.prompt_id}"]
+        pieces = [tokenizer.decode([t]) for t in c.output_token_ids]
+        rows.append({"prompt_id": c.prompt_id, "tokens": int(m.size), "exact": int((m == 0).sum()),
+                     "mean_clipped_margin": float(np.minimum(m, clip).mean()) if m.size else 0.0,
+                     "divergent_positions": [int(i) for i in np.flatnonzero(m > 0)],
+                     "token_source": c.source, "drift": c.drift,
+                     "tokens_html": _tokens_html(pieces, m, clip)})
+    return rows
+
+
+def _tokens_html(pieces: list[str], margin: np.ndarray, clip: float) -> str:
+    out = []
+    for piece, m in zip(pieces, margin):
+        text = html.escape(piece).replace("\n", "⏎<br>")
+        if m > 0:
+            level = "hi" if m >= clip else "lo"
+            out.append(f'<mark class="div {level}" title="margin {m:.3g}">{text or "␣"}</mark>')
+        else:
+            out.append(f"<span>{text}</span>")
+    return "".join(out)
+
+
+def _svg(fig) -> str:
+    import matplotlib.pyplot as plt
+
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    plt.close(fig)
+    text = buf.getvalue()
+    return text[text.index("<svg"):]
+
+
+def bands_plot(audit: ProviderAudit) -> str:
+    """The provider's pooled statistic and interval against each band's 95% range at its size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    v = audit.verdict
+    labels = list(v.band_ranges)
+    fig, ax = plt.subplots(figsize=(7, 0.45 * (len(labels) + 1) + 1.2))
+    for y, name in enumerate(labels):
+        lo, mid, hi = v.band_ranges[name]
+        ax.plot([lo, hi], [y, y], lw=9, color="#9ecae1" if "reference" in name or "bf16" in name else "#fdae6b",
+                solid_capstyle="butt")
+        ax.plot([mid], [y], "|", color="#444", ms=14)
+    y = len(labels)
+    ax.errorbar([v.statistic], [y], xerr=[[v.statistic - v.ci_low], [v.ci_high - v.statistic]], fmt="o",
+                color="#c0392b" if not v.consistent else "#1e8449", capsize=5, ms=8)
+    ax.set_yticks(range(len(labels) + 1), labels + [f"{audit.endpoint.name} (95% CI)"])
+    ax.set_xscale("symlog", linthresh=1e-3)
+    ax.set_xlabel(f"mean clipped margin over {v.tokens} tokens (bands: 2.5-97.5% of pseudo-audits)")
+    ax.grid(axis="x", alpha=0.3)
+    return _svg(fig)
+
+
+def histogram_plot(audit: ProviderAudit, honest_counts: list[int] | None) -> str:
+    """Share of tokens per margin bin: the provider against the pooled honest bands."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mine = np.asarray(histogram(audit.columns["margin"]), dtype=float)
+    labels = ["0"] + [f"{a:g}-{b:g}" for a, b in zip(HIST_EDGES[1:], HIST_EDGES[2:])] + [">=20"]
+    x = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    width = 0.4 if honest_counts else 0.8
+    ax.bar(x - (width / 2 if honest_counts else 0), mine / mine.sum(), width, label=audit.endpoint.name,
+           color="#c0392b")
+    if honest_counts:
+        h = np.asarray(honest_counts, dtype=float)
+        ax.bar(x + width / 2, h / h.sum(), width, label="honest bands", color="#3182bd")
+    ax.set_yscale("log")
+    ax.set_xticks(x, labels, rotation=30, fontsize=8)
+    ax.set_xlabel("per-token margin (raw-logit units)")
+    ax.set_ylabel("share of tokens")
+    ax.legend(fontsize=8)
+    return _svg(fig)
+
+
+def to_json(result: AuditResult, tokenizer) -> dict:
+    clip = result.bands.clip if result.bands else 20.0
+    return {
+        "format": "verinfer.audit.report/1",
+        "reference": result.reference, "fpr": result.fpr, "elapsed_s": round(result.elapsed_s, 2),
+        "spec": result.spec.__dict__,
+        "bands": None if result.bands is None else {"source": result.bands.source, "clip": result.bands.clip,
+                                                    "statistic": result.bands.data.get("statistic")},
+        "providers": [{
+            "name": a.endpoint.name, "base_url": a.endpoint.base_url, "model": a.endpoint.model,
+            "verdict": a.verdict.to_dict(), "drift": a.drift, "requests_sent": a.requests_sent,
+            "responses_stored": a.responses_stored, "damaged_lines": a.damaged_lines, "empty_outputs": a.empty_outputs,
+            "prompts": [{k: v for k, v in r.items() if k != "tokens_html"} for r in prompt_rows(a, tokenizer, clip)],
+        } for a in result.providers],
+    }
+
+
+def write_reports(result: AuditResult, tokenizer) -> tuple[Path, Path]:
+    """``audit.json`` and ``audit.html`` in the audit directory."""
+    import jinja2
+
+    clip = result.bands.clip if result.bands else 20.0
+    doc = to_json(result, tokenizer)
+    json_path = result.out_dir / "audit.json"
+    json_path.write_text(json.dumps(doc, indent=1, default=str))
+    honest = None
+    if result.bands is not None:
+        honest = np.sum([b.histogram for b in result.bands.bands if b.honest], axis=0).tolist()
+    providers = [{"audit": a, "json": d, "bands_svg": bands_plot(a) if a.verdict.band_ranges else None,
+                  "hist_svg": histogram_plot(a, honest), "rows": prompt_rows(a, tokenizer, clip)}
+                 for a, d in zip(result.providers, doc["providers"])]
+    env = jinja2.Environment(autoescape=jinja2.select_autoescape(["html", "j2"]), undefined=jinja2.StrictUndefined)
+    page = env.from_string(TEMPLATE.read_text()).render(result=result, doc=doc, providers=providers,
+                                                        several=len(result.providers) > 1)
+    html_path = result.out_dir / "audit.html"
+    html_path.write_text(page)
+    return json_path, html_path

@@ -1,0 +1,125 @@
+"""One audit end to end: ask every provider, persist, parse, score against the reference, judge.
+
+All providers' generations are fetched (and persisted) before any scoring starts, so a failure
+while scoring never costs a paid request; re-running the same audit directory resumes from what
+is stored. Files per provider: ``responses.jsonl`` (raw, as received), ``rejected.jsonl`` (raw
+responses that were malformed), ``traces.jsonl`` (what was verified), ``scores.parquet`` (local
+reference) and, for a reference API, its own ``reference/responses.jsonl``.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from verinfer.audit.bands import Bands, sequence_stats
+from verinfer.audit.client import Endpoint, ProviderClient, ProviderError, RetryPolicy
+from verinfer.audit.plan import AuditSpec, generation_calls
+from verinfer.audit.responses import Claim, parse_generation, summarize_drift
+from verinfer.audit.store import ResponseStore
+from verinfer.audit.verdict import Verdict, holm, judge, judge_calibrated
+from verinfer.prompts import Prompt
+from verinfer.stats import Calibrator
+from verinfer.trace import write_traces
+from verinfer.verify.report import MARGIN_CLIP
+
+
+@dataclass
+class ProviderAudit:
+    endpoint: Endpoint
+    claims: list[Claim]
+    columns: dict[str, np.ndarray]
+    sequences: np.ndarray
+    verdict: Verdict
+    drift: dict
+    requests_sent: int  # HTTP attempts this run (0 when everything was stored)
+    responses_stored: int
+    damaged_lines: int
+    empty_outputs: list[str] = field(default_factory=list)
+
+
+@dataclass
+class AuditResult:
+    providers: list[ProviderAudit]
+    spec: AuditSpec
+    reference: str
+    fpr: float
+    out_dir: Path
+    bands: Bands | None
+    started: float
+    elapsed_s: float
+
+
+def safe_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+        raise ValueError(f"provider name {name!r}: use letters, digits, '.', '_' or '-' (it names a directory)")
+    return name
+
+
+def stop_ids(tokenizer) -> set[int]:
+    from verinfer.models.backend import Backend
+
+    vocab = tokenizer.get_vocab()
+    ids = {vocab[t] for t in Backend.TURN_TERMINATORS if t in vocab}
+    return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+
+
+def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: AuditSpec, reference,
+              out_dir: Path, bands: Bands | None = None, calibrator: Calibrator | None = None,
+              batch_size: int | None = None, fpr: float = 0.01, concurrency: int = 4,
+              policy: RetryPolicy = RetryPolicy(), on_stage: Callable[[str], None] | None = None) -> AuditResult:
+    """Audit each endpoint with ``prompts`` as ``spec`` asks; verdicts from ``bands`` or ``calibrator``."""
+    stage = on_stage or (lambda _: None)
+    if (bands is None) == (calibrator is None):
+        raise ValueError("give exactly one of bands or a calibration file for the verdict")
+    if spec.problems():
+        raise ValueError(spec.problems()[0])
+    names = [safe_name(e.name) for e in endpoints]
+    if len(set(names)) != len(names):
+        raise ValueError(f"provider names must be distinct, got {names}")
+    started = time.time()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = reference.tokenizer
+    fetched = []
+    for e in endpoints:
+        store = ResponseStore(out_dir / e.name / "responses.jsonl")
+        client = ProviderClient(e, store, concurrency, policy)
+        calls = generation_calls(spec, prompts, tokenizer, e.model)
+        stage(f"{e.name}: {sum(c.key not in store for c in calls)} of {len(calls)} requests to send")
+        records = client.fetch(calls)
+        fetched.append((e, store, client, records))
+    stops = stop_ids(tokenizer)
+    audits = []
+    for e, store, client, records in fetched:
+        claims = [parse_generation(r, tokenizer, stops, f"provider {e.name!r}: {store.path} (prompt {r['prompt_id']})")
+                  for r in records]
+        empty = [c.prompt_id for c in claims if not c.output_token_ids]
+        claims = [c for c in claims if c.output_token_ids]
+        if not claims:
+            raise ProviderError(f"provider {e.name!r}: every response has an empty output; nothing to verify")
+        from verinfer.audit.reference import claim_traces
+
+        model_id = getattr(getattr(reference, "backend", None), "model_id", e.model)
+        traces = claim_traces(claims, e.name, model_id, spec.params)
+        write_traces(traces, out_dir / e.name / "traces.jsonl")
+        stage(f"{e.name}: scoring {sum(len(c.output_token_ids) for c in claims)} tokens with the reference")
+        columns = reference.score(traces, out_dir / e.name)
+        if calibrator is not None:
+            seq = sequence_stats(columns, MARGIN_CLIP)
+            verdict = judge_calibrated(seq, columns["margin"], calibrator, batch_size)
+        else:
+            seq = sequence_stats(columns, bands.clip)
+            verdict = judge(seq, bands, fpr)
+        audits.append(ProviderAudit(e, claims, columns, seq, verdict, summarize_drift(claims), client.sent,
+                                    len(store), store.damaged_lines, empty))
+    if len(audits) > 1:
+        for a, p in zip(audits, holm([a.verdict.p_value for a in audits])):
+            a.verdict.p_adjusted = p
+            a.verdict.consistent = p >= a.verdict.fpr
+    return AuditResult(audits, spec, reference.describe(), calibrator.fpr if calibrator else fpr, out_dir, bands,
+                       started, time.time() - started)

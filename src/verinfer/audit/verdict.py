@@ -1,0 +1,154 @@
+"""Verdicts: is a provider's pooled score consistent with the honest band, at a stated FPR?
+
+The pooled statistic is the mean clipped margin over all of a provider's tokens, with a 95%
+bootstrap interval over sequences (tokens of one sequence are correlated, so sequences are the
+unit that gets resampled). Its p-value is the rank of the statistic among honest pseudo-audits of
+the same size, ``p = (1 + #{honest >= s}) / (R + 1)``: pseudo-audits resample whole honest band
+sequences (fp32 reference and bf16) until they hold as many tokens as the audit. It is a
+resampling p-value on a finite honest pool rather than an exact conformal one: the pool's size
+limits how small it can honestly get, and the report gives the pool size. A provider is judged
+inconsistent when ``p < fpr``.
+
+*Tokens needed* is when a sequential auditor would have stopped: the statistic is re-tested on
+doubling prefixes of the sequences (1, 2, 4, ... sequences, then all) at ``fpr / L`` each for L
+looks (Bonferroni), so stopping at the first rejection keeps the overall false-positive rate at
+``fpr``. Several providers in one audit get Holm-Bonferroni adjusted p-values (``holm``), so the
+chance of wrongly flagging any honest one stays at ``fpr``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from scipy.stats import binomtest
+
+from verinfer.audit.bands import Bands, pseudo_audits
+from verinfer.stats import Calibrator, bootstrap_ci
+
+
+@dataclass
+class Verdict:
+    tokens: int
+    sequences: int
+    statistic: float  # mean clipped margin
+    ci_low: float
+    ci_high: float
+    exact_match_rate: float
+    p_value: float
+    fpr: float
+    consistent: bool
+    tokens_needed: int | None  # first sequential look that rejects (None: never)
+    resembles: str | None
+    method: str
+    band_ranges: dict = field(default_factory=dict)  # band -> [2.5%, 50%, 97.5%] at this many tokens
+    p_adjusted: float | None = None  # Holm-adjusted, when several providers are audited together
+
+    @property
+    def text(self) -> str:
+        p = self.p_adjusted if self.p_adjusted is not None else self.p_value
+        which = "Holm-adjusted p" if self.p_adjusted is not None else "p"
+        head = ("CONSISTENT with the claimed configuration" if self.consistent
+                else "INCONSISTENT with the claimed configuration")
+        needed = f"; detected after {self.tokens_needed} tokens" if self.tokens_needed and not self.consistent else ""
+        like = f"; resembles {self.resembles}" if self.resembles else ""
+        return (f"{head} at {self.fpr:.0%} FPR: mean clipped margin {self.statistic:.4f} "
+                f"(95% CI {self.ci_low:.4f}-{self.ci_high:.4f}) over {self.tokens} tokens in {self.sequences} "
+                f"sequences, {which} = {p:.3g}{needed}{like}")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "text": self.text}
+
+
+def pooled(seq: np.ndarray) -> float:
+    return float(seq[:, 1].sum() / max(seq[:, 0].sum(), 1.0))
+
+
+def sequence_ci(seq: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the pooled statistic, resampling sequences."""
+    if len(seq) < 2 or np.ptp(seq[:, 1] / np.maximum(seq[:, 0], 1)) == 0:
+        s = pooled(seq)
+        return s, s
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ci = bootstrap_ci(lambda idx: pooled(seq[np.asarray(idx, dtype=int)]), np.arange(len(seq), dtype=float),
+                          n_boot=2000, rng=seed)
+    return ci.low, ci.high
+
+
+def _looks(n: int) -> list[int]:
+    sizes, k = [], 1
+    while k < n:
+        sizes.append(k)
+        k *= 2
+    return sizes + [n]
+
+
+def judge(seq: np.ndarray, bands: Bands, fpr: float = 0.01, seed: int = 0) -> Verdict:
+    """Test a provider's per-sequence stats ``[tokens, clipped margin sum, exact]`` against the bands."""
+    if len(seq) == 0 or seq[:, 0].sum() == 0:
+        raise ValueError("no tokens to judge")
+    rng = np.random.default_rng(seed)
+    pool = bands.honest_pool()
+    looks = _looks(len(seq))
+    draws = max(999, math.ceil(20 * len(looks) / fpr))
+
+    def p_value(part: np.ndarray) -> float:
+        null = pseudo_audits(pool, int(part[:, 0].sum()), draws, rng)
+        return float((1 + np.count_nonzero(null >= pooled(part) - 1e-12)) / (draws + 1))
+
+    tokens, stat = int(seq[:, 0].sum()), pooled(seq)
+    p = p_value(seq)
+    needed = next((int(seq[:k, 0].sum()) for k in looks if p_value(seq[:k]) < fpr / len(looks)), None)
+    ranges = {}
+    for b in bands.bands:
+        q = np.percentile(pseudo_audits(b.sequences, tokens, 2000, rng), [2.5, 50, 97.5])
+        ranges[b.label] = [float(x) for x in q]
+    inside = [name for name, (lo, _, hi) in ranges.items() if lo <= stat <= hi]
+    candidates = inside or list(ranges)
+    resembles = min(candidates, key=lambda name: abs(ranges[name][1] - stat) if inside
+                    else min(abs(ranges[name][0] - stat), abs(ranges[name][2] - stat)))
+    lo, hi = sequence_ci(seq, seed)
+    method = (f"resampling p-value of the pooled statistic among {draws} honest pseudo-audits drawn from "
+              f"{len(pool)} honest band sequences ({bands.source}); clip {bands.clip:.4g}")
+    return Verdict(tokens, len(seq), stat, lo, hi, float(seq[:, 2].sum() / tokens), p, fpr, p >= fpr, needed,
+                   resembles, method, ranges)
+
+
+def judge_calibrated(seq: np.ndarray, margins: np.ndarray, calibrator: Calibrator, batch_size: int | None,
+                     seed: int = 0) -> Verdict:
+    """Verdict from a ``verinfer calibrate`` file: batches of tokens flagged by its bounded-margin
+    detector, and the binomial p-value of that many flags when honest batches flag at ``fpr``."""
+    from verinfer.verify.report import DETECTOR
+
+    metric, rule = DETECTOR
+    margins = np.asarray(margins, dtype=np.float64)
+    size = batch_size or min(calibrator.batch_sizes, key=lambda s: (s > margins.size, -s))
+    if size > margins.size:
+        raise ValueError(f"too few tokens ({margins.size}) for the smallest calibrated batch ({size})")
+    flags = calibrator.predict(margins, size, metric=metric, rule=rule)
+    looks = _looks(flags.size)
+
+    def p_value(f: np.ndarray) -> float:
+        return float(binomtest(int(f.sum()), f.size, calibrator.fpr, alternative="greater").pvalue)
+
+    p = p_value(flags)
+    needed = next((k * size for k in looks if p_value(flags[:k]) < calibrator.fpr / len(looks)), None)
+    lo, hi = sequence_ci(seq, seed)
+    method = (f"binomial p-value of {int(flags.sum())}/{flags.size} batches of {size} tokens flagged by the "
+              f"calibrated {metric} {rule} detector (honest batches flag at <= {calibrator.fpr:.0%})")
+    tokens = int(seq[:, 0].sum())
+    return Verdict(tokens, len(seq), pooled(seq), lo, hi, float(seq[:, 2].sum() / tokens), p, calibrator.fpr,
+                   p >= calibrator.fpr, needed, None, method)
+
+
+def holm(p_values: list[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (family-wise error control over the providers)."""
+    order = np.argsort(p_values, kind="stable")
+    m, running, out = len(p_values), 0.0, [0.0] * len(p_values)
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        out[i] = running
+    return out

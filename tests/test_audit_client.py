@@ -1,0 +1,165 @@
+"""The audit's HTTP client over real loopback HTTP: retries, Retry-After, timeouts, malformed
+responses, persistence before use, resuming without repeated requests, API keys kept off disk."""
+
+import json
+import os
+import socket
+import time
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from tests.audit_servers import asgi_in_thread
+from verinfer.audit.client import Call, Endpoint, ProviderClient, ProviderError, RetryPolicy, retry_after_seconds
+from verinfer.audit.store import ResponseStore, request_key
+from verinfer.audit.verdict import holm
+
+GOOD = {"choices": [{"message": {"role": "assistant", "content": "hi"}, "token_ids": [1, 2]}]}
+
+
+def flaky_app(script: list):
+    """Answers each POST with the next scripted (status, body, headers), then GOOD forever; counts calls."""
+    app = FastAPI()
+    app.state.calls = []
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        app.state.calls.append({"body": await request.json(), "auth": request.headers.get("authorization")})
+        if not script:
+            return JSONResponse(GOOD)
+        status, body, headers = script.pop(0)
+        if status == "sleep":
+            import asyncio
+
+            await asyncio.sleep(body)
+            return JSONResponse(GOOD)
+        if isinstance(body, str):
+            return PlainTextResponse(body, status_code=status, headers=headers)
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    return app
+
+
+def calls(n=3):
+    return [Call("chat/completions", {"model": "m", "messages": [{"role": "user", "content": f"q{i}"}]},
+                 {"kind": "generate", "prompt_id": f"p{i}"}) for i in range(n)]
+
+
+def client(url, tmp_path, **policy):
+    store = ResponseStore(tmp_path / "prov" / "responses.jsonl")
+    policy = {"retries": 3, "backoff_s": 0.01, "timeout_s": 5.0, **policy}
+    return ProviderClient(Endpoint("prov", url, "m", "VERINFER_TEST_KEY"), store, concurrency=2,
+                          policy=RetryPolicy(**policy))
+
+
+def test_retries_5xx_and_429_and_honours_retry_after(tmp_path):
+    app = flaky_app([(503, {"error": {"message": "overloaded"}}, {}), (429, {"error": "slow down"}, {"Retry-After": "1"})])
+    with asgi_in_thread(app) as url:
+        c = client(url, tmp_path)
+        started = time.monotonic()
+        records = c.fetch(calls(1))
+        assert time.monotonic() - started >= 1.0  # waited as long as Retry-After said
+    assert records[0]["response"] == GOOD and records[0]["attempts"] == 3
+    assert len(app.state.calls) == 3 and c.sent == 3
+
+
+def test_client_errors_are_not_retried_and_name_the_provider(tmp_path):
+    app = flaky_app([(400, {"error": {"message": "unknown field 'return_token_ids'"}}, {})])
+    with asgi_in_thread(app) as url:
+        with pytest.raises(ProviderError) as exc:
+            client(url, tmp_path).fetch(calls(1))
+    text = str(exc.value)
+    assert "provider 'prov'" in text and "HTTP 400" in text and "unknown field 'return_token_ids'" in text
+    assert "\n" not in text and len(app.state.calls) == 1
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ("<html>bad gateway</html>", "the response is not JSON"),
+    ({"id": "x", "object": "chat.completion"}, "field 'choices' is missing"),
+    ([1, 2, 3], "expected an object"),
+])
+def test_malformed_responses_are_kept_and_reported(tmp_path, body, fragment):
+    # the first two requests succeed, the third gets garbage: the good ones stay stored
+    app = flaky_app([])
+    with asgi_in_thread(app) as url:
+        c = client(url, tmp_path)
+        c.concurrency = 1
+        c.fetch(calls(2))
+        app2 = flaky_app([(200, body, {})])
+        with asgi_in_thread(app2) as url2:
+            c2 = client(url2, tmp_path)
+            with pytest.raises(ProviderError) as exc:
+                c2.fetch(calls(3))
+    assert fragment in str(exc.value) and "rejected.jsonl" in str(exc.value)
+    assert len(ResponseStore(tmp_path / "prov" / "responses.jsonl")) == 2
+    rejected = [json.loads(line) for line in (tmp_path / "prov" / "rejected.jsonl").read_text().splitlines()]
+    assert len(rejected) == 1 and rejected[0]["request"]["messages"][0]["content"] == "q2"
+
+
+def test_timeouts_retry_then_fail_clearly_keeping_what_arrived(tmp_path):
+    app = flaky_app([("sleep", 3.0, {}), ("sleep", 3.0, {})])
+    with asgi_in_thread(app) as url:
+        c = client(url, tmp_path, retries=1, timeout_s=0.3)
+        c.concurrency = 1
+        with pytest.raises(ProviderError) as exc:
+            c.fetch(calls(2))
+    assert "timed out after 0.3 s" in str(exc.value) and "failed after 2 attempt(s)" in str(exc.value)
+
+
+def test_unreachable_endpoint(tmp_path):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    with pytest.raises(ProviderError) as exc:
+        client(f"http://127.0.0.1:{port}/v1", tmp_path, retries=1).fetch(calls(1))
+    assert "connection failed" in str(exc.value) and f"127.0.0.1:{port}" in str(exc.value)
+
+
+def test_resume_sends_only_missing_requests_and_keeps_the_key_off_disk(tmp_path, monkeypatch):
+    secret = "sk-test-" + "x" * 20
+    monkeypatch.setenv("VERINFER_TEST_KEY", secret)
+    app = flaky_app([])
+    with asgi_in_thread(app) as url:
+        client(url, tmp_path).fetch(calls(2))
+        assert len(app.state.calls) == 2
+        again = client(url, tmp_path)
+        records = again.fetch(calls(5))
+    assert len(app.state.calls) == 5 and again.sent == 3  # only the three new ones
+    assert [r["prompt_id"] for r in records] == [f"p{i}" for i in range(5)]
+    assert all(c["auth"] == f"Bearer {secret}" for c in app.state.calls)
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert secret not in path.read_text()
+
+
+def test_store_survives_a_write_cut_off_mid_line(tmp_path):
+    store = ResponseStore(tmp_path / "r.jsonl")
+    store.append("k1", "p", {"a": 1}, GOOD)
+    with open(tmp_path / "r.jsonl", "ab") as fh:
+        fh.write(b'{"format": "verinfer.audit.response/1", "key": "k2", "resp')  # killed mid-write
+    again = ResponseStore(tmp_path / "r.jsonl")
+    assert "k1" in again and "k2" not in again and again.damaged_lines == 1
+    again.append("k2", "p", {"a": 2}, GOOD)
+    third = ResponseStore(tmp_path / "r.jsonl")
+    assert "k1" in third and "k2" in third and third.damaged_lines == 1
+
+
+def test_request_key_is_stable_and_content_addressed():
+    assert request_key("chat/completions", {"a": 1, "b": [1, 2]}) == request_key("chat/completions", {"b": [1, 2], "a": 1})
+    assert request_key("chat/completions", {"a": 1}) != request_key("completions", {"a": 1})
+    assert request_key("completions", {"seed": 1}) != request_key("completions", {"seed": 2})
+
+
+def test_retry_after_parsing():
+    assert retry_after_seconds("2") == 2.0
+    assert retry_after_seconds(None) is None and retry_after_seconds("soon") is None
+    date = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 30))
+    assert 25 <= retry_after_seconds(date) <= 31
+
+
+def test_holm_adjustment():
+    # textbook example: p = (0.01, 0.04, 0.03, 0.005) -> (0.03, 0.06, 0.06, 0.02)
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5]) == [0.5] and max(holm([0.9, 0.8])) <= 1.0
