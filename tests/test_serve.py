@@ -264,3 +264,47 @@ def test_torch_exponential_server_and_old_template(backend):
     assert "SmolLM" not in backend.tokenizer.decode(body["prompt_token_ids"])
     assert "SmolLM" in backend.tokenizer.decode(default)
     assert _verify(backend, [_trace(0, choice, body["prompt_token_ids"])])["exact_match"].all()
+
+
+def _fuzz_value():
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(-3, 60),
+                        st.floats(allow_nan=True, allow_infinity=True), st.floats(-1, 3), st.text(max_size=12))
+    return st.one_of(scalars, st.lists(st.integers(-5, 60_000), max_size=6), st.lists(scalars, max_size=3),
+                     st.dictionaries(st.sampled_from(["fingerprint_dim", "toploc", "x", "role", "content"]), scalars,
+                                     max_size=3))
+
+
+def test_fuzzed_requests_never_cause_a_server_error(backend):
+    """Arbitrary values in known and unknown fields: a 200 or a 4xx in OpenAI's shape, never a 500."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    completion_keys = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "logprobs", "echo",
+                       "stop", "n", "stream", "return_token_ids", "verinfer_commits", "model", "bogus"]
+    chat_keys = ["max_tokens", "max_completion_tokens", "temperature", "top_k", "seed", "logprobs", "top_logprobs",
+                 "stop", "verinfer_commits", "return_tokens_as_token_ids", "bogus"]
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool"]),
+                                     "content": st.one_of(st.text(max_size=20), _fuzz_value())})
+    completion = st.dictionaries(st.sampled_from(completion_keys), _fuzz_value(), max_size=6).map(
+        lambda d: {"prompt": "Hi", **d} if "prompt" not in d and len(d) % 2 else d)
+    chat = st.tuples(st.lists(message, max_size=3), st.dictionaries(st.sampled_from(chat_keys), _fuzz_value(),
+                                                                   max_size=4)).map(lambda t: {"messages": t[0], **t[1]})
+    seen: set[int] = set()
+    with serve_in_thread(backend, ServeConfig(max_tokens_limit=3)) as url, httpx.Client(base_url=url, timeout=120) as c:
+        @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+        @given(st.one_of(completion.map(lambda b: ("/completions", b)), chat.map(lambda b: ("/chat/completions", b))))
+        def check(case):
+            path, body = case
+            r = c.post(path, json=body)
+            seen.add(r.status_code)
+            assert r.status_code in (200, 400, 404), (body, r.status_code, r.text)
+            if r.status_code != 200:
+                err = r.json()["error"]
+                assert err["message"] and err["type"] == "invalid_request_error"
+            else:
+                assert len(r.json()["choices"]) == 1
+
+        check()
+    assert {200, 400} <= seen  # the fuzz reached both the decoder and the validator

@@ -64,6 +64,16 @@ class _Sampling(_Strict):
     return_tokens_as_token_ids: bool = False
     verinfer_commits: CommitsRequest | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        """``null`` for a field with a default means the default (as vLLM and many clients treat it)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items()
+                    if not (v is None and k in fields and fields[k].default is not None)}
+        return data
+
     @field_validator("temperature", "top_p", "min_p", mode="before")
     @classmethod
     def _number(cls, v: Any) -> Any:
