@@ -308,3 +308,17 @@ def test_fuzzed_requests_never_cause_a_server_error(backend):
 
         check()
     assert {200, 400} <= seen  # the fuzz reached both the decoder and the validator
+
+
+def test_echo_with_generation_lists_prompt_then_output_tokens(honest, backend):
+    text = "Rivers flow to the"
+    ids = _ids(backend, text)
+    r = honest.post("/completions", json={"prompt": text, "max_tokens": 4, "echo": True, "logprobs": 1, "seed": 5,
+                                          "return_token_ids": True, "return_tokens_as_token_ids": True})
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith(text) and len(choice["text"]) > len(text)
+    assert lp["tokens"] == [f"token_id:{t}" for t in ids + choice["token_ids"]]
+    assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
+    for tok, top in zip(lp["tokens"][len(ids):], lp["top_logprobs"][len(ids):]):
+        assert tok in top and 1 <= len(top) <= 2  # the top-1 plus the chosen token

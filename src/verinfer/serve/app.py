@@ -178,7 +178,7 @@ class ServedModel:
             raise APIError(str(exc), status=503, type="server_error") from None
         n, text, stop = cut_at_stop(self.tokenizer, gen.tokens, req.stop)
         tokens = gen.tokens[:n]
-        finish = "stop" if stop is not None else gen.finish_reason if n == len(gen.tokens) else "stop"
+        finish = "stop" if stop is not None else gen.finish_reason
         commits = None
         if spec is not None and tokens:
             rows = gen.rows[: len(prompt.actual) + n - 1]
