@@ -150,6 +150,7 @@ def test_chat_completion_with_logprobs_and_commits(honest, backend):
     ({"prompt": "hi", "max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
     ({"prompt": "hi", "verinfer_commits": {"toploc": True, "extra": 1}}, "verinfer_commits.extra", "unknown field"),
     ({"max_tokens": 2}, "prompt", "missing"),
+    ({"prompt": [1] * 8190, "max_tokens": 16}, "prompt", "more than the context of 8192 tokens"),
 ])
 def test_bad_requests_are_400_naming_the_field(honest, body, param, words):
     r = honest.post("/completions", json=body)
