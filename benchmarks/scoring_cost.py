@@ -38,7 +38,7 @@ import mmh3  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from machine import describe  # noqa: E402
+from verinfer.machine import describe  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
 from verinfer.sampling.noise import vllm_gumbel  # noqa: E402
 from verinfer.sampling.params import SamplingParams  # noqa: E402

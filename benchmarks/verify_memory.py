@@ -191,7 +191,7 @@ def main() -> None:
         child(args)
         return
 
-    from machine import describe
+    from verinfer.machine import describe
 
     out = args.out or RESULTS / ("verify_memory.md" if args.profile == "vllm-topk"
                                  else f"verify_memory_{args.profile}.md")

@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 import verinfer  # noqa: E402
 import verinfer.verify.token_difr as token_difr  # noqa: E402
-from machine import describe  # noqa: E402
+from verinfer.machine import describe  # noqa: E402
 from verinfer.generate import generate  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
 from verinfer.pipeline import build_requests  # noqa: E402

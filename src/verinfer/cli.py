@@ -218,8 +218,11 @@ def demo(
     model: str = typer.Option(DEFAULT_MODEL, help="reference model"),
     n: int = typer.Option(24, help="prompts per trace set"),
     max_tokens: int = typer.Option(64, help="most tokens generated per prompt"),
+    audit_prompts: int = typer.Option(8, help="prompts for the loopback HTTP audit of an honest and a 4-bit "
+                                      "server (0: skip it)"),
 ):
-    """The main job on the bundled model: honest vs wrong-seed traces, calibrated and verified."""
+    """The main job on the bundled model: honest vs wrong-seed traces, calibrated and verified; then an
+    honest and a 4-bit provider served on loopback and audited over HTTP."""
     from verinfer.pipeline import run_demo
     from verinfer.prompts import load_prompts
 
@@ -231,17 +234,25 @@ def demo(
         task = bar.add_task("generating", total=3 * n)
         result = run_demo(backend, prompts, out_dir, max_new_tokens=max_tokens, batch_size=n,
                           on_tokens=lambda k: bar.advance(task, k),
-                          on_stage=lambda s: bar.update(task, description=s))
+                          on_stage=lambda s: bar.update(task, description=s), audit_prompts=min(audit_prompts, n))
     _print_summaries({"honest": result.honest, "wrong seed": result.wrong_seed})
     console.print(f"calibrated on {result.calibration_tokens} tokens of a separate honest set "
                   f"(mean clipped margin, batches of {result.batch_size} tokens, 1% target FPR); "
                   f"files in {result.out_dir}/")
+    if result.audit is not None:
+        console.print("[bold]HTTP audit[/bold] of two `verinfer serve` providers on loopback (greedy spot checks, "
+                      "local reference, shipped bands):")
+        for a in result.audit.providers:
+            style = "green" if a.verdict.consistent else "red"
+            console.print(f"[bold]{a.endpoint.name}[/bold]: [{style}]{a.verdict.text}[/{style}]", highlight=False)
+        console.print(f"audit report: {result.audit_report}")
 
 
 def _register_subcommands() -> None:
     from verinfer.determinism.cli import app as margingate
 
     app.add_typer(margingate, name="margingate", help="MarginGate: reproducible greedy decoding under dynamic batching")
+    app.command(name="experiment")(_friendly(__import__("verinfer.experiments.cli", fromlist=["x"]).experiment))
     app.command(name="serve")(__import__("verinfer.serve.cli", fromlist=["serve"]).serve)
     app.add_typer(__import__("verinfer.audit.cli", fromlist=["app"]).app, name="audit", help="Audit OpenAI-compatible providers over HTTP")
 

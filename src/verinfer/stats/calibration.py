@@ -166,12 +166,16 @@ class Calibrator:
         self.thresholds_ = thresholds
         return self
 
+    def transform(self, scores: ArrayLike, *, metric: str, rule: str) -> np.ndarray:
+        """Per-token scores whose batch mean is the rule's statistic (percentiles from ``fit``)."""
+        self._check_metric_rule(metric, rule)
+        arr = self._check_metric_scores(metric, scores, "scores")
+        return _transform(arr, rule, self.percentile_values_.get(metric, {}))
+
     def score(self, scores: ArrayLike, batch_size: int, *, metric: str, rule: str) -> np.ndarray:
         """Batch statistics of consecutive ``batch_size``-token batches (remainder dropped)."""
         self._check_detector(metric, rule, batch_size)
-        arr = self._check_metric_scores(metric, scores, "scores")
-        per_token = _transform(arr, rule, self.percentile_values_.get(metric, {}))
-        return batch_means(per_token, batch_size)
+        return batch_means(self.transform(scores, metric=metric, rule=rule), batch_size)
 
     def predict(self, scores: ArrayLike, batch_size: int, *, metric: str, rule: str) -> np.ndarray:
         """True for each batch whose statistic exceeds the honest threshold (flagged)."""
@@ -265,6 +269,14 @@ class Calibrator:
             raise NotFittedError("this Calibrator is not fitted; call fit(honest_scores) first")
 
     def _check_detector(self, metric: str, rule: str, batch_size: int) -> None:
+        self._check_metric_rule(metric, rule)
+        if batch_size not in self.batch_sizes:
+            raise ValueError(
+                f"batch size {batch_size} was not calibrated (fitted: {list(self.batch_sizes)}); "
+                "score at a fitted size or refit with this size"
+            )
+
+    def _check_metric_rule(self, metric: str, rule: str) -> None:
         self._check_fitted()
         if metric not in self.n_tokens_:
             raise ValueError(
@@ -273,11 +285,6 @@ class Calibrator:
         if rule not in self._rules_for(metric):
             raise ValueError(
                 f"rule {rule!r} not fitted for {metric!r}; fitted: {self._rules_for(metric)}"
-            )
-        if batch_size not in self.batch_sizes:
-            raise ValueError(
-                f"batch size {batch_size} was not calibrated (fitted: {list(self.batch_sizes)}); "
-                "score at a fitted size or refit with this size"
             )
 
 

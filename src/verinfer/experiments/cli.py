@@ -1,0 +1,70 @@
+"""`verinfer experiment`: the detection-power matrix, its tables and plots (see ``detection``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from verinfer.models.load import DEFAULT_MODEL
+
+console = Console()
+err = Console(stderr=True)
+
+
+def experiment(
+    out: Path = typer.Option(Path("experiments/results/detection"), "--out", "-o", help="where the report goes"),
+    cache: Optional[Path] = typer.Option(None, help="trace/score cache (default $VERINFER_CACHE/experiments)"),
+    configs: Optional[str] = typer.Option(None, help="comma-separated configurations (default: all)"),
+    model: str = typer.Option(DEFAULT_MODEL, help="model alias, directory or .gguf file"),
+    prompts: str = typer.Option("chitchat", help="built-in prompt set or JSONL file"),
+    n_prompts: int = typer.Option(128, "--n-prompts", help="prompts per configuration"),
+    max_tokens: int = typer.Option(64, "--max-tokens", help="new tokens per prompt"),
+    batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="tokens per batch to evaluate, comma-separated"),
+    n_batches: int = typer.Option(1000, "--n-batches", help="random batches per side and batch size"),
+    n_boot: int = typer.Option(200, "--n-boot", help="bootstrap resamples per AUC"),
+    smoke: bool = typer.Option(False, help="a tiny matrix (two configurations, 16 prompts x 20 tokens)"),
+    threads: int = typer.Option(0, help="torch threads (0: torch's default)"),
+) -> None:
+    """Detection power: the honest/misconfigured matrix (cached, resumable), AUC-vs-tokens tables and plots."""
+    import torch
+
+    from verinfer.experiments import detection
+    from verinfer.experiments.detection_report import analyse, write_report
+    from verinfer.machine import describe
+    from verinfer.models.load import cache_root
+    from verinfer.stats.power import BATCH_SIZES
+
+    detection.set_threads(threads)
+    matrix = detection.smoke_matrix() if smoke else detection.Matrix(model=model, prompts=prompts,
+                                                                      n_prompts=n_prompts, max_tokens=max_tokens)
+    if configs:
+        matrix = dataclasses.replace(matrix, configs=tuple(c.strip() for c in configs.split(",") if c.strip()))
+    try:
+        sizes = tuple(int(x) for x in batch_sizes.split(",")) if batch_sizes else \
+            ((1, 5, 20, 50) if smoke else BATCH_SIZES)
+    except ValueError:
+        raise ValueError(f"--batch-sizes must be comma-separated integers, got {batch_sizes!r}") from None
+    with Progress(TextColumn("{task.description}"), TimeElapsedColumn(), console=err, transient=True) as bar:
+        task = bar.add_task("loading the model")
+        data = detection.run_matrix(matrix, cache or cache_root() / "experiments",
+                                    stage=lambda s: bar.update(task, description=s))
+        bar.update(task, description="analysing")
+        result = analyse(data, matrix, sizes, n_batches=n_batches, n_boot=n_boot)
+    command = "verinfer experiment " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    paths = write_report(result, out, describe(torch.get_num_threads()), command.strip())
+    table = Table("configuration", "target", "detector", "tokens for AUC >= 0.99", "met", title="Detection power")
+    for name, c in result["configs"].items():
+        v = c["verdict"]
+        table.add_row(name, f"{c['target']:,}" if c["target"] else "-", v["detector"],
+                      f"{v['tokens']:,}" if v["tokens"] else f"> {v['max_tokens']:,} (AUC {v['auc_at_max']:.2f})",
+                      "-" if "met" not in v else ("yes" if v["met"] else "no"))
+    console.print(table)
+    console.print("wrote " + ", ".join(str(p) for p in paths))
