@@ -17,20 +17,12 @@ err = Console(stderr=True)
 
 
 def _friendly(fn):
-    """Input, provider and file errors become one red line and exit code 2."""
+    """The main command line's handling: input and provider errors become one line and exit code 2."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        from verinfer.audit.client import ProviderError
-        from verinfer.models.load import ModelNotAvailable
-        from verinfer.prompts import PromptError
-        from verinfer.trace import TraceError
+        from verinfer.cli import _friendly as one_line_errors
 
-        try:
-            return fn(*args, **kwargs)
-        except (ProviderError, TraceError, PromptError, ModelNotAvailable, ValueError, OSError, KeyError) as exc:
-            err.print(f"[red]error:[/red] {exc.args[0] if isinstance(exc, KeyError) else exc}", highlight=False,
-                      soft_wrap=True)
-            raise typer.Exit(2) from None
+        return one_line_errors(fn)(*args, **kwargs)
     return wrapper
 
 

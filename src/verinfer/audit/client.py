@@ -27,8 +27,10 @@ from verinfer.audit.store import ResponseStore, request_key
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
 
-class ProviderError(Exception):
-    """A provider that cannot be audited as asked; the message names the provider and what failed."""
+class ProviderError(ValueError):
+    """A provider that cannot be audited as asked; the message names the provider and what failed.
+
+    A ValueError, like every other input error, so the command line reports it as one line."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,13 @@ from verinfer.trace import Trace
 Columns = dict[str, np.ndarray]
 
 
+def in_trace_order(columns: Columns, traces: Sequence[Trace]) -> Columns:
+    """Rows sorted by the traces' order, then position (the verifier streams blocks in its own order)."""
+    rank = {t.id: i for i, t in enumerate(traces)}
+    order = np.lexsort((columns["position"], np.array([rank[t] for t in columns["trace_id"]])))
+    return {k: np.asarray(v)[order] for k, v in columns.items()}
+
+
 def claim_traces(claims: Sequence[Claim], provider: str, model_id: str,
                  params: Callable[[int], SamplingParams]) -> list[Trace]:
     """Traces claiming the reference model and the audit's sampling parameters."""
@@ -52,14 +59,21 @@ class LocalReference:
     def tokenizer(self):
         return self.backend.tokenizer
 
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.vocab_size
+
     def describe(self) -> str:
         return f"local {self.backend.model_id} ({str(self.backend.dtype).replace('torch.', '')}), Token-DiFR margins"
 
     def score(self, traces: list[Trace], out_dir: Path, on_rows=None) -> Columns:
         from verinfer.pipeline import check_traces, verify_to_file
 
+        from verinfer.verify.report import read_scores
+
         check_traces(traces, self.backend, f"{out_dir.name} responses")
-        return verify_to_file(self.backend, traces, out_dir / "scores.parquet", on_rows=on_rows)
+        verify_to_file(self.backend, traces, out_dir / "scores.parquet", on_rows=on_rows)
+        return in_trace_order(read_scores(out_dir / "scores.parquet"), traces)
 
 
 @dataclass
@@ -70,6 +84,10 @@ class ApiReference:
     tokenizer: object
     top_logprobs: int = 5
     name: str = "api"
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
 
     def describe(self) -> str:
         return (f"reference API {self.client.endpoint.base_url} ({self.client.endpoint.model}), "
@@ -109,5 +127,6 @@ class ApiReference:
                 raise ProviderError(f"{where}: output token {i}: malformed logprob entry")
             lp = float(lp) if math.isfinite(lp) else -1e9
             margin[i] = max(max(top.values()), lp) - lp
-        return {"trace_id": np.array([trace.id] * n_out, dtype=object), "exact_match": margin <= 0,
+        return {"trace_id": np.array([trace.id] * n_out, dtype=object), "position": np.arange(n_out),
+                "exact_match": margin <= 0,
                 "margin": margin, "cross_entropy": np.array([-float(own[n_prompt + i]) for i in range(n_out)])}

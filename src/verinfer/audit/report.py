@@ -80,6 +80,7 @@ def bands_plot(audit: ProviderAudit) -> str:
                 color="#c0392b" if not v.consistent else "#1e8449", capsize=5, ms=8)
     ax.set_yticks(range(len(labels) + 1), labels + [f"{audit.endpoint.name} (95% CI)"])
     ax.set_xscale("symlog", linthresh=1e-3)
+    ax.set_xlim(0, 1.5 * max([v.ci_high, v.statistic] + [r[2] for r in v.band_ranges.values()]) + 1e-3)
     ax.set_xlabel(f"mean clipped margin over {v.tokens} tokens (bands: 2.5-97.5% of pseudo-audits)")
     ax.grid(axis="x", alpha=0.3)
     return _svg(fig)
@@ -93,7 +94,8 @@ def histogram_plot(audit: ProviderAudit, honest_counts: list[int] | None) -> str
     import matplotlib.pyplot as plt
 
     mine = np.asarray(histogram(audit.columns["margin"]), dtype=float)
-    labels = ["0"] + [f"{a:g}-{b:g}" for a, b in zip(HIST_EDGES[1:], HIST_EDGES[2:])] + [">=20"]
+    labels = ["0", f"<{HIST_EDGES[2]:g}"] + [f"{a:g}-{b:g}" for a, b in zip(HIST_EDGES[2:], HIST_EDGES[3:])] + [
+        f">={HIST_EDGES[-1]:g}"]
     x = np.arange(len(labels))
     fig, ax = plt.subplots(figsize=(7, 2.8))
     width = 0.4 if honest_counts else 0.8

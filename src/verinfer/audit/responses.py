@@ -49,15 +49,19 @@ def _field(choice: dict, response: dict, name: str) -> Any:
     return choice.get(name, response.get(name))
 
 
-def _ids(value: Any, where: str, name: str) -> list[int] | None:
+def _ids(value: Any, where: str, name: str, vocab_size: int) -> list[int] | None:
     if value is None:
         return None
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         raise ProviderError(f"{where}: field {name!r} must be a list of integers")
+    bad = [(i, t) for i, t in enumerate(value) if not 0 <= t < vocab_size]
+    if bad:
+        raise ProviderError(f"{where}: {name}[{bad[0][0]}]: token id {bad[0][1]} is outside the vocabulary "
+                            f"[0, {vocab_size}) of the reference tokenizer (does the provider use another one?)")
     return value
 
 
-def parse_generation(record: dict[str, Any], tokenizer, stop_ids: set[int], where: str) -> Claim:
+def parse_generation(record: dict[str, Any], tokenizer, stop_ids: set[int], vocab_size: int, where: str) -> Claim:
     """A stored generation record as a Claim; ProviderError naming the field on malformed content."""
     meta, response = record, record["response"]
     choice = response["choices"][0]
@@ -65,8 +69,8 @@ def parse_generation(record: dict[str, Any], tokenizer, stop_ids: set[int], wher
     text = message.get("content") if isinstance(message, dict) else choice.get("text")
     if text is not None and not isinstance(text, str):
         raise ProviderError(f"{where}: the output text must be a string, got {type(text).__name__}")
-    ids = _ids(_field(choice, response, "token_ids"), where, "token_ids")
-    reported_prompt = _ids(_field(choice, response, "prompt_token_ids"), where, "prompt_token_ids")
+    ids = _ids(_field(choice, response, "token_ids"), where, "token_ids", vocab_size)
+    reported_prompt = _ids(_field(choice, response, "prompt_token_ids"), where, "prompt_token_ids", vocab_size)
     if ids is None and text is None:
         raise ProviderError(f"{where}: the response has neither output token ids nor text "
                             "('choices[0].token_ids', 'choices[0].message.content' / 'choices[0].text')")

@@ -20,6 +20,7 @@ import numpy as np
 from verinfer.audit.bands import Bands, sequence_stats
 from verinfer.audit.client import Endpoint, ProviderClient, ProviderError, RetryPolicy
 from verinfer.audit.plan import AuditSpec, generation_calls
+from verinfer.audit.reference import claim_traces
 from verinfer.audit.responses import Claim, parse_generation, summarize_drift
 from verinfer.audit.store import ResponseStore
 from verinfer.audit.verdict import Verdict, holm, judge, judge_calibrated
@@ -96,14 +97,12 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     stops = stop_ids(tokenizer)
     audits = []
     for e, store, client, records in fetched:
-        claims = [parse_generation(r, tokenizer, stops, f"provider {e.name!r}: {store.path} (prompt {r['prompt_id']})")
-                  for r in records]
+        claims = [parse_generation(r, tokenizer, stops, reference.vocab_size,
+                                   f"provider {e.name!r}: {store.path} (prompt {r['prompt_id']})") for r in records]
         empty = [c.prompt_id for c in claims if not c.output_token_ids]
         claims = [c for c in claims if c.output_token_ids]
         if not claims:
             raise ProviderError(f"provider {e.name!r}: every response has an empty output; nothing to verify")
-        from verinfer.audit.reference import claim_traces
-
         model_id = getattr(getattr(reference, "backend", None), "model_id", e.model)
         traces = claim_traces(claims, e.name, model_id, spec.params)
         write_traces(traces, out_dir / e.name / "traces.jsonl")

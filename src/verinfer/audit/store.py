@@ -63,6 +63,9 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._records)
 
+    def records(self) -> list[dict[str, Any]]:
+        return list(self._records.values())
+
     def get(self, key: str) -> dict[str, Any] | None:
         return self._records.get(key)
 

@@ -4,10 +4,11 @@ The pooled statistic is the mean clipped margin over all of a provider's tokens,
 bootstrap interval over sequences (tokens of one sequence are correlated, so sequences are the
 unit that gets resampled). Its p-value is the rank of the statistic among honest pseudo-audits of
 the same size, ``p = (1 + #{honest >= s}) / (R + 1)``: pseudo-audits resample whole honest band
-sequences (fp32 reference and bf16) until they hold as many tokens as the audit. It is a
-resampling p-value on a finite honest pool rather than an exact conformal one: the pool's size
-limits how small it can honestly get, and the report gives the pool size. A provider is judged
-inconsistent when ``p < fpr``.
+sequences (fp32 reference and bf16) until they hold as many tokens as the audit. This is a
+bootstrap estimate, like ``Calibrator(resample=R)``, not an exact conformal p-value: with n honest
+sequences in the pool, a p-value below ``1 / (n + 1)`` says the statistic lies beyond what the pool
+shows and rests on the bootstrap's extrapolation; verdicts flag it (``beyond_pool``) and give n.
+A provider is judged inconsistent when ``p < fpr``.
 
 *Tokens needed* is when a sequential auditor would have stopped: the statistic is re-tested on
 doubling prefixes of the sequences (1, 2, 4, ... sequences, then all) at ``fpr / L`` each for L
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -45,6 +47,12 @@ class Verdict:
     method: str
     band_ranges: dict = field(default_factory=dict)  # band -> [2.5%, 50%, 97.5%] at this many tokens
     p_adjusted: float | None = None  # Holm-adjusted, when several providers are audited together
+    pool_sequences: int | None = None  # honest sequences behind the p-value (bands verdicts)
+
+    @property
+    def beyond_pool(self) -> bool:
+        """The p-value is smaller than the honest pool alone can support (1 / (n + 1))."""
+        return self.pool_sequences is not None and self.p_value < 1 / (self.pool_sequences + 1)
 
     @property
     def text(self) -> str:
@@ -54,12 +62,14 @@ class Verdict:
                 else "INCONSISTENT with the claimed configuration")
         needed = f"; detected after {self.tokens_needed} tokens" if self.tokens_needed and not self.consistent else ""
         like = f"; resembles {self.resembles}" if self.resembles else ""
+        beyond = (f" (beyond all {self.pool_sequences} honest band sequences: a bootstrap extrapolation)"
+                  if self.beyond_pool else "")
         return (f"{head} at {self.fpr:.0%} FPR: mean clipped margin {self.statistic:.4f} "
                 f"(95% CI {self.ci_low:.4f}-{self.ci_high:.4f}) over {self.tokens} tokens in {self.sequences} "
-                f"sequences, {which} = {p:.3g}{needed}{like}")
+                f"sequences, {which} = {p:.3g}{beyond}{needed}{like}")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "text": self.text}
+        return {**asdict(self), "beyond_pool": self.beyond_pool, "text": self.text}
 
 
 def pooled(seq: np.ndarray) -> float:
@@ -86,22 +96,36 @@ def _looks(n: int) -> list[int]:
     return sizes + [n]
 
 
+def _draws(n_sequences: int, fpr: float) -> int:
+    """Enough honest pseudo-audits to resolve p-values well below ``fpr / looks``."""
+    return max(999, math.ceil(20 * len(_looks(n_sequences)) / fpr))
+
+
+def p_value(seq: np.ndarray, pool: np.ndarray, fpr: float, rng: np.random.Generator,
+            draws: int | None = None) -> float:
+    """Resampling p-value of ``seq``'s pooled statistic among honest pseudo-audits of its size."""
+    draws = draws or _draws(len(seq), fpr)
+    null = pseudo_audits(pool, int(seq[:, 0].sum()), draws, rng)
+    return float((1 + np.count_nonzero(null >= pooled(seq) - 1e-12)) / (draws + 1))
+
+
+def tokens_needed(seq: np.ndarray, pool: np.ndarray, fpr: float, rng: np.random.Generator) -> int | None:
+    """Tokens at the first doubling prefix rejected at ``fpr / looks`` (None: never rejected)."""
+    looks = _looks(len(seq))
+    draws = _draws(len(seq), fpr)
+    return next((int(seq[:k, 0].sum()) for k in looks
+                 if p_value(seq[:k], pool, fpr, rng, draws) < fpr / len(looks)), None)
+
+
 def judge(seq: np.ndarray, bands: Bands, fpr: float = 0.01, seed: int = 0) -> Verdict:
     """Test a provider's per-sequence stats ``[tokens, clipped margin sum, exact]`` against the bands."""
     if len(seq) == 0 or seq[:, 0].sum() == 0:
         raise ValueError("no tokens to judge")
     rng = np.random.default_rng(seed)
     pool = bands.honest_pool()
-    looks = _looks(len(seq))
-    draws = max(999, math.ceil(20 * len(looks) / fpr))
-
-    def p_value(part: np.ndarray) -> float:
-        null = pseudo_audits(pool, int(part[:, 0].sum()), draws, rng)
-        return float((1 + np.count_nonzero(null >= pooled(part) - 1e-12)) / (draws + 1))
-
     tokens, stat = int(seq[:, 0].sum()), pooled(seq)
-    p = p_value(seq)
-    needed = next((int(seq[:k, 0].sum()) for k in looks if p_value(seq[:k]) < fpr / len(looks)), None)
+    p = p_value(seq, pool, fpr, rng)
+    needed = tokens_needed(seq, pool, fpr, rng)
     ranges = {}
     for b in bands.bands:
         q = np.percentile(pseudo_audits(b.sequences, tokens, 2000, rng), [2.5, 50, 97.5])
@@ -111,10 +135,11 @@ def judge(seq: np.ndarray, bands: Bands, fpr: float = 0.01, seed: int = 0) -> Ve
     resembles = min(candidates, key=lambda name: abs(ranges[name][1] - stat) if inside
                     else min(abs(ranges[name][0] - stat), abs(ranges[name][2] - stat)))
     lo, hi = sequence_ci(seq, seed)
-    method = (f"resampling p-value of the pooled statistic among {draws} honest pseudo-audits drawn from "
-              f"{len(pool)} honest band sequences ({bands.source}); clip {bands.clip:.4g}")
+    method = (f"bootstrap p-value of the pooled statistic among {_draws(len(seq), fpr)} honest pseudo-audits "
+              f"resampled from {len(pool)} honest band sequences ({Path(bands.source).name}); per-token clip "
+              f"{bands.clip:.4g}")
     return Verdict(tokens, len(seq), stat, lo, hi, float(seq[:, 2].sum() / tokens), p, fpr, p >= fpr, needed,
-                   resembles, method, ranges)
+                   resembles, method, ranges, pool_sequences=len(pool))
 
 
 def judge_calibrated(seq: np.ndarray, margins: np.ndarray, calibrator: Calibrator, batch_size: int | None,
