@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -58,8 +57,13 @@ def experiment(
                                     stage=lambda s: bar.update(task, description=s))
         bar.update(task, description="analysing")
         result = analyse(data, matrix, sizes, n_batches=n_batches, n_boot=n_boot)
-    command = "verinfer experiment " + " ".join(shlex.quote(a) for a in sys.argv[2:])
-    paths = write_report(result, out, describe(torch.get_num_threads()), command.strip())
+    # The command that reproduces this report, spelled out from the effective settings.
+    args = ["--smoke"] if smoke else ["--model", matrix.model, "--prompts", matrix.prompts,
+                                       "--n-prompts", str(matrix.n_prompts), "--max-tokens", str(matrix.max_tokens)]
+    args += ["--configs", ",".join(matrix.configs), "--batch-sizes", ",".join(map(str, sizes)),
+             "--n-batches", str(n_batches), "--n-boot", str(n_boot), "--out", str(out)]
+    command = "verinfer experiment " + " ".join(shlex.quote(a) for a in args)
+    paths = write_report(result, out, describe(torch.get_num_threads()), command)
     table = Table("configuration", "target", "detector", "tokens for AUC >= 0.99", "met", title="Detection power")
     for name, c in result["configs"].items():
         v = c["verdict"]
