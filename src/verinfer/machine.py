@@ -1,4 +1,4 @@
-"""The machine line every benchmark result records (ratios only mean something next to it)."""
+"""The machine line every benchmark and experiment result records (ratios only mean something next to it)."""
 
 from __future__ import annotations
 
