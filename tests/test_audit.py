@@ -173,7 +173,7 @@ def counting_proxy(upstream: str, fail_after: int | None):
 
 
 def test_interrupted_audit_resumes_without_repeated_requests(backend, servers, prompts, bands, tmp_path):
-    spec = AuditSpec(mode="greedy", max_tokens=12)
+    spec, prompts = AuditSpec(mode="greedy", max_tokens=12), prompts[:6]
     failing = counting_proxy(servers["honest"], fail_after=4)
     with asgi_in_thread(failing) as url:
         with pytest.raises(ProviderError, match="injected failure"):
@@ -248,8 +248,8 @@ def test_seeded_mode_with_a_calibration_file(backend, prompts, tmp_path):
     from verinfer.pipeline import build_requests, verify_to_file
     from verinfer.verify.report import fit_calibrator
 
-    spec = AuditSpec(mode="seeded", sampler="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000, max_tokens=24)
-    honest_traces = generate(backend, build_requests(backend, prompts, spec.params(0).with_(seed=123)), 24, 10)
+    spec = AuditSpec(mode="seeded", sampler="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000, max_tokens=16)
+    honest_traces = generate(backend, build_requests(backend, prompts, spec.params(0).with_(seed=123)), 16, 10)
     calibrator = fit_calibrator(verify_to_file(backend, honest_traces, None), (1,))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -268,3 +268,14 @@ def test_seeded_mode_with_a_calibration_file(backend, prompts, tmp_path):
     stored = ResponseStore(tmp_path / "honest" / "responses.jsonl")
     seeds = sorted(r["request"]["seed"] for r in stored.records())
     assert seeds == [7000 + i for i in range(6)]  # prompt i asked with seed + i, as replayed
+
+
+def test_identical_prompts_are_asked_and_counted_once(backend, servers, prompts, bands, tmp_path):
+    spec = AuditSpec(mode="greedy", max_tokens=8)
+    proxy = counting_proxy(servers["honest"], fail_after=None)
+    with asgi_in_thread(proxy) as url:
+        result = run_audit([Endpoint("p", url, backend.model_id, None)], [prompts[0], prompts[1], prompts[0]], spec,
+                           LocalReference(backend), tmp_path, bands=bands)
+    assert proxy.state.forwarded == 2
+    a = result.providers[0]
+    assert [c.prompt_id for c in a.claims] == [prompts[0].id, prompts[1].id] and a.verdict.sequences == 2

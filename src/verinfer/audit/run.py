@@ -90,8 +90,11 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     for e in endpoints:
         store = ResponseStore(out_dir / e.name / "responses.jsonl")
         client = ProviderClient(e, store, concurrency, policy)
-        calls = generation_calls(spec, prompts, tokenizer, e.model)
-        stage(f"{e.name}: {sum(c.key not in store for c in calls)} of {len(calls)} requests to send")
+        asked = generation_calls(spec, prompts, tokenizer, e.model)
+        calls = list({c.key: c for c in asked[::-1]}.values())  # identical prompts: asked and counted once,
+        calls.sort(key=lambda c: c.meta["index"])  # keeping the first of each
+        stage(f"{e.name}: {sum(c.key not in store for c in calls)} of {len(calls)} requests to send"
+              + (f" ({len(asked) - len(calls)} duplicate prompt(s) skipped)" if len(asked) > len(calls) else ""))
         records = client.fetch(calls)
         fetched.append((e, store, client, records))
     stops = stop_ids(tokenizer)

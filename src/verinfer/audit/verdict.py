@@ -2,18 +2,22 @@
 
 The pooled statistic is the mean clipped margin over all of a provider's tokens, with a 95%
 bootstrap interval over sequences (tokens of one sequence are correlated, so sequences are the
-unit that gets resampled). Its p-value is the rank of the statistic among honest pseudo-audits of
-the same size, ``p = (1 + #{honest >= s}) / (R + 1)``: pseudo-audits resample whole honest band
-sequences (fp32 reference and bf16) until they hold as many tokens as the audit. This is a
-bootstrap estimate, like ``Calibrator(resample=R)``, not an exact conformal p-value: with n honest
-sequences in the pool, a p-value below ``1 / (n + 1)`` says the statistic lies beyond what the pool
-shows and rests on the bootstrap's extrapolation; verdicts flag it (``beyond_pool``) and give n.
+unit that gets resampled). The null hypothesis is composite: the provider runs *some* honest
+configuration (the fp32 reference, or bf16 as GPU providers do). For each honest band the p-value
+is the rank of the statistic among pseudo-audits of the same size, ``p_b = (1 + #{>= s}) / (R + 1)``,
+which resample whole sequences of that band until they hold as many tokens as the audit; the
+audit's p-value is the largest, ``p = max_b p_b``, so a provider is called inconsistent only when it
+is inconsistent with every honest band (pooling the bands instead would test against a mixture
+and flag honest bf16 providers, as measured in RESULTS.md section 7). Each ``p_b`` is a bootstrap
+estimate, like ``Calibrator(resample=R)``, not an exact conformal p-value: with n sequences in a
+band, a p-value below ``1 / (n + 1)`` says the statistic lies beyond what the band shows and rests
+on the bootstrap's extrapolation; verdicts flag it (``beyond_pool``) and give n.
 A provider is judged inconsistent when ``p < fpr``.
 
 *Tokens needed* is when a sequential auditor would have stopped: the statistic is re-tested on
-doubling prefixes of the sequences (1, 2, 4, ... sequences, then all) at ``fpr / L`` each for L
-looks (Bonferroni), so stopping at the first rejection keeps the overall false-positive rate at
-``fpr``. Several providers in one audit get Holm-Bonferroni adjusted p-values (``holm``), so the
+doubling prefixes of the sequences (1, 2, 4, ... sequences, then all; from the first prefix as
+long as a median honest sequence) at ``fpr / L`` each for L looks (Bonferroni), so stopping at the
+first rejection keeps the overall false-positive rate at ``fpr``. Several providers in one audit get Holm-Bonferroni adjusted p-values (``holm``), so the
 chance of wrongly flagging any honest one stays at ``fpr``.
 """
 
@@ -51,7 +55,7 @@ class Verdict:
 
     @property
     def beyond_pool(self) -> bool:
-        """The p-value is smaller than the honest pool alone can support (1 / (n + 1))."""
+        """The p-value is smaller than an honest band of n sequences alone can support (1 / (n + 1))."""
         return self.pool_sequences is not None and self.p_value < 1 / (self.pool_sequences + 1)
 
     @property
@@ -62,7 +66,7 @@ class Verdict:
                 else "INCONSISTENT with the claimed configuration")
         needed = f"; detected after {self.tokens_needed} tokens" if self.tokens_needed and not self.consistent else ""
         like = f"; resembles {self.resembles}" if self.resembles else ""
-        beyond = (f" (beyond all {self.pool_sequences} honest band sequences: a bootstrap extrapolation)"
+        beyond = (f" (beyond what {self.pool_sequences} sequences per honest band show: a bootstrap extrapolation)"
                   if self.beyond_pool else "")
         return (f"{head} at {self.fpr:.0%} FPR: mean clipped margin {self.statistic:.4f} "
                 f"(95% CI {self.ci_low:.4f}-{self.ci_high:.4f}) over {self.tokens} tokens in {self.sequences} "
@@ -101,20 +105,28 @@ def _draws(n_sequences: int, fpr: float) -> int:
     return max(999, math.ceil(20 * len(_looks(n_sequences)) / fpr))
 
 
-def p_value(seq: np.ndarray, pool: np.ndarray, fpr: float, rng: np.random.Generator,
+def p_value(seq: np.ndarray, honest: list[np.ndarray], fpr: float, rng: np.random.Generator,
             draws: int | None = None) -> float:
-    """Resampling p-value of ``seq``'s pooled statistic among honest pseudo-audits of its size."""
+    """Composite-null p-value: the largest over honest bands of the rank of ``seq``'s pooled
+    statistic among that band's pseudo-audits of the same size."""
     draws = draws or _draws(len(seq), fpr)
-    null = pseudo_audits(pool, int(seq[:, 0].sum()), draws, rng)
-    return float((1 + np.count_nonzero(null >= pooled(seq) - 1e-12)) / (draws + 1))
+    stat, tokens = pooled(seq), int(seq[:, 0].sum())
+    return max(float((1 + np.count_nonzero(pseudo_audits(band, tokens, draws, rng) >= stat - 1e-12)) / (draws + 1))
+               for band in honest)
 
 
-def tokens_needed(seq: np.ndarray, pool: np.ndarray, fpr: float, rng: np.random.Generator) -> int | None:
-    """Tokens at the first doubling prefix rejected at ``fpr / looks`` (None: never rejected)."""
-    looks = _looks(len(seq))
+def tokens_needed(seq: np.ndarray, honest: list[np.ndarray], fpr: float, rng: np.random.Generator) -> int | None:
+    """Tokens at the first doubling prefix rejected at ``fpr / looks`` (None: never rejected).
+
+    Pseudo-audits are made of whole honest sequences, so a prefix shorter than a typical honest
+    sequence would be compared with a null that averages over more tokens (too narrow): looks
+    start once the prefix holds the honest sequences' median length.
+    """
+    shortest = float(np.median(np.concatenate(honest)[:, 0]))
+    looks = [k for k in _looks(len(seq)) if seq[:k, 0].sum() >= shortest] or [len(seq)]
     draws = _draws(len(seq), fpr)
     return next((int(seq[:k, 0].sum()) for k in looks
-                 if p_value(seq[:k], pool, fpr, rng, draws) < fpr / len(looks)), None)
+                 if p_value(seq[:k], honest, fpr, rng, draws) < fpr / len(looks)), None)
 
 
 def judge(seq: np.ndarray, bands: Bands, fpr: float = 0.01, seed: int = 0) -> Verdict:
@@ -122,10 +134,10 @@ def judge(seq: np.ndarray, bands: Bands, fpr: float = 0.01, seed: int = 0) -> Ve
     if len(seq) == 0 or seq[:, 0].sum() == 0:
         raise ValueError("no tokens to judge")
     rng = np.random.default_rng(seed)
-    pool = bands.honest_pool()
+    honest = bands.honest_bands()
     tokens, stat = int(seq[:, 0].sum()), pooled(seq)
-    p = p_value(seq, pool, fpr, rng)
-    needed = tokens_needed(seq, pool, fpr, rng)
+    p = p_value(seq, honest, fpr, rng)
+    needed = tokens_needed(seq, honest, fpr, rng)
     ranges = {}
     for b in bands.bands:
         q = np.percentile(pseudo_audits(b.sequences, tokens, 2000, rng), [2.5, 50, 97.5])
@@ -135,11 +147,12 @@ def judge(seq: np.ndarray, bands: Bands, fpr: float = 0.01, seed: int = 0) -> Ve
     resembles = min(candidates, key=lambda name: abs(ranges[name][1] - stat) if inside
                     else min(abs(ranges[name][0] - stat), abs(ranges[name][2] - stat)))
     lo, hi = sequence_ci(seq, seed)
-    method = (f"bootstrap p-value of the pooled statistic among {_draws(len(seq), fpr)} honest pseudo-audits "
-              f"resampled from {len(pool)} honest band sequences ({Path(bands.source).name}); per-token clip "
-              f"{bands.clip:.4g}")
+    names = ", ".join(b.label for b in bands.bands if b.honest)
+    method = (f"largest over the honest bands ({names}) of the bootstrap p-value of the pooled statistic among "
+              f"{_draws(len(seq), fpr)} pseudo-audits resampled from each band's sequences "
+              f"({Path(bands.source).name}); per-token clip {bands.clip:.4g}")
     return Verdict(tokens, len(seq), stat, lo, hi, float(seq[:, 2].sum() / tokens), p, fpr, p >= fpr, needed,
-                   resembles, method, ranges, pool_sequences=len(pool))
+                   resembles, method, ranges, pool_sequences=min(len(b) for b in honest))
 
 
 def judge_calibrated(seq: np.ndarray, margins: np.ndarray, calibrator: Calibrator, batch_size: int | None,
