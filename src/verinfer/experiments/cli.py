@@ -28,7 +28,7 @@ def experiment(
     max_tokens: int = typer.Option(64, "--max-tokens", help="new tokens per prompt"),
     batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="tokens per batch to evaluate, comma-separated"),
     n_batches: int = typer.Option(1000, "--n-batches", help="random batches per side and batch size"),
-    n_boot: int = typer.Option(200, "--n-boot", help="bootstrap resamples per AUC"),
+    n_boot: int = typer.Option(100, "--n-boot", help="bootstrap resamples per AUC"),
     smoke: bool = typer.Option(False, help="a tiny matrix (two configurations, 16 prompts x 20 tokens)"),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)"),
 ) -> None:

@@ -25,7 +25,7 @@ HELD_OUT_SIZES = (1, 10, 100)
 
 
 def analyse(data: dict[str, ConfigData], matrix: Matrix, batch_sizes: Sequence[int] = BATCH_SIZES,
-            n_batches: int = 1000, n_boot: int = 200, fpr: float = 0.01) -> dict:
+            n_batches: int = 1000, n_boot: int = 100, fpr: float = 0.01) -> dict:
     """Everything the report shows, as JSON-ready data."""
     test_ids = split_ids(data, matrix.split_seed)
     halves = {name: split(d.columns, test_ids) for name, d in data.items()}

@@ -66,13 +66,18 @@ def fit_transforms(honest_train: Mapping[str, np.ndarray], detectors: Sequence[D
 
 def random_batch_means(per_token: np.ndarray, n: int, n_batches: int, rng: np.random.Generator,
                        chunk_elems: int = 4_000_000) -> np.ndarray:
-    """Means of ``n_batches`` batches of ``n`` tokens drawn with replacement (see module docstring)."""
-    out = np.empty(n_batches)
-    step = max(1, chunk_elems // n)
+    """Means of ``n_batches`` batches of ``n`` tokens drawn with replacement (see module docstring).
+
+    ``per_token`` may be 2-D [detectors, tokens]: every row is averaged over the same draws, so
+    detectors are compared on identical batches (and the draws are paid for once).
+    """
+    x = np.atleast_2d(per_token)
+    out = np.empty((x.shape[0], n_batches))
+    step = max(1, chunk_elems // (n * x.shape[0]))
     for lo in range(0, n_batches, step):
         k = min(step, n_batches - lo)
-        out[lo: lo + k] = per_token[rng.integers(0, per_token.size, size=(k, n))].mean(axis=1)
-    return out
+        out[:, lo: lo + k] = x[:, rng.integers(0, x.shape[1], size=(k, n))].mean(axis=2)
+    return out if np.ndim(per_token) == 2 else out[0]
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,7 @@ class CurvePoint:
 def power_curves(calibrator: Calibrator, honest_train: Mapping[str, np.ndarray],
                  honest_test: Mapping[str, np.ndarray], bad_train: Mapping[str, np.ndarray],
                  bad_test: Mapping[str, np.ndarray], detectors: Sequence[Detector] = DETECTORS,
-                 batch_sizes: Sequence[int] = BATCH_SIZES, n_batches: int = 1000, n_boot: int = 200,
+                 batch_sizes: Sequence[int] = BATCH_SIZES, n_batches: int = 1000, n_boot: int = 100,
                  max_fpr: float = 0.01, seed: int = 0, combined: bool = True) -> dict[str, list[CurvePoint]]:
     """AUC at ``max_fpr`` with a bootstrap interval, per detector and batch size.
 
@@ -101,26 +106,25 @@ def power_curves(calibrator: Calibrator, honest_train: Mapping[str, np.ndarray],
     parts = [d for d in detectors if d.label in COMBINED_PARTS] if combined else []
     if parts:
         curves[COMBINED] = []
-    tok = {d.label: {k: per_token(c, d) for k, c in (("ht", honest_train), ("hs", honest_test),
-                                                     ("bt", bad_train), ("bs", bad_test))} for d in detectors}
-    oriented = {label: bool(t["bt"].mean() > t["ht"].mean()) for label, t in tok.items()}
+    sides = {k: np.stack([per_token(c, d) for d in detectors])
+             for k, c in (("ht", honest_train), ("hs", honest_test), ("bt", bad_train), ("bs", bad_test))}
+    oriented = sides["bt"].mean(axis=1) > sides["ht"].mean(axis=1)
+    in_combined = np.array([d in parts for d in detectors]) & oriented
     for i, n in enumerate(batch_sizes):
-        z_h, z_b = [], []
+        rng = np.random.default_rng([seed, i])
+        h, b = (random_batch_means(sides[k], n, n_batches, rng) for k in ("hs", "bs"))
         for j, d in enumerate(detectors):
-            rng = np.random.default_rng([seed, i, j])
-            t = tok[d.label]
-            h, b = random_batch_means(t["hs"], n, n_batches, rng), random_batch_means(t["bs"], n, n_batches, rng)
-            curves[d.label].append(_point(n, h, b, oriented[d.label], n_boot, max_fpr, rng))
-            if d in parts and oriented[d.label]:
-                ref = random_batch_means(t["ht"], n, n_batches, rng)
-                mu, sd = ref.mean(), ref.std() or 1.0
-                z_h.append((h - mu) / sd)
-                z_b.append((b - mu) / sd)
+            curves[d.label].append(_point(n, h[j], b[j], bool(oriented[j]), n_boot, max_fpr, rng))
         if parts:
-            ok = bool(z_h)
-            h = np.max(z_h, axis=0) if ok else np.zeros(n_batches)
-            b = np.max(z_b, axis=0) if ok else np.zeros(n_batches)
-            curves[COMBINED].append(_point(n, h, b, ok, n_boot, max_fpr, np.random.default_rng([seed, i, 99])))
+            ok = bool(in_combined.any())
+            if ok:  # standardize by honest *training* batches of the same size, then take the max
+                ref = random_batch_means(sides["ht"][in_combined], n, n_batches, rng)
+                mu, sd = ref.mean(axis=1, keepdims=True), ref.std(axis=1, keepdims=True)
+                sd[sd == 0] = 1.0
+                zh, zb = ((x[in_combined] - mu) / sd for x in (h, b))
+            zh_max = zh.max(axis=0) if ok else np.zeros(n_batches)
+            zb_max = zb.max(axis=0) if ok else np.zeros(n_batches)
+            curves[COMBINED].append(_point(n, zh_max, zb_max, ok, n_boot, max_fpr, rng))
     return curves
 
 
@@ -131,6 +135,8 @@ def _point(n: int, honest: np.ndarray, bad: np.ndarray, oriented: bool, n_boot: 
     fn = lambda h, b: auc_at_fpr(h, b, max_fpr)  # noqa: E731
     if np.ptp(np.concatenate([honest, bad])) == 0:
         return CurvePoint(n, Interval(0.5, 0.5, 0.5), True)
+    if bad.min() > honest.max():  # complete separation: every bootstrap resample has AUC 1 too
+        return CurvePoint(n, Interval(1.0, 1.0, 1.0), True)
     return CurvePoint(n, bootstrap_ci(fn, honest, bad, n_boot=n_boot, rng=rng), True)
 
 
