@@ -91,16 +91,21 @@ class DemoResult:
     calibration_tokens: int
     batch_size: int
     out_dir: Path
+    audit: object | None = None  # verinfer.audit.run.AuditResult of the loopback audit
+    audit_report: Path | None = None
 
 
 def run_demo(backend: Backend, prompts: Sequence[Prompt], out_dir: Path, max_new_tokens: int = 48,
              batch_size: int = 8, on_tokens: Progress = None,
-             on_stage: Callable[[str], None] | None = None) -> DemoResult:
+             on_stage: Callable[[str], None] | None = None, audit_prompts: int = 0,
+             audit_tokens: int = 32) -> DemoResult:
     """Generate honest and wrong-seed traces, calibrate on a separate honest set, verify both.
 
     Three sets of traces on the same prompts, all with vLLM's sampler (T=1, top-k 50, top-p 0.95):
     an honest calibration set, an honest test set, and a set generated with other seeds than the
     ones it claims. The calibration set fixes the honest band; the two test sets are judged by it.
+    With ``audit_prompts`` > 0, an honest and a 4-bit ``verinfer serve`` then run on loopback and
+    the first ``audit_prompts`` prompts audit both over HTTP (``verinfer.audit.demo``).
     """
     stage = on_stage or (lambda _: None)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +137,13 @@ def run_demo(backend: Backend, prompts: Sequence[Prompt], out_dir: Path, max_new
     wrong = summarize(columns["wrong-seed"], calibrator, calib_batch)
     (out_dir / "summary.json").write_text(json.dumps({"honest": honest.to_dict(), "wrong-seed": wrong.to_dict()},
                                                      indent=1, default=str))
-    return DemoResult(honest, wrong, n_cal, calib_batch, out_dir)
+    audit = report = None
+    if audit_prompts:
+        from verinfer.audit.demo import audit_loopback
+
+        audit, report = audit_loopback(backend, list(prompts)[:audit_prompts], out_dir / "audit", audit_tokens,
+                                       on_stage=stage)
+    return DemoResult(honest, wrong, n_cal, calib_batch, out_dir, audit, report)
 
 
 def load_calibrator(path: Path) -> Calibrator:
