@@ -71,6 +71,10 @@ def test_changed_settings_use_a_new_cache_entry(smoke_run):
 
     assert replace(matrix, max_tokens=21).cache_key(detection.CONFIGS["wrong-seed"], "m") != key
     assert replace(matrix, split_seed=5).cache_key(detection.CONFIGS["wrong-seed"], "m") == key  # analysis only
+    # The adversary's search settings key only the attack configurations.
+    assert replace(matrix, attack_rounds=3).cache_key(detection.CONFIGS["wrong-seed"], "m") == key
+    attack = detection.CONFIGS["w4+ce-attack"]
+    assert replace(matrix, attack_rounds=3).cache_key(attack, "m") != matrix.cache_key(attack, "m")
 
 
 def test_bad_matrix_settings_are_refused():

@@ -89,6 +89,8 @@ class Matrix:
     seed: int = 1000
     attack_prompts: int = 32  # the adversary tunes its temperature on this many prompts
     attack_tokens: int = 48
+    attack_bracket: tuple[float, float] = (0.1, 1.0)  # temperatures the adversary searches between
+    attack_rounds: int = 8
     split_seed: int = 0
 
     def __post_init__(self):
@@ -106,7 +108,10 @@ class Matrix:
         return self.seed + (zlib.crc32(name.encode()) % 9973) * 100_000
 
     def cache_key(self, config: Config, model_id: str) -> str:
-        settings = {k: v for k, v in asdict(self).items() if k not in ("configs", "split_seed")}
+        analysis_only = {"configs", "split_seed"}
+        if not config.attack:  # the adversary's search settings change only the attack's tokens
+            analysis_only |= {k for k in asdict(self) if k.startswith("attack_")}
+        settings = {k: v for k, v in asdict(self).items() if k not in analysis_only}
         settings.update(config=asdict(config), model_id=model_id, seed=self.config_seed(config.name),
                         base=BASE_PARAMS.to_dict(), verinfer=verinfer.__version__)
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
@@ -152,7 +157,8 @@ def _attack_temperature(matrix: Matrix, config: Config, reference: Backend, buil
     stage(f"{config.name}: tuning the temperature to cross-entropy {target:.3f}")
     subset = requests[: matrix.attack_prompts]
     found = variants.match_cross_entropy(reference, config.variant, subset, matrix.attack_tokens,
-                                         matrix.batch_size, target=target, backend=built)
+                                         matrix.batch_size, target=target, bracket=matrix.attack_bracket,
+                                         rounds=matrix.attack_rounds, backend=built)
     info = {"temperature": found.temperature, "cross_entropy": found.cross_entropy, "target": target,
             "history": found.history, "bracketed": found.bracketed}
     tmp = path.with_suffix(".tmp")
