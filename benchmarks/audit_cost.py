@@ -25,7 +25,6 @@ one scoring request (echo, ``max_tokens: 0``) per sequence, so double them for t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os

@@ -12,7 +12,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import numpy as np
@@ -23,7 +22,7 @@ from fastapi.responses import JSONResponse
 
 from tests.audit_servers import asgi_in_thread
 from verinfer.audit.bands import find_bands
-from verinfer.audit.client import Endpoint, ProviderClient, ProviderError, RetryPolicy
+from verinfer.audit.client import Endpoint, ProviderClient, ProviderError
 from verinfer.audit.plan import AuditSpec
 from verinfer.audit.reference import ApiReference, LocalReference
 from verinfer.audit.report import write_reports
@@ -31,7 +30,7 @@ from verinfer.audit.run import run_audit
 from verinfer.audit.store import ResponseStore
 from verinfer.prompts import load_prompts
 from verinfer.serve import ServeConfig, serve_in_thread
-from verinfer.trace import TraceError, read_traces
+from verinfer.trace import read_traces
 
 SPEC = AuditSpec(mode="greedy", max_tokens=32)
 MISCONFIGS = {"honest": (), "w4": ("w4",), "fp8-kv": ("fp8-kv",),

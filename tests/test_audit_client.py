@@ -2,7 +2,6 @@
 responses, persistence before use, resuming without repeated requests, API keys kept off disk."""
 
 import json
-import os
 import socket
 import time
 

@@ -1,6 +1,5 @@
 """Configuration variants: each changes what it claims to, only that, and never the reference model."""
 
-import numpy as np
 import pytest
 import torch
 from scipy.stats import binomtest

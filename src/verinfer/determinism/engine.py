@@ -179,7 +179,7 @@ class Engine:
             if len(r.prompt) + r.max_new_tokens > self.max_len:
                 raise ValueError(f"request {r.id!r} needs {len(r.prompt) + r.max_new_tokens} positions; "
                                  f"the engine's max_len is {self.max_len}")
-        model, pool = self.model, self.model.new_pool(self.max_batch, self.max_len)
+        pool = self.model.new_pool(self.max_batch, self.max_len)
         queue = sorted(requests, key=lambda r: r.arrival)  # stable: ties keep the caller's order
         outputs = {r.id: Output(r.id, r.protected) for r in requests}
         running: list[Request] = []  # running[i] owns slot i

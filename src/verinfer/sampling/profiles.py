@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from verinfer.sampling.noise import gumbel_from_exponential, torch_exponential_draws, vllm_gumbel_pairs
+from verinfer.sampling.noise import gumbel_from_exponential, vllm_gumbel_pairs
 
 
 @dataclass(frozen=True)
