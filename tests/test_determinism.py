@@ -208,6 +208,65 @@ def test_always_on_with_verified_commit_is_the_reference(fp32, prompts):
     assert all(run.outputs[r.id].tokens == reference[r.id].tokens for r in reqs)
 
 
+def test_window_pass_equals_successive_deterministic_steps(fp32, prompts):
+    """``forward_det`` over a run of tokens gives, bit for bit, the logits and K/V columns of the same
+    tokens fed one deterministic step at a time (what lets the window verifier be exact)."""
+    _, model = fp32
+    prompt, run = prompts[1], [510, 2114, 314, 260, 1011]
+    steps = model.new_pool(2, 64)
+    model.prefill_det(steps, 1, prompt)
+    step_logits = [model.decode_det(steps, [1], torch.tensor([t]), [len(prompt) + j])[0][0] for j, t in enumerate(run)]
+    window = model.new_pool(2, 64)
+    model.prefill_det(window, 0, prompts[0])  # another request in the pool changes nothing
+    model.prefill_det(window, 1, prompt)
+    logits, k_cols, v_cols = model.forward_det(window, [1], [run], [len(prompt)])
+    end = len(prompt) + len(run)
+    assert window.lengths[1] == steps.lengths[1] == end
+    assert torch.equal(logits, torch.stack(step_logits))
+    assert torch.equal(window.k[:, 1, :, :end], steps.k[:, 1, :, :end])
+    assert torch.equal(window.v[:, 1, :, :end], steps.v[:, 1, :, :end])
+    assert torch.equal(k_cols.permute(1, 2, 0, 3), steps.k[:, 1, :, len(prompt):end])
+    before = window.k.clone()
+    model.forward_det(window, [1], [run[:2]], [len(prompt)], commit=False)
+    assert torch.equal(window.k, before) and window.lengths[1] == end
+
+
+class ConfidentFlip:
+    """Fault injection: once, at output index ``at`` of request ``rid``, make the fast path choose
+    its second token by a wide margin (5 logits): a flip the margin gate cannot see."""
+
+    def __init__(self, rid="r0", at=2):
+        self.rid, self.at, self.fired = rid, at, False
+
+    def __call__(self, site):
+        if site.request.id == self.rid and site.index == self.at and not self.fired:
+            self.fired = True
+            top = site.logits.topk(2).indices
+            site.logits[top[1]] = site.logits[top[0]] + 5.0
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1e-3, 0.5])
+def test_window_rule_rolls_back_a_flip_the_gate_missed(fp32, prompts, threshold):
+    """The window rule checks every token emitted since the last verified column (at the next
+    trigger or when the request finishes) and rolls back to the first one the verifier would not
+    have chosen; the paper's single-column rule cannot see a confident flip. Unprotected requests
+    keep their fast tokens."""
+    _, model = fp32
+    reqs = requests(prompts, 6, protected=(True, True, False))
+    reference = Engine(model, 3, 128).run(reqs, Policy.deterministic()).outputs
+    fast = Engine(model, 3, 128, fault=ConfidentFlip()).run(reqs, Policy.fast()).outputs
+    assert first_divergence(fast["r0"].tokens, reference["r0"].tokens) == 2
+    paper = Engine(model, 3, 128, fault=ConfidentFlip()).run(reqs, Policy.margingate(threshold, "repair")).outputs
+    assert paper["r0"].tokens != reference["r0"].tokens
+    run = Engine(model, 3, 128, fault=ConfidentFlip()).run(reqs, Policy.margingate(threshold, "window"))
+    out = run.outputs["r0"]
+    assert out.tokens == reference["r0"].tokens and out.rollbacks == 1 and out.repaired[2]
+    assert run.outputs["r1"].tokens == reference["r1"].tokens and run.outputs["r1"].rollbacks == 0
+    assert run.stats.rollbacks == 1 and run.stats.dropped_tokens >= 1
+    assert all(o.checked == len(o.tokens) for o in (out, run.outputs["r1"]))
+    assert not any(run.outputs["r2"].verified) and run.outputs["r2"].tokens == fast["r2"].tokens
+
+
 def test_policy_and_engine_validation(fp32, prompts):
     _, model = fp32
     with pytest.raises(ValueError):
@@ -223,6 +282,7 @@ def test_policy_and_engine_validation(fp32, prompts):
     with pytest.raises(ValueError, match="unique"):
         Engine(model, 2, 128).run([Request("a", (1, 2)), Request("a", (1, 2))], Policy.fast())
     assert Policy.always().name == "always-on" and Policy.margingate(0.5, "repair").name == "margingate@0.5/repair-only"
+    assert Policy.margingate(0.5, "window").name == "margingate@0.5/window"
 
 
 def test_threshold_choice_and_divergence():

@@ -13,9 +13,19 @@ Policies (what a *protected* request gets; unprotected requests always take the 
   verifier's token differs, the engine emits the verifier's token and overwrites only the current
   position's K/V column with the verifier's column (with ``commit="verified"``, the default, it also
   writes that column when the tokens agree: free, and the verified state is then the canonical one).
+- ``margingate(threshold, commit="window")``: verinfer's guaranteed variant. The gate is the same; the
+  verifier recomputes, in one deterministic pass (``Llama.forward_det``), every column since the
+  request's last verified one, commits them all, and checks every token emitted since then against
+  its own. At the first token it would not have chosen (a flip the gate missed) the request rolls
+  back to it: later tokens are dropped and decoding resumes from the verifier's token. When the
+  request finishes, the tail after the last trigger is checked the same way. Every emitted token is
+  then the deterministic path's token on the deterministic cache, whatever the threshold: the
+  threshold only trades verifier launches against rolled-back work. Why: on this CPU in bf16 the
+  fast columns that single-column repair leaves in place move the verifier's logits as much as the
+  step's own noise (RESULTS.md section 4), so the paper's rule cannot be exact here.
 - ``always``: the same verifier and repair on every decode step (LLM-42-style per-token verification);
-  ``margingate`` with an infinite threshold. With ``commit="verified"`` every committed column is
-  the verifier's, so its output equals the reference by construction.
+  ``margingate`` with an infinite threshold. With ``commit="verified"`` (or ``"window"``) every
+  committed column is the verifier's, so its output equals the reference by construction.
 - ``deterministic``: every request, every step on the deterministic path (global batch invariance).
 
 The reference output of a request is its output under ``deterministic``; it does not depend on
@@ -43,12 +53,18 @@ class Request:
     arrival: int = 0  # the engine step from which the request may join the batch
 
 
+COMMIT_RULES = ("repair", "verified", "window")
+COMMIT_SUFFIX = {"repair": "repair-only", "window": "window"}
+
+
 @dataclass(frozen=True)
 class Policy:
     """``commit`` says what a verified step leaves in the cache: ``"repair"`` overwrites the current
     K/V column only when the verifier's token differs (the paper's rule), ``"verified"`` writes the
     verifier's column on every verified step (LLM-42's rule: the committed state is always the
-    verified one, so verifying every step reproduces the deterministic path exactly)."""
+    verified one, so verifying every step reproduces the deterministic path exactly), ``"window"``
+    recomputes and commits every column since the last verified one and rolls back missed flips
+    (exact for any threshold; see the module docstring)."""
 
     mode: str = "fast"  # fast | margingate | deterministic
     threshold: float = 0.0  # margingate: verify a step when its fast top-1/top-2 margin is below this
@@ -59,8 +75,8 @@ class Policy:
             raise ValueError(f"unknown policy mode {self.mode!r}: use fast, margingate or deterministic")
         if not self.threshold >= 0:
             raise ValueError(f"threshold must be >= 0, got {self.threshold}")
-        if self.commit not in ("repair", "verified"):
-            raise ValueError(f"unknown commit rule {self.commit!r}: use repair or verified")
+        if self.commit not in COMMIT_RULES:
+            raise ValueError(f"unknown commit rule {self.commit!r}: use {', '.join(COMMIT_RULES)}")
 
     @classmethod
     def fast(cls) -> "Policy":
@@ -82,7 +98,7 @@ class Policy:
     def name(self) -> str:
         if self.mode == "margingate":
             base = "always-on" if math.isinf(self.threshold) else f"margingate@{self.threshold:g}"
-            return base if self.commit == "verified" else f"{base}/repair-only"
+            return base if self.commit == "verified" else f"{base}/{COMMIT_SUFFIX[self.commit]}"
         return self.mode
 
 
@@ -97,6 +113,8 @@ class Output:
     verified: list[bool] = field(default_factory=list)  # the verifier ran for token k
     repaired: list[bool] = field(default_factory=list)  # the verifier changed token k and its K/V column
     finish: str = "length"
+    checked: int = 0  # leading tokens chosen on the deterministic path over a verified cache (window rule)
+    rollbacks: int = 0  # window rule: missed flips found, each dropping the tokens after it
     cache: tuple[torch.Tensor, torch.Tensor] | None = None  # K, V snapshot at finish (keep_layers)
 
 
@@ -108,6 +126,9 @@ class Stats:
     verifier_steps: int = 0  # request-steps the verifier recomputed
     verifier_calls: int = 0  # verifier invocations (one call covers every request triggered in a step)
     repairs: int = 0
+    verifier_rows: int = 0  # positions the verifier recomputed (one per verifier step, more with windows)
+    rollbacks: int = 0  # window rule: missed flips found after the fact
+    dropped_tokens: int = 0  # tokens emitted after a missed flip and decoded again
     batch_sizes: list[int] = field(default_factory=list)
     wall_s: float = 0.0
     cpu_s: float = 0.0  # process CPU time (steadier than wall time on a shared machine)
@@ -200,6 +221,7 @@ class Engine:
                 self._retire(pool, running, outputs)
             if running:
                 self._decode(policy, pool, running, outputs, stats)
+                self._finalize(policy, pool, running, outputs, stats)
                 self._retire(pool, running, outputs)
             step += 1
         stats.wall_s = time.perf_counter() - start
@@ -224,6 +246,7 @@ class Engine:
         margins = margins_of(logits)
         for i, r in enumerate(joining):
             self._emit(r, outputs[r.id], logits[i], int(logits[i].argmax()), float(margins[i]), det[i], False)
+            outputs[r.id].checked = int(det[i])
 
     def _decode(self, policy: Policy, pool: KVPool, running: list[Request], outputs: dict[str, Output],
                 stats: Stats) -> None:
@@ -253,25 +276,108 @@ class Engine:
         verify = []
         if policy.mode == "margingate":
             verify = [i for i, r in enumerate(running) if r.protected and float(margins[i]) < policy.threshold]
-        repaired = set()
+        repaired, decided = set(), {}
         if verify:
             t0 = time.perf_counter()
-            vlogits, k_cols, v_cols = model.decode_det(pool, verify, tokens[verify], [positions[i] for i in verify],
-                                                       commit=False)
-            for j, i in enumerate(verify):
-                token = int(vlogits[j].argmax())
-                if token != chosen[i] or policy.commit == "verified":
-                    pool.write_column(i, positions[i], k_cols[j], v_cols[j])  # only the current column
-                if token != chosen[i]:  # repair: emit the verifier's token
-                    chosen[i] = token
-                    repaired.add(i)
+            if policy.commit == "window":
+                decided = self._check_windows(pool, [(i, running[i]) for i in verify], outputs, stats, current=True)
+            else:
+                vlogits, k_cols, v_cols = model.decode_det(pool, verify, tokens[verify],
+                                                           [positions[i] for i in verify], commit=False)
+                stats.verifier_rows += len(verify)
+                for j, i in enumerate(verify):
+                    token = int(vlogits[j].argmax())
+                    if token != chosen[i] or policy.commit == "verified":
+                        pool.write_column(i, positions[i], k_cols[j], v_cols[j])  # only the current column
+                    if token != chosen[i]:  # repair: emit the verifier's token
+                        chosen[i] = token
+                        repaired.add(i)
             stats.verify_s += time.perf_counter() - t0
             stats.verifier_calls += 1
             stats.verifier_steps += len(verify)
-            stats.repairs += len(repaired)
         verified = set(verify)
         for i, r in enumerate(running):
+            if i in decided:  # window rule: the verifier decides this request's next token
+                out = outputs[r.id]
+                index, vlogits = decided[i]
+                missed = index < len(out.tokens)  # a flip the gate missed: drop it and what followed
+                if missed:
+                    self._roll_back(pool, i, r, out, index, stats)
+                token = int(vlogits.argmax())
+                if not missed and token != chosen[i]:
+                    repaired.add(i)
+                self._emit(r, out, vlogits, token, float(margins_of(vlogits[None])[0]), True,
+                           missed or token != chosen[i])
+                out.checked = len(out.tokens)
+                continue
             self._emit(r, outputs[r.id], logits[i], chosen[i], float(margins[i]), i in verified, i in repaired)
+        stats.repairs += len(repaired)
+
+    def _check_windows(self, pool: KVPool, items: list[tuple[int, Request]], outputs: dict[str, Output],
+                       stats: Stats, current: bool) -> dict[int, tuple[int, torch.Tensor]]:
+        """Window rule: recompute, in one deterministic pass, every column since each request's last
+        verified one (committing them) and compare every emitted token with the verifier's choice.
+
+        With ``current`` the run ends at this step's input token, so its last row decides the step's
+        new token. Returns, per slot, the output index the verifier decides (its first disagreement
+        with an emitted token, or the new token) and the verifier's logits for it."""
+        slots, runs, starts = [], [], []
+        for slot, r in items:
+            out = outputs[r.id]
+            first = out.checked - 1  # the input token whose column is the first unverified one
+            slots.append(slot)
+            runs.append(out.tokens[first:len(out.tokens) if current else len(out.tokens) - 1])
+            starts.append(len(r.prompt) + first)
+        logits, _, _ = self.model.forward_det(pool, slots, runs, starts, commit=True)
+        stats.verifier_rows += len(logits)
+        decided, row = {}, 0
+        for (slot, r), run in zip(items, runs):
+            out = outputs[r.id]
+            picks = logits[row:row + len(run)].argmax(-1).tolist()
+            for j, t in enumerate(picks):
+                k = out.checked + j
+                if k == len(out.tokens) or out.tokens[k] != t:
+                    decided[slot] = (k, logits[row + j])
+                    break
+            row += len(run)
+        return decided
+
+    def _roll_back(self, pool: KVPool, slot: int, r: Request, out: Output, index: int, stats: Stats) -> None:
+        """Drop tokens ``index..`` (the verifier chose another token at ``index``); the cache keeps
+        the verified columns up to the input token of ``index``."""
+        stats.rollbacks += 1
+        stats.dropped_tokens += len(out.tokens) - index
+        out.rollbacks += 1
+        for seq in (out.tokens, out.margins, out.verified, out.repaired):
+            del seq[index:]
+        out.finish = "stop" if out.tokens and out.tokens[-1] in self.stop_ids else "length"
+        pool.lengths[slot] = len(r.prompt) + index
+
+    def _finalize(self, policy: Policy, pool: KVPool, running: list[Request], outputs: dict[str, Output],
+                  stats: Stats) -> None:
+        """Window rule: before a protected request leaves, check the tokens after its last trigger;
+        a missed flip rolls it back and keeps it running."""
+        if policy.mode != "margingate" or policy.commit != "window":
+            return
+        items = [(i, r) for i, r in enumerate(running)
+                 if r.protected and self._finished(r, outputs[r.id]) and outputs[r.id].checked < len(outputs[r.id].tokens)]
+        if not items:
+            return
+        t0 = time.perf_counter()
+        decided = self._check_windows(pool, items, outputs, stats, current=False)
+        for slot, r in items:
+            out = outputs[r.id]
+            if slot in decided:
+                index, vlogits = decided[slot]
+                self._roll_back(pool, slot, r, out, index, stats)
+                self._emit(r, out, vlogits, int(vlogits.argmax()), float(margins_of(vlogits[None])[0]), True, True)
+            out.checked = len(out.tokens)
+        stats.verify_s += time.perf_counter() - t0
+        stats.verifier_calls += 1
+        stats.verifier_steps += len(items)
+
+    def _finished(self, r: Request, out: Output) -> bool:
+        return out.finish == "stop" or len(out.tokens) >= r.max_new_tokens
 
     def _emit(self, r: Request, out: Output, logits: torch.Tensor, token: int, margin: float, verified: bool,
               repaired: bool) -> None:
@@ -288,7 +394,7 @@ class Engine:
         """Drop finished requests; the last running request moves into each freed slot."""
         for slot in range(len(running) - 1, -1, -1):
             out = outputs[running[slot].id]
-            if out.finish == "stop" or len(out.tokens) >= running[slot].max_new_tokens:
+            if self._finished(running[slot], out):
                 if self.keep_layers is not None:
                     out.cache = pool.snapshot(slot, self.keep_layers)
                 last = len(running) - 1

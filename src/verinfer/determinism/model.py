@@ -21,6 +21,7 @@ reads a view of the pool instead of gathering a copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -244,37 +245,52 @@ class Llama:
         return self._logits(x, det=False)
 
     @torch.inference_mode()
-    def decode_det(self, pool: KVPool, slots: list[int], tokens: torch.Tensor, positions: list[int],
-                   commit: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One deterministic decode step for each request: ``tokens[i]`` at ``positions[i]`` of
-        ``slots[i]``, attending over exactly its own columns ``0..positions[i]``.
+    def forward_det(self, pool: KVPool, slots: list[int], tokens: Sequence[Sequence[int]], starts: list[int],
+                    commit: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Deterministic decode of a run of tokens per request: ``tokens[i][j]`` at position
+        ``starts[i] + j`` of ``slots[i]``. Every row attends, exactly as a one-token decode step would
+        (query length 1, no padding, no mask), over its own columns ``0..position``; the linear layers
+        take all rows in one call (a row's result never depends on the other rows, see ``MIN_ROWS``).
+        So a window of ``W`` tokens gives bit for bit what ``W`` successive deterministic decode steps
+        give, in one pass: this is what lets the verifier recompute every column since its last
+        checkpoint at about the price of one step on memory-bound hardware.
 
-        Returns logits [n, V] and the K and V columns it computed ([n, L, Hkv, hd] each). With
-        ``commit`` the columns stay in the cache and the slot's length becomes ``position + 1``;
-        without it (the verifier) the cache is left exactly as it was.
+        Returns logits [R, V] and the K and V columns ([R, L, Hkv, hd] each), rows in request order.
+        With ``commit`` the columns stay in the cache and a slot's length becomes the end of its run;
+        without it the cache is left exactly as it was.
         """
-        n = len(slots)
-        saved = [pool.column(s, p) for s, p in zip(slots, positions)] if not commit else None
-        x = self.embed[tokens]
-        cos, sin = self._rope(torch.as_tensor(positions))
-        k_cols = torch.empty(n, len(self.layers), self.n_kv, self.head_dim, dtype=self.dtype)
+        rows = [(s, p0 + j) for s, p0, toks in zip(slots, starts, tokens) for j in range(len(toks))]
+        ids = torch.as_tensor([t for toks in tokens for t in toks], dtype=torch.long)
+        if any(p >= pool.max_len for _, p in rows):
+            raise ValueError(f"a request reached the cache length ({pool.max_len} positions)")
+        saved = [pool.column(s, p) for s, p in rows] if not commit else None
+        x = self.embed[ids]
+        cos, sin = self._rope(torch.as_tensor([p for _, p in rows]))
+        k_cols = torch.empty(len(rows), len(self.layers), self.n_kv, self.head_dim, dtype=self.dtype)
         v_cols = torch.empty_like(k_cols)
         for li, w in enumerate(self.layers):
             q, k, v = self._qkv(x, w, cos, sin, det=True)
             k_cols[:, li], v_cols[:, li] = k, v
-            outs = []
-            for i, (s, p) in enumerate(zip(slots, positions)):
+            for i, (s, p) in enumerate(rows):  # every column of the window first, then each row's attention
                 pool.k[li, s, :, p] = k[i]
                 pool.v[li, s, :, p] = v[i]
-                outs.append(F.scaled_dot_product_attention(
-                    q[i, None, :, None], pool.k[li, s:s + 1, :, : p + 1], pool.v[li, s:s + 1, :, : p + 1],
-                    enable_gqa=True,
-                ).reshape(-1))
+            outs = [F.scaled_dot_product_attention(
+                q[i, None, :, None], pool.k[li, s:s + 1, :, : p + 1], pool.v[li, s:s + 1, :, : p + 1],
+                enable_gqa=True,
+            ).reshape(-1) for i, (s, p) in enumerate(rows)]
             x = x + self._linear(torch.stack(outs), w.o, det=True)
             x = x + self._mlp(x, w, det=True)
-        for i, (s, p) in enumerate(zip(slots, positions)):
-            if commit:
-                pool.lengths[s] = p + 1
-            else:
-                pool.write_column(s, p, *saved[i])
+        if commit:
+            for s, p0, toks in zip(slots, starts, tokens):
+                pool.lengths[s] = p0 + len(toks)
+        else:
+            for (s, p), (k_saved, v_saved) in zip(rows, saved):
+                pool.write_column(s, p, k_saved, v_saved)
         return self._logits(x, det=True), k_cols, v_cols
+
+    def decode_det(self, pool: KVPool, slots: list[int], tokens: torch.Tensor, positions: list[int],
+                   commit: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One deterministic decode step for each request: ``tokens[i]`` at ``positions[i]`` of
+        ``slots[i]`` (``forward_det`` with one-token runs). ``commit=False`` is the single-step
+        verifier: it returns the logits and the K/V column and leaves the cache exactly as it was."""
+        return self.forward_det(pool, slots, [[int(t)] for t in tokens], list(positions), commit)
