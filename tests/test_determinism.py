@@ -282,7 +282,8 @@ def test_policy_and_engine_validation(fp32, prompts):
     with pytest.raises(ValueError, match="unique"):
         Engine(model, 2, 128).run([Request("a", (1, 2)), Request("a", (1, 2))], Policy.fast())
     assert Policy.always().name == "always-on" and Policy.margingate(0.5, "repair").name == "margingate@0.5/repair-only"
-    assert Policy.margingate(0.5, "window").name == "margingate@0.5/window"
+    assert Policy.margingate(0.5).name == "margingate@0.5" and Policy.margingate(0.5, "window").name == "margingate@0.5"
+    assert Policy.margingate(0.5, "verified").name == "margingate@0.5/current-column"
 
 
 def test_threshold_choice_and_divergence():
@@ -293,3 +294,11 @@ def test_threshold_choice_and_divergence():
             Row("s", "margingate@2", 4, 1, 1, 4, 4, 10, 3, 0, 1), Row("s", "always-on", 4, 1, 1, 4, 4, 10, 10, 0, 1)]
     assert choose_threshold(rows) == 1.0
     assert choose_threshold(rows[:1]) is None
+    # window rows always match the reference; a rollback (a flip the gate missed) disqualifies a threshold
+    window = [Row("s", "margingate@0.25", 4, 1, 1, 4, 4, 10, 1, 0, 1, rollbacks=1),
+              Row("s", "margingate@0.5", 4, 1, 1, 4, 4, 10, 2, 0, 1),
+              Row("s", "margingate@0.25/repair-only", 4, 1, 1, 4, 4, 10, 1, 0, 1),
+              Row("s", "margingate@0.1/current-column", 4, 1, 1, 4, 4, 10, 1, 0, 1)]
+    assert choose_threshold(window) == 0.5
+    assert choose_threshold(window, "/repair-only") == 0.25
+    assert choose_threshold(window, "/current-column") == 0.1

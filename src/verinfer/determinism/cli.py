@@ -1,7 +1,5 @@
-"""``verinfer margingate``: measure batch-induced token flips and calibrate MarginGate.
-
-The lead registers this sub-app in ``verinfer.cli`` with ``app.add_typer(margingate.app, name="margingate")``.
-"""
+"""``verinfer margingate``: measure batch-induced token flips and calibrate MarginGate
+(registered as a sub-app by ``verinfer.cli``)."""
 
 from __future__ import annotations
 
@@ -87,7 +85,8 @@ def sweep(
     threads: int = typer.Option(1, help="torch threads"),
     out: Optional[Path] = typer.Option(None, help="also write the tables to this markdown file"),
 ):
-    """Baselines and the threshold sweep on a calibration set, then transfer and batch-size scaling."""
+    """Baselines and the threshold sweep (window rule and the paper's single-column rule) on a
+    calibration set, then transfer of the chosen thresholds and batch-size scaling."""
     from verinfer.determinism.experiment import Config
 
     try:

@@ -11,9 +11,10 @@ Policies (what a *protected* request gets; unprotected requests always take the 
   runs the fast path, and when the top-1/top-2 margin of its fast logits is below ``threshold`` the
   deterministic verifier recomputes that step for it (``Llama.decode_det`` without commit). If the
   verifier's token differs, the engine emits the verifier's token and overwrites only the current
-  position's K/V column with the verifier's column (with ``commit="verified"``, the default, it also
-  writes that column when the tokens agree: free, and the verified state is then the canonical one).
-- ``margingate(threshold, commit="window")``: verinfer's guaranteed variant. The gate is the same; the
+  position's K/V column with the verifier's column (``commit="repair"``, the paper's rule; with
+  ``commit="verified"`` it also writes that column when the tokens agree: free, and the verified
+  state is then the canonical one).
+- ``margingate(threshold, commit="window")``, the default: verinfer's guaranteed variant. The gate is the same; the
   verifier recomputes, in one deterministic pass (``Llama.forward_det``), every column since the
   request's last verified one, commits them all, and checks every token emitted since then against
   its own. At the first token it would not have chosen (a flip the gate missed) the request rolls
@@ -54,7 +55,7 @@ class Request:
 
 
 COMMIT_RULES = ("repair", "verified", "window")
-COMMIT_SUFFIX = {"repair": "repair-only", "window": "window"}
+COMMIT_SUFFIX = {"window": "", "verified": "/current-column", "repair": "/repair-only"}
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,7 @@ class Policy:
 
     mode: str = "fast"  # fast | margingate | deterministic
     threshold: float = 0.0  # margingate: verify a step when its fast top-1/top-2 margin is below this
-    commit: str = "verified"
+    commit: str = "window"
 
     def __post_init__(self):
         if self.mode not in ("fast", "margingate", "deterministic"):
@@ -83,11 +84,11 @@ class Policy:
         return cls("fast")
 
     @classmethod
-    def margingate(cls, threshold: float, commit: str = "verified") -> "Policy":
+    def margingate(cls, threshold: float, commit: str = "window") -> "Policy":
         return cls("margingate", float(threshold), commit)
 
     @classmethod
-    def always(cls, commit: str = "verified") -> "Policy":
+    def always(cls, commit: str = "window") -> "Policy":
         return cls("margingate", math.inf, commit)
 
     @classmethod
@@ -98,7 +99,9 @@ class Policy:
     def name(self) -> str:
         if self.mode == "margingate":
             base = "always-on" if math.isinf(self.threshold) else f"margingate@{self.threshold:g}"
-            return base if self.commit == "verified" else f"{base}/{COMMIT_SUFFIX[self.commit]}"
+            if math.isinf(self.threshold) and self.commit != "repair":
+                return base  # every step verified: the window and current-column rules coincide
+            return base + COMMIT_SUFFIX[self.commit]
         return self.mode
 
 
@@ -128,6 +131,7 @@ class Stats:
     repairs: int = 0
     verifier_rows: int = 0  # positions the verifier recomputed (one per verifier step, more with windows)
     rollbacks: int = 0  # window rule: missed flips found after the fact
+    final_checks: int = 0  # window rule: launches that check a finished request's tail (in verifier_steps)
     dropped_tokens: int = 0  # tokens emitted after a missed flip and decoded again
     batch_sizes: list[int] = field(default_factory=list)
     wall_s: float = 0.0
@@ -375,6 +379,7 @@ class Engine:
         stats.verify_s += time.perf_counter() - t0
         stats.verifier_calls += 1
         stats.verifier_steps += len(items)
+        stats.final_checks += len(items)
 
     def _finished(self, r: Request, out: Output) -> bool:
         return out.finish == "stop" or len(out.tokens) >= r.max_new_tokens

@@ -256,6 +256,10 @@ class Row:
     repairs: int
     verifier_calls: int
     verify_s: float = 0.0  # time inside verifier calls (the only work MarginGate adds to always-on's shared costs)
+    verifier_rows: int = 0  # positions recomputed by the verifier (window rule: more than one per launch)
+    rollbacks: int = 0  # window rule: flips the gate missed, found later and rolled back
+    dropped_tokens: int = 0
+    final_checks: int = 0  # window rule: launches at a request's end (counted in verifier_steps)
     overhead: float = math.nan  # wall time / fast wall time - 1
     cpu_overhead: float = math.nan
 
@@ -306,7 +310,8 @@ def evaluate(model: Llama, requests: Sequence[Request], policies: Sequence[Polic
         s = run.stats
         rows.append(Row(name, p.name, max_batch, statistics.median(walls[p.name]), statistics.median(cpus[p.name]),
                         prot, same, s.protected_decode_steps, s.verifier_steps, s.repairs, s.verifier_calls,
-                        statistics.median(vers[p.name])))
+                        statistics.median(vers[p.name]), s.verifier_rows, s.rollbacks, s.dropped_tokens,
+                        s.final_checks))
     fast = next(r for r in rows if r.policy == "fast")
     for r in rows:
         r.overhead = r.wall_s / fast.wall_s - 1
@@ -316,12 +321,16 @@ def evaluate(model: Llama, requests: Sequence[Request], policies: Sequence[Polic
     return rows
 
 
-def choose_threshold(rows: Sequence[Row], target: float = 1.0) -> float | None:
-    """The smallest swept threshold whose protected outputs all match the reference (``target``)."""
+def choose_threshold(rows: Sequence[Row], suffix: str = "", target: float = 1.0) -> float | None:
+    """The smallest swept threshold of the rule named by ``suffix`` ("" = window, "/current-column",
+    "/repair-only") whose protected outputs all match the reference (``target``) with no rollback:
+    the gate alone caught every flip. (The window rule always matches; its rollbacks are the misses.)"""
     ok = []
     for r in rows:
-        if r.policy.startswith("margingate@") and not r.policy.endswith("/repair-only") and r.determinism >= target:
-            ok.append(float(r.policy.split("@")[1]))
+        head, _, tail = r.policy.partition("@")
+        value, slash, rule = tail.partition("/")
+        if head == "margingate" and slash + rule == suffix and r.determinism >= target and r.rollbacks == 0:
+            ok.append(float(value))
     return min(ok) if ok else None
 
 
@@ -390,9 +399,9 @@ def kv_table(ms: Sequence[tuple[str, Measurement]]) -> str:
 
 def rows_table(rows: Sequence[Row], always: dict[tuple[str, int], Row] | None = None) -> str:
     """Markdown table; ``vs always-on`` is this row's overhead over the always-on row's (same set/batch)."""
-    lines = ["| prompts | batch | policy | trigger rate | repair rate | seq. determinism | wall s | overhead "
-             "| CPU overhead | overhead / always-on's | verifier s (/ always-on's) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| prompts | batch | policy | verifier launches / step (gate only) | recomputed / step | repair rate | rollbacks (dropped tokens) "
+             "| seq. determinism | wall s | overhead | CPU overhead | overhead / always-on's | verifier s (/ always-on's) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ref = None
         if always is not None:
@@ -402,7 +411,10 @@ def rows_table(rows: Sequence[Row], always: dict[tuple[str, int], Row] | None = 
             ratio = f"{r.overhead / ref.overhead:.2f} (CPU {r.cpu_overhead / ref.cpu_overhead:.2f})"
         if ref is not None and ref.verify_s > 0 and r.policy.startswith("margingate"):
             vratio = f"{r.verify_s:.1f} ({r.verify_s / ref.verify_s:.2f})"
-        lines.append(f"| {r.prompts} | {r.batch} | {r.policy} | {fmt_rate(r.trigger_rate)} | {fmt_rate(r.repair_rate)} | "
+        per_step = fmt_rate(r.verifier_rows / r.decode_steps) if r.decode_steps else "-"
+        gate = fmt_rate((r.verifier_steps - r.final_checks) / r.decode_steps) if r.decode_steps else "-"
+        lines.append(f"| {r.prompts} | {r.batch} | {r.policy} | {fmt_rate(r.trigger_rate)} ({gate}) | {per_step} | "
+                     f"{fmt_rate(r.repair_rate)} | {r.rollbacks} ({r.dropped_tokens}) | "
                      f"{r.identical}/{r.protected} | {r.wall_s:.1f} | {100 * r.overhead:+.1f}% | "
                      f"{100 * r.cpu_overhead:+.1f}% | {ratio} | {vratio} |")
     return "\n".join(lines)
