@@ -302,3 +302,39 @@ def test_threshold_choice_and_divergence():
     assert choose_threshold(window) == 0.5
     assert choose_threshold(window, "/repair-only") == 0.25
     assert choose_threshold(window, "/current-column") == 0.1
+
+
+def test_sweep_cli_end_to_end(tmp_path):
+    """``verinfer margingate sweep`` on a tiny set writes every table; both rules are swept, the
+    window rule's outputs all match the reference, and unprotected requests never pay."""
+    from typer.testing import CliRunner
+
+    from verinfer.cli import app
+
+    out = tmp_path / "mg.md"
+    result = CliRunner().invoke(app, ["margingate", "sweep", "--n", "2", "--n-transfer", "1", "--transfer", "gsm8k",
+                                      "--max-new-tokens", "4", "--batch", "2", "--thresholds", "0,0.1",
+                                      "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    for title in ("Observation 1", "Calibration sweep", "Transfer", "Per-request protection"):
+        assert title in text, title
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| chitchat | 2 | margingate@")]
+    assert {r[2] for r in rows} == {"margingate@0", "margingate@0.1", "margingate@0/repair-only",
+                                    "margingate@0.1/repair-only"}
+    assert all(r[7] == "2/2" for r in rows if "/" not in r[2])  # window rule: every output identical
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--thresholds", "abc"], "comma-separated numbers"),
+    (["--prompts", "/nonexistent/prompts.jsonl"], "prompts.jsonl"),
+    (["--batch-sizes", "two"], "comma-separated integers"),
+])
+def test_sweep_cli_bad_input(args, needle):
+    from typer.testing import CliRunner
+
+    from verinfer.cli import app
+
+    result = CliRunner().invoke(app, ["margingate", "sweep", "--n", "1", "--max-new-tokens", "2"] + args)
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
