@@ -7,15 +7,14 @@ the padded attention width and the prompts that share a prefill change all the t
 Policies (what a *protected* request gets; unprotected requests always take the fast path):
 
 - ``fast``: batched prefill and batched KV-cache decoding only (no guarantee).
-- ``margingate(threshold)``: the protected request is prefilled deterministically; each decode step
-  runs the fast path, and when the top-1/top-2 margin of its fast logits is below ``threshold`` the
-  deterministic verifier recomputes that step for it (``Llama.decode_det`` without commit). If the
-  verifier's token differs, the engine emits the verifier's token and overwrites only the current
-  position's K/V column with the verifier's column (``commit="repair"``, the paper's rule; with
-  ``commit="verified"`` it also writes that column when the tokens agree: free, and the verified
-  state is then the canonical one).
-- ``margingate(threshold, commit="window")``, the default: verinfer's guaranteed variant. The gate is the same; the
-  verifier recomputes, in one deterministic pass (``Llama.forward_det``), every column since the
+- ``margingate(threshold, commit="repair")``, the paper's rule: the protected request is prefilled
+  deterministically; each decode step runs the fast path, and when the top-1/top-2 margin of its
+  fast logits is below ``threshold`` the deterministic verifier recomputes that step for it
+  (``Llama.decode_det`` without commit). If the verifier's token differs, the engine emits the
+  verifier's token and overwrites only the current position's K/V column with the verifier's
+  column. ``commit="verified"`` also writes that column when the tokens agree.
+- ``margingate(threshold)`` (``commit="window"``, the default): verinfer's exact variant. The gate
+  is the same; the verifier recomputes, in one deterministic pass (``Llama.forward_det``), every column since the
   request's last verified one, commits them all, and checks every token emitted since then against
   its own. At the first token it would not have chosen (a flip the gate missed) the request rolls
   back to it: later tokens are dropped and decoding resumes from the verifier's token. When the
