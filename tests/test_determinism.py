@@ -338,3 +338,27 @@ def test_sweep_cli_bad_input(args, needle):
     result = CliRunner().invoke(app, ["margingate", "sweep", "--n", "1", "--max-new-tokens", "2"] + args)
     assert result.exit_code == 2, result.output
     assert needle in result.output
+
+
+def test_decode_cli_writes_batch_independent_traces(tmp_path):
+    """``verinfer margingate decode`` writes greedy traces that do not depend on the batch size, and
+    refuses bad options with exit 2."""
+    from typer.testing import CliRunner
+
+    from verinfer.cli import app
+    from verinfer.trace import read_traces
+
+    outs = {}
+    for b in (1, 3):
+        path = tmp_path / f"b{b}.jsonl"
+        result = CliRunner().invoke(app, ["margingate", "decode", "-o", str(path), "--n", "3", "--max-new-tokens", "5",
+                                          "--batch", str(b), "--dtype", "float32", "--threshold", "0.1"])
+        assert result.exit_code == 0, result.output
+        outs[b] = read_traces(path)
+    assert [t.output_token_ids for t in outs[1]] == [t.output_token_ids for t in outs[3]]
+    assert all(t.sampling.profile == "greedy" and t.meta["policy"] == "margingate@0.1" for t in outs[3])
+    for bad, needle in ((["--policy", "sometimes"], "--policy"), (["--commit", "nope"], "commit rule"),
+                        (["-o", str(tmp_path / "x.txt")], ".jsonl or .parquet")):
+        args = ["margingate", "decode", "-o", str(tmp_path / "x.jsonl"), "--n", "1", "--max-new-tokens", "2"] + bad
+        result = CliRunner().invoke(app, args)
+        assert result.exit_code == 2 and needle in result.output, result.output
