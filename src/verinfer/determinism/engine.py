@@ -301,17 +301,8 @@ class Engine:
         verified = set(verify)
         for i, r in enumerate(running):
             if i in decided:  # window rule: the verifier decides this request's next token
-                out = outputs[r.id]
-                index, vlogits = decided[i]
-                missed = index < len(out.tokens)  # a flip the gate missed: drop it and what followed
-                if missed:
-                    self._roll_back(pool, i, r, out, index, stats)
-                token = int(vlogits.argmax())
-                if not missed and token != chosen[i]:
+                if self._settle(pool, i, r, outputs[r.id], *decided[i], stats, fast_token=chosen[i]):
                     repaired.add(i)
-                self._emit(r, out, vlogits, token, float(margins_of(vlogits[None])[0]), True,
-                           missed or token != chosen[i])
-                out.checked = len(out.tokens)
                 continue
             self._emit(r, outputs[r.id], logits[i], chosen[i], float(margins[i]), i in verified, i in repaired)
         stats.repairs += len(repaired)
@@ -345,6 +336,19 @@ class Engine:
             row += len(run)
         return decided
 
+    def _settle(self, pool: KVPool, slot: int, r: Request, out: Output, index: int, vlogits: torch.Tensor,
+                stats: Stats, fast_token: int | None = None) -> bool:
+        """Emit the verifier's token for output ``index``; an index before the end is a flip the gate
+        missed, so the tokens from it on are dropped first. True when it replaced this step's fast
+        token (a repair)."""
+        missed = index < len(out.tokens)
+        if missed:
+            self._roll_back(pool, slot, r, out, index, stats)
+        token = int(vlogits.argmax())
+        self._emit(r, out, vlogits, token, float(margins_of(vlogits[None])[0]), True, missed or token != fast_token)
+        out.checked = len(out.tokens)
+        return not missed and fast_token is not None and token != fast_token
+
     def _roll_back(self, pool: KVPool, slot: int, r: Request, out: Output, index: int, stats: Stats) -> None:
         """Drop tokens ``index..`` (the verifier chose another token at ``index``); the cache keeps
         the verified columns up to the input token of ``index``."""
@@ -371,9 +375,7 @@ class Engine:
         for slot, r in items:
             out = outputs[r.id]
             if slot in decided:
-                index, vlogits = decided[slot]
-                self._roll_back(pool, slot, r, out, index, stats)
-                self._emit(r, out, vlogits, int(vlogits.argmax()), float(margins_of(vlogits[None])[0]), True, True)
+                self._settle(pool, slot, r, out, *decided[slot], stats)
             out.checked = len(out.tokens)
         stats.verify_s += time.perf_counter() - t0
         stats.verifier_calls += 1
