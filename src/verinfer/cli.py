@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import sys
@@ -17,27 +16,13 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from verinfer.models.load import DEFAULT_MODEL, ModelNotAvailable  # noqa: E402
-from verinfer.prompts import PromptError  # noqa: E402
+from verinfer.models.load import DEFAULT_MODEL  # noqa: E402
+from verinfer.cli_errors import one_line_errors as _friendly  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="verinfer: verify that LLM outputs came from the claimed model and sampler.")
 console = Console()
 err = Console(stderr=True)
-
-
-def _friendly(fn):
-    """Turn input errors into one red line and exit code 2 (never a traceback)."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from verinfer.trace import TraceError
-
-        try:
-            return fn(*args, **kwargs)
-        except (TraceError, PromptError, ModelNotAvailable, ValueError, OSError) as exc:
-            err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
-    return wrapper
 
 
 def _progress() -> Progress:

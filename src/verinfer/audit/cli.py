@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 from typing import Optional
@@ -10,20 +9,12 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from verinfer.cli_errors import one_line_errors as _friendly
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Audit OpenAI-compatible providers against a trusted reference, with calibrated bands.")
 console = Console()
 err = Console(stderr=True)
-
-
-def _friendly(fn):
-    """The main command line's handling: input and provider errors become one line and exit code 2."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        from verinfer.cli import _friendly as one_line_errors
-
-        return one_line_errors(fn)(*args, **kwargs)
-    return wrapper
 
 
 def _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, endpoint, token_ids=True):

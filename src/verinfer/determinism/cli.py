@@ -12,6 +12,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import typer  # noqa: E402
 
+from verinfer.cli_errors import one_line_errors  # noqa: E402
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="MarginGate: verify only low-margin decode steps against a deterministic path.")
 
@@ -27,20 +29,14 @@ def _run(cfg, out: Optional[Path], threads: int) -> None:
     import torch
 
     from verinfer.determinism.experiment import header, run_experiment
-    from verinfer.models.load import ModelNotAvailable
-    from verinfer.prompts import PromptError
 
     import shlex
     import sys
 
     torch.set_num_threads(threads)
     command = "verinfer margingate " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    try:
-        typer.echo(header([cfg], command))
-        rep = run_experiment(cfg, log=typer.echo)
-    except (ModelNotAvailable, PromptError, ValueError) as exc:
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(2) from None
+    typer.echo(header([cfg], command))
+    rep = run_experiment(cfg, log=typer.echo)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(header([cfg], command) + "\n\n" + rep.markdown() + "\n")
@@ -48,6 +44,7 @@ def _run(cfg, out: Optional[Path], threads: int) -> None:
 
 
 @app.command()
+@one_line_errors
 def measure(
     prompts: str = typer.Option("chitchat", help="prompt set: chitchat, human-eval, gsm8k, or a JSONL file"),
     n: int = typer.Option(12, help="number of prompts"),
@@ -69,6 +66,7 @@ def measure(
 
 
 @app.command()
+@one_line_errors
 def sweep(
     prompts: str = typer.Option("chitchat", help="calibration prompt set"),
     transfer: str = typer.Option("gsm8k,human-eval", help="comma-separated prompt sets for the transfer table"),
@@ -102,6 +100,7 @@ POLICIES = ("margingate", "fast", "always", "deterministic")
 
 
 @app.command()
+@one_line_errors
 def decode(
     out: Path = typer.Option(..., "--out", "-o", help="greedy traces to write (.jsonl or .parquet)"),
     prompts: str = typer.Option("chitchat", help="prompt set: chitchat, human-eval, gsm8k, or a JSONL file"),
@@ -126,35 +125,28 @@ def decode(
     from verinfer.determinism.model import Llama
     from verinfer.determinism.study import load_prompt_set, make_requests
     from verinfer.models.backend import Backend
-    from verinfer.models.load import ModelNotAvailable
-    from verinfer.prompts import PromptError
     from verinfer.sampling.params import SamplingParams
     from verinfer.trace import Trace, write_traces
 
     torch.set_num_threads(threads)
-    try:
-        if policy not in POLICIES:
-            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, not {policy!r}")
-        pol = {"margingate": lambda: Policy.margingate(threshold, commit), "fast": Policy.fast,
-               "always": lambda: Policy.always(commit), "deterministic": Policy.deterministic}[policy]()
-        if n < 1 or max_new_tokens < 1 or batch < 1 or arrival_gap < 0:
-            raise ValueError("--n, --max-new-tokens and --batch must be >= 1 and --arrival-gap >= 0")
-        if out.suffix not in (".jsonl", ".parquet"):
-            raise ValueError(f"{out}: the trace file must end in .jsonl or .parquet")
-        backend = Backend.load(model, dtype)
-        engine_model = Llama(backend.model)
-        reqs = make_requests(backend.tokenizer, load_prompt_set(prompts, n, seed), max_new_tokens, arrival_gap)
-        max_len = max(len(r.prompt) for r in reqs) + max_new_tokens + 1
-        run = Engine(engine_model, batch, max_len, backend.stop_ids()).run(reqs, pol)
-    except (ModelNotAvailable, PromptError, ValueError) as exc:
-        typer.secho(f"error: {exc}", fg="red", err=True)
-        raise typer.Exit(2) from None
+    if policy not in POLICIES:
+        raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, not {policy!r}")
+    pol = {"margingate": lambda: Policy.margingate(threshold, commit), "fast": Policy.fast,
+           "always": lambda: Policy.always(commit), "deterministic": Policy.deterministic}[policy]()
+    if n < 1 or max_new_tokens < 1 or batch < 1 or arrival_gap < 0:
+        raise ValueError("--n, --max-new-tokens and --batch must be >= 1 and --arrival-gap >= 0")
+    if out.suffix not in (".jsonl", ".parquet"):
+        raise ValueError(f"{out}: the trace file must end in .jsonl or .parquet")
+    backend = Backend.load(model, dtype)
+    reqs = make_requests(backend.tokenizer, load_prompt_set(prompts, n, seed), max_new_tokens, arrival_gap)
+    max_len = max(len(r.prompt) for r in reqs) + max_new_tokens + 1
+    run = Engine(Llama(backend.model), batch, max_len, backend.stop_ids()).run(reqs, pol)
     traces = []
     for r in reqs:
         o = run.outputs[r.id]
         traces.append(Trace(
             id=r.id, model=backend.model_id, prompt_token_ids=list(r.prompt), output_token_ids=list(o.tokens),
-            sampling=SamplingParams(profile="greedy", temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=None),
+            sampling=SamplingParams(profile="greedy", temperature=0.0),
             output_text=backend.tokenizer.decode(o.tokens, skip_special_tokens=True), provider="verinfer-margingate",
             meta={"finish_reason": o.finish, "dtype": dtype, "policy": pol.name, "batch": batch,
                   "verified_at_emission": int(sum(o.verified)), "repairs": int(sum(o.repaired)), "rollbacks": o.rollbacks},
