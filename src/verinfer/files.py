@@ -1,0 +1,73 @@
+"""The output-file policy every command follows: atomic writes, outputs never equal to inputs,
+default names that keep the whole stem, and I/O errors that name the file.
+
+A result file is written under a temporary name in the same directory, flushed and fsync'd,
+then renamed over the destination (``os.replace`` is atomic on POSIX), so a crash or a full disk
+leaves the previous file intact and never a truncated one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+
+class OutputError(ValueError):
+    """An output path that would destroy an input, or an output that cannot be written."""
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically.
+
+    On any error the temporary file is removed, the destination is untouched, and an ``OSError``
+    is re-raised as an ``OutputError`` naming the destination.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        if tmp.exists():
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` by temporary file and rename."""
+    path = Path(path)
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
+    return path
+
+
+def derived_path(source: str | Path, suffix: str) -> Path:
+    """The default output beside ``source``: its whole name, extension dropped, plus ``suffix``.
+
+    ``run.v1.jsonl`` -> ``run.v1.scores.parquet``, so two inputs never share an output.
+    """
+    source = Path(source)
+    stem = source.name[: -len(source.suffix)] if source.suffix else source.name
+    return source.with_name(stem + suffix)
+
+
+def check_outputs(outputs: Iterable[str | Path | None], inputs: Iterable[str | Path | None]) -> None:
+    """Refuse an output that is an input or another output (same file after resolving links)."""
+    seen: dict[Path, str] = {}
+    for role, paths in (("input", inputs), ("output", outputs)):
+        for p in paths:
+            if p is None:
+                continue
+            key = Path(p).expanduser().resolve()
+            if key in seen:
+                what = "an input" if seen[key] == "input" else "another output"
+                raise OutputError(f"{p}: output would overwrite {what}; choose another path")
+            seen[key] = role
