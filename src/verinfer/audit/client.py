@@ -6,7 +6,9 @@ provider, the endpoint and what was wrong. Every accepted response is written to
 ``ResponseStore`` (fsync'd) before the caller sees it, and requests already in the store are never
 sent again. Responses that are not JSON or lack the fields every caller needs are kept in a
 ``rejected.jsonl`` beside the store (they were paid for) and reported. The API key is read from
-an environment variable at request time and only ever placed in the ``Authorization`` header.
+an environment variable at request time and only ever placed in the ``Authorization`` header; it
+and any ``user:password@`` in the base URL are registered with ``verinfer.audit.secrets`` so that
+error messages, stored responses and reports never contain them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
+from verinfer.audit.secrets import redact, redact_text, remember, remember_url
 from verinfer.audit.store import ResponseStore, request_key
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
@@ -30,7 +33,12 @@ RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 class ProviderError(ValueError):
     """A provider that cannot be audited as asked; the message names the provider and what failed.
 
-    A ValueError, like every other input error, so the command line reports it as one line."""
+    A ValueError, like every other input error, so the command line reports it as one line. The
+    message is redacted (``verinfer.audit.secrets``): a provider that echoes the key in an error
+    body does not get it printed."""
+
+    def __init__(self, message: str):
+        super().__init__(redact_text(str(message)))
 
 
 @dataclass(frozen=True)
@@ -43,9 +51,24 @@ class Endpoint:
     model: str
     api_key_env: str | None = "OPENAI_API_KEY"
 
-    def headers(self) -> dict[str, str]:
+    def __post_init__(self):
+        remember_url(self.base_url)
+        self.api_key()
+
+    def api_key(self) -> str | None:
+        """The key from the environment (registered for redaction), or None."""
         key = os.environ.get(self.api_key_env) if self.api_key_env else None
+        remember(key)
+        return key or None
+
+    def headers(self) -> dict[str, str]:
+        key = self.api_key()
         return {"Authorization": f"Bearer {key}"} if key else {}
+
+    @property
+    def display_url(self) -> str:
+        """The base URL as reports and messages show it: without ``user:password@``."""
+        return redact_text(self.base_url)
 
     def url(self, path: str) -> str:
         return self.base_url.rstrip("/") + "/" + path.lstrip("/")
@@ -147,7 +170,8 @@ class ProviderClient:
             raise failed[0]
 
     async def _fetch_one(self, http: httpx.AsyncClient, call: Call) -> None:
-        url, where = self.endpoint.url(call.path), f"provider {self.endpoint.name!r} ({self.endpoint.url(call.path)})"
+        url = self.endpoint.url(call.path)
+        where = f"provider {self.endpoint.name!r} ({redact_text(url)})"
         attempt = 0
         while True:
             retry_after = None
@@ -159,7 +183,7 @@ class ProviderClient:
             except httpx.TimeoutException:
                 problem = f"timed out after {self.policy.timeout_s:g} s"
             except httpx.TransportError as exc:
-                problem = f"connection failed ({type(exc).__name__}: {str(exc)[:120] or 'no detail'})"
+                problem = f"connection failed ({type(exc).__name__}: {redact_text(str(exc))[:120] or 'no detail'})"
             else:
                 if resp.status_code == 200:
                     break
@@ -173,12 +197,13 @@ class ProviderClient:
             await asyncio.sleep(self.policy.delay(attempt, retry_after))
             attempt += 1
         meta = {**call.meta, "elapsed_s": round(elapsed, 4), "attempts": attempt + 1, "received_at": time.time()}
-        try:
-            payload = resp.json()
+        try:  # redacted before anything is cut short, so no prefix of a key survives
+            payload = redact(resp.json())
         except (json.JSONDecodeError, UnicodeDecodeError):
-            self.rejected.append(call.key, call.path, call.body, resp.text[:100_000], **meta)
+            text = redact_text(resp.text)
+            self.rejected.append(call.key, call.path, call.body, text[:100_000], **meta)
             raise ProviderError(f"{where}: request {call.key} ({_describe(call)}): the response is not JSON "
-                                f"(starts {resp.text[:60]!r}); kept in {self.rejected.path}") from None
+                                f"(starts {text[:60]!r}); kept in {self.rejected.path}") from None
         problem = self.check(payload)
         if problem:
             self.rejected.append(call.key, call.path, call.body, payload, **meta)
@@ -192,10 +217,11 @@ def _describe(call: Call) -> str:
 
 
 def _error_text(resp: httpx.Response) -> str:
+    """The gist of an error body, redacted before it is shortened."""
     try:
-        body = resp.json()
+        body = redact(resp.json())
         if isinstance(body, dict) and isinstance(body.get("error"), dict):
             return str(body["error"].get("message", body["error"]))[:200]
         return json.dumps(body)[:200]
     except (json.JSONDecodeError, UnicodeDecodeError):
-        return resp.text[:200] or resp.reason_phrase
+        return redact_text(resp.text)[:200] or resp.reason_phrase

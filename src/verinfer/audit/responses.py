@@ -11,6 +11,13 @@ of its text; a stop token leaves no text), so every mismatch it could cause is c
 - ``round_trip_mismatch``: without ids, ``decode(encode(text)) != text``;
 - ``prompt_mismatch``: the provider's reported prompt ids differ from our rendering of the prompt
   (another chat template or system prompt; only seen when the provider reports them truthfully).
+
+What the provider *says* it served is recorded apart (``Claim.served``: the model id, the usage
+token counts and the number of returned tokens) and checked against the request and the returned
+ids (``summarize_served``): another model id than requested, more output tokens than
+``max_tokens``, usage counts that disagree with the returned token ids. Such contradictions are
+warnings listed in every report; they do not change the statistical verdict, which rests on the
+tokens alone.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ class Claim:
     text: str | None
     finish_reason: str | None
     drift: dict[str, Any] = field(default_factory=dict)
+    served: dict[str, Any] = field(default_factory=dict)  # what the provider says it served (served_claims)
 
 
 def _token_diff(a: list[int], b: list[int]) -> int:
@@ -90,7 +98,93 @@ def parse_generation(record: dict[str, Any], tokenizer, stop_ids: set[int], voca
         source, output = "retokenized", tokenizer.encode(text, add_special_tokens=False)
         drift["round_trip_mismatch"] = int(tokenizer.decode(output, skip_special_tokens=False) != text)
     return Claim(str(meta["prompt_id"]), int(meta["index"]), prompt_ids, output, source, text,
-                 choice.get("finish_reason"), drift)
+                 choice.get("finish_reason"), drift,
+                 served_claims(response, record.get("request") or {}, ids, reported_prompt))
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def served_claims(response: dict, request: dict, ids: list[int] | None,
+                  reported_prompt: list[int] | None) -> dict[str, Any]:
+    """What one response says was served, and where that contradicts the request or the returned ids.
+
+    ``problems`` maps a check to a short phrase: ``model`` (another model id than requested),
+    ``max_tokens`` (more output tokens than asked for, by the returned ids or by usage),
+    ``completion_usage`` / ``prompt_usage`` (usage counts that disagree with the returned output or
+    prompt token ids), ``usage_malformed`` (a usage object whose counts are not integers).
+    """
+    model = response.get("model")
+    requested, max_tokens = request.get("model"), _count(request.get("max_tokens"))
+    usage = response.get("usage")
+    prompt_tokens = completion_tokens = None
+    problems: dict[str, str] = {}
+    if isinstance(usage, dict):
+        prompt_tokens, completion_tokens = _count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens"))
+        if ("prompt_tokens" in usage and prompt_tokens is None) or \
+                ("completion_tokens" in usage and completion_tokens is None):
+            problems["usage_malformed"] = f"usage counts are not non-negative integers: {str(usage)[:120]}"
+    elif usage is not None:
+        problems["usage_malformed"] = f"usage is a {type(usage).__name__}, expected an object"
+    if model is not None and requested is not None and model != requested:
+        problems["model"] = f"served model {str(model)[:120]!r}, requested {requested!r}"
+    returned = len(ids) if ids is not None else None
+    if max_tokens is not None:
+        over = [n for n in (returned, completion_tokens) if n is not None and n > max_tokens]
+        if over:
+            problems["max_tokens"] = f"{max(over)} output tokens, max_tokens was {max_tokens}"
+    if completion_tokens is not None and returned is not None and completion_tokens != returned:
+        problems["completion_usage"] = f"usage.completion_tokens {completion_tokens}, {returned} token ids returned"
+    if prompt_tokens is not None and reported_prompt is not None and prompt_tokens != len(reported_prompt):
+        problems["prompt_usage"] = (f"usage.prompt_tokens {prompt_tokens}, {len(reported_prompt)} prompt token ids "
+                                    "returned")
+    return {"model": model if model is None or isinstance(model, str) else str(model)[:120],
+            "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "returned_tokens": returned, "requested_model": requested, "max_tokens": max_tokens,
+            "problems": problems}
+
+
+CHECKS = {  # check -> what a warning says about the responses where it fails
+    "model": "reported another model id than requested",
+    "max_tokens": "claimed more output tokens than max_tokens",
+    "completion_usage": "reported usage.completion_tokens that disagree with the returned token ids",
+    "prompt_usage": "reported usage.prompt_tokens that disagree with the returned prompt token ids",
+    "usage_malformed": "reported a malformed usage object",
+}
+
+
+def summarize_served(claims: list[Claim]) -> dict[str, Any]:
+    """What a provider said it served over an audit, with one warning per kind of contradiction.
+
+    Warnings name how many responses contradict the request and give the first example; they are
+    reported prominently but leave the verdict, which rests on the verified tokens, unchanged.
+    """
+    models: dict[str, int] = {}
+    for c in claims:
+        name = c.served.get("model")
+        key = "(not reported)" if name is None else name
+        models[key] = models.get(key, 0) + 1
+
+    def total(name: str) -> int | None:
+        values = [c.served.get(name) for c in claims]
+        return sum(v for v in values if v is not None) if any(v is not None for v in values) else None
+
+    contradictions: dict[str, int] = {}
+    warnings: list[str] = []
+    for check, what in CHECKS.items():
+        hits = [c for c in claims if check in c.served.get("problems", {})]
+        if hits:
+            contradictions[check] = len(hits)
+            example = hits[0]
+            warnings.append(f"{len(hits)} of {len(claims)} responses {what} (prompt {example.prompt_id}: "
+                            f"{example.served['problems'][check]})")
+    first = claims[0].served if claims else {}
+    return {"requested_model": first.get("requested_model"), "max_tokens": first.get("max_tokens"),
+            "responses": len(claims),
+            "models": models, "prompt_tokens": total("prompt_tokens"), "completion_tokens": total("completion_tokens"),
+            "usage_reported": sum(c.served.get("completion_tokens") is not None for c in claims),
+            "returned_tokens": total("returned_tokens"), "contradictions": contradictions, "warnings": warnings}
 
 
 def summarize_drift(claims: list[Claim]) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from verinfer.audit.bands import Bands, sequence_stats
 from verinfer.audit.client import Endpoint, ProviderClient, ProviderError, RetryPolicy
 from verinfer.audit.plan import AuditSpec, generation_calls
 from verinfer.audit.reference import claim_traces
-from verinfer.audit.responses import Claim, parse_generation, summarize_drift
+from verinfer.audit.responses import Claim, parse_generation, summarize_drift, summarize_served
 from verinfer.audit.store import ResponseStore
 from verinfer.audit.verdict import Verdict, holm, judge, judge_calibrated
 from verinfer.prompts import Prompt
@@ -42,6 +42,7 @@ class ProviderAudit:
     responses_stored: int
     damaged_lines: int
     empty_outputs: list[str] = field(default_factory=list)
+    served: dict = field(default_factory=dict)  # what the provider said it served, with warnings (summarize_served)
 
 
 @dataclass
@@ -103,6 +104,7 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         claims = [parse_generation(r, tokenizer, stops, reference.vocab_size,
                                    f"provider {e.name!r}: {store.path} (prompt {r['prompt_id']})") for r in records]
         empty = [c.prompt_id for c in claims if not c.output_token_ids]
+        served = summarize_served(claims)  # empty outputs included
         claims = [c for c in claims if c.output_token_ids]
         if not claims:
             raise ProviderError(f"provider {e.name!r}: every response has an empty output; nothing to verify")
@@ -118,7 +120,7 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
             seq = sequence_stats(columns, bands.clip)
             verdict = judge(seq, bands, fpr)
         audits.append(ProviderAudit(e, claims, columns, seq, verdict, summarize_drift(claims), client.sent,
-                                    len(store), store.damaged_lines, empty))
+                                    len(store), store.damaged_lines, empty, served))
     if len(audits) > 1:
         for a, p in zip(audits, holm([a.verdict.p_value for a in audits])):
             a.verdict.p_adjusted = p

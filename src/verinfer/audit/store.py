@@ -6,6 +6,10 @@ rest. A line is written whole with one ``write`` and flushed to disk before the 
 a line that is not valid JSON can only come from a write that was cut off (the process killed
 mid-write); it is skipped and counted (``damaged_lines``, shown in the report), and its request is
 simply asked again.
+
+Nothing secret is written: every record passes through ``verinfer.audit.secrets.redact`` first,
+so a provider that echoes the API key (or a URL password) in its body has it replaced by
+``[REDACTED]`` on disk and in memory alike.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Iterator
+
+from verinfer.audit.secrets import redact
 
 RECORD_FORMAT = "verinfer.audit.response/1"
 
@@ -70,8 +76,9 @@ class ResponseStore:
         return self._records.get(key)
 
     def append(self, key: str, path: str, body: dict[str, Any], response: Any, **meta: Any) -> dict[str, Any]:
-        """Write one record and fsync it; only then is it visible to ``get``."""
-        record = {"format": RECORD_FORMAT, "key": key, "path": path, "request": body, "response": response, **meta}
+        """Write one record (redacted) and fsync it; only then is it visible to ``get``."""
+        record = redact({"format": RECORD_FORMAT, "key": key, "path": path, "request": body, "response": response,
+                         **meta})
         line = (json.dumps(record, separators=(",", ":"), ensure_ascii=False) + "\n").encode("utf-8")
         if self._needs_newline:  # start on a fresh line after a cut-off one
             line = b"\n" + line

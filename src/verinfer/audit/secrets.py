@@ -1,0 +1,87 @@
+"""Keep credentials off the terminal and the disk: one redaction used by everything the audit prints,
+raises or stores.
+
+Two kinds of secret are removed:
+
+- API keys. An ``Endpoint`` registers the key it reads from its environment variable (``remember``);
+  from then on ``redact`` replaces ``Bearer <key>`` and the bare key with ``[REDACTED]`` wherever it
+  appears: in raw provider bodies before they are persisted (``responses.jsonl``, ``rejected.jsonl``),
+  in error messages, in ``audit.json`` and ``audit.html``. Keys shorter than ``MIN_SECRET_CHARS``
+  are only redacted in their ``Bearer <key>`` form, so a toy key such as ``"x"`` cannot erase every
+  ``x`` in a paid-for output.
+- Credentials in URLs: ``scheme://user:password@host`` becomes ``scheme://[REDACTED]@host`` in any
+  string, registered or not; an endpoint's URL password (and the ``user:password`` pair, plain and
+  base64 as HTTP basic auth sends it, so an echoed ``Authorization`` header is caught too) is
+  registered like a key.
+
+The registry is process-wide on purpose: responses are redacted where they are written
+(``store.ResponseStore.append``), far from the endpoint that knows the key.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+import threading
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+REDACTED = "[REDACTED]"
+MIN_SECRET_CHARS = 8
+
+_URL_CREDENTIALS = re.compile(r"(?<=://)[^/\s@:'\"<>]+:[^/\s@'\"<>]*@")
+_lock = threading.Lock()
+_secrets: set[str] = set()  # replaced wherever they appear
+_bearer: set[str] = set()  # short keys: replaced only after "Bearer "
+_pattern: re.Pattern | None = None
+
+
+def remember(secret: str | None) -> None:
+    """Register a secret (an API key, a URL password) so that ``redact`` removes it from now on."""
+    global _pattern
+    if not secret or not isinstance(secret, str):
+        return
+    with _lock:
+        target = _secrets if len(secret) >= MIN_SECRET_CHARS else _bearer
+        if secret in target:
+            return
+        target.add(secret)
+        alternatives = [r"Bearer\s+" + re.escape(s) for s in sorted(_secrets | _bearer, key=len, reverse=True)]
+        alternatives += [re.escape(s) for s in sorted(_secrets, key=len, reverse=True)]
+        _pattern = re.compile("|".join(alternatives))
+
+
+def remember_url(url: str) -> None:
+    """Register the password (and the ``user:password`` pair) embedded in ``url``, if any."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return
+    if parts.password:
+        user, password = unquote(parts.username or ""), unquote(parts.password)
+        remember(password)
+        pair = f"{user}:{password}"
+        remember(pair)
+        remember(base64.b64encode(pair.encode("utf-8")).decode("ascii"))
+
+
+def redact_text(text: str) -> str:
+    """``text`` with every registered secret and every ``user:password@`` in a URL replaced."""
+    if "://" in text:
+        text = _URL_CREDENTIALS.sub(REDACTED + "@", text)
+    pattern = _pattern
+    return pattern.sub(REDACTED, text) if pattern is not None else text
+
+
+def redact(value: Any) -> Any:
+    """A copy of ``value`` with secrets removed from every string in it (dict keys and values, list
+    and tuple items); anything else is returned as it is."""
+    if isinstance(value, str):
+        return redact_text(value)
+    if isinstance(value, dict):
+        return {redact(k): redact(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(redact(v) for v in value)
+    return value
