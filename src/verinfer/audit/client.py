@@ -74,6 +74,54 @@ class Endpoint:
         return self.base_url.rstrip("/") + "/" + path.lstrip("/")
 
 
+ENDPOINT_FIELDS = {"name": True, "url": True, "model": False, "api_key_env": False}  # field -> required
+
+
+def endpoints_from_file(path: str | os.PathLike, model: str, api_key_env: str | None) -> list[Endpoint]:
+    """Endpoints from a JSON list of ``{name, url, model?, api_key_env?}`` objects.
+
+    Anything else (not JSON, not a list, an entry that is not an object, a missing, unknown or
+    non-string field, a URL that is not http(s)) is a ``ValueError`` naming the file and the entry.
+    """
+    what = "a JSON list of {name, url, model?, api_key_env?} objects"
+    try:
+        entries = json.loads(open(path, encoding="utf-8").read())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno}); "
+                         f"expected {what}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text; expected {what}") from None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected {what}, got a JSON {type(entries).__name__}")
+    out = []
+    for i, entry in enumerate(entries):
+        where = f"{path}: entry {i}"
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}: expected an object {{name, url, model?, api_key_env?}}, "
+                             f"got a JSON {type(entry).__name__}")
+        if isinstance(entry.get("name"), str):
+            where += f" ({entry['name']!r})"
+        unknown = sorted(set(entry) - set(ENDPOINT_FIELDS))
+        if unknown:
+            raise ValueError(f"{where}: unknown field(s) {', '.join(map(repr, unknown))}; "
+                             f"expected {', '.join(ENDPOINT_FIELDS)}")
+        for name, required in ENDPOINT_FIELDS.items():
+            if name not in entry:
+                if required:
+                    raise ValueError(f"{where}: field {name!r} is missing")
+                continue
+            value = entry[name]
+            if not (isinstance(value, str) and value) and not (name == "api_key_env" and value is None):
+                raise ValueError(f"{where}: field {name!r} must be a non-empty string, got "
+                                 f"{redact_text(json.dumps(value))[:80]}")
+        if not entry["url"].startswith(("http://", "https://")):
+            raise ValueError(f"{where}: field 'url' must be an http(s) base URL ending in /v1, got "
+                             f"{redact_text(entry['url'])[:120]!r}")
+        out.append(Endpoint(entry["name"], entry["url"], entry.get("model", model),
+                            entry.get("api_key_env", api_key_env)))
+    return out
+
+
 @dataclass(frozen=True)
 class Call:
     """One request to make: endpoint path, JSON body, and metadata stored with the response."""

@@ -4,7 +4,11 @@ The HTML shows what a person needs to act on: each provider's verdict line, a co
 (with Holm-adjusted p-values when several providers were audited), the pooled statistic with its
 interval against the bands' ranges at the same number of tokens, the per-token margin histogram
 against the honest band, tokenization drift, and a per-prompt table whose output tokens are
-highlighted where the reference disagrees with the provider.
+highlighted where the reference disagrees with the provider. What each provider said it served
+(model id, usage, returned tokens) is listed with a warning for every contradiction with the request.
+
+Both files are written atomically (``verinfer.files.write_atomic``) and redacted
+(``verinfer.audit.secrets``): no API key and no ``user:password@`` of a provider URL reaches them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import numpy as np
 
 from verinfer.audit.bands import HIST_EDGES, histogram
 from verinfer.audit.run import AuditResult, ProviderAudit
+from verinfer.audit.secrets import redact, redact_text
+from verinfer.files import write_atomic
 
 TEMPLATE = Path(__file__).with_name("templates") / "report.html.j2"
 
@@ -34,6 +40,7 @@ def prompt_rows(audit: ProviderAudit, tokenizer, clip: float) -> list[dict]:
                      "mean_clipped_margin": float(np.minimum(m, clip).mean()) if m.size else 0.0,
                      "divergent_positions": [int(i) for i in np.flatnonzero(m > 0)],
                      "token_source": c.source, "drift": c.drift,
+                     "served": {k: v for k, v in c.served.items() if k not in ("requested_model", "max_tokens")},
                      "tokens_html": _tokens_html(pieces, m, clip)})
     return rows
 
@@ -112,9 +119,15 @@ def histogram_plot(audit: ProviderAudit, honest_counts: list[int] | None) -> str
     return _svg(fig)
 
 
+def warning_lines(audit: ProviderAudit) -> list[str]:
+    """The contradictions between what the provider said it served and what was asked (redacted)."""
+    return [redact_text(w) for w in audit.served.get("warnings", [])]
+
+
 def to_json(result: AuditResult, tokenizer) -> dict:
+    """The report as a JSON-ready dict, with every secret redacted."""
     clip = result.bands.clip if result.bands else 20.0
-    return {
+    return redact({
         "format": "verinfer.audit.report/1",
         "reference": result.reference, "fpr": result.fpr, "elapsed_s": round(result.elapsed_s, 2),
         "spec": result.spec.__dict__,
@@ -122,21 +135,22 @@ def to_json(result: AuditResult, tokenizer) -> dict:
                                                     "statistic": result.bands.data.get("statistic")},
         "providers": [{
             "name": a.endpoint.name, "base_url": a.endpoint.base_url, "model": a.endpoint.model,
-            "verdict": a.verdict.to_dict(), "drift": a.drift, "requests_sent": a.requests_sent,
+            "verdict": a.verdict.to_dict(), "warnings": a.served.get("warnings", []), "served": a.served,
+            "drift": a.drift, "requests_sent": a.requests_sent,
             "responses_stored": a.responses_stored, "damaged_lines": a.damaged_lines, "empty_outputs": a.empty_outputs,
             "prompts": [{k: v for k, v in r.items() if k != "tokens_html"} for r in prompt_rows(a, tokenizer, clip)],
         } for a in result.providers],
-    }
+    })
 
 
 def write_reports(result: AuditResult, tokenizer) -> tuple[Path, Path]:
-    """``audit.json`` and ``audit.html`` in the audit directory."""
+    """``audit.json`` and ``audit.html`` in the audit directory, each written atomically."""
     import jinja2
 
     clip = result.bands.clip if result.bands else 20.0
     doc = to_json(result, tokenizer)
     json_path = result.out_dir / "audit.json"
-    json_path.write_text(json.dumps(doc, indent=1, default=str))
+    write_atomic(json_path, json.dumps(doc, indent=1, default=str))
     honest = None
     if result.bands is not None:
         honest = np.sum([b.histogram for b in result.bands.bands if b.honest], axis=0).tolist()
@@ -147,5 +161,5 @@ def write_reports(result: AuditResult, tokenizer) -> tuple[Path, Path]:
     page = env.from_string(TEMPLATE.read_text()).render(result=result, doc=doc, providers=providers,
                                                         several=len(result.providers) > 1)
     html_path = result.out_dir / "audit.html"
-    html_path.write_text(page)
+    write_atomic(html_path, redact_text(page))
     return json_path, html_path
