@@ -1,7 +1,7 @@
 """The OpenAI-compatible provider server: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``.
 
 Seeds and replay. Every response is generated with the server's sampler profile (``--sampler``)
-through ``verinfer.generate.decode_batch``, the code the verifier replays, and each choice carries
+through ``verinfer.simulate.generate.decode_batch``, the code the verifier replays, and each choice carries
 ``verinfer_sampling``: the ``SamplingParams`` dict (profile, temperature, top_k, top_p, min_p, seed)
 the provider claims. A request without ``seed`` gets a random one in [0, 2^63), reported there.
 For the ``vllm`` profile the k-th output token (k = 0, 1, ...) uses the noise of position
@@ -24,12 +24,21 @@ each choice. ``token_ids`` are the output tokens only (a stop token, if emitted,
 
 Misconfigured servers (``ServeConfig.misconfig``, see ``verinfer.serve.config``) claim the honest
 configuration in every field: model id, ``verinfer_sampling``, ``/v1/models``.
+
+Limits and errors. Every error is ``{"error": {"message", "type", "param", "code"}}``. A request the
+server cannot take is refused before it reaches a batch: 400 naming the field (``param``) for any
+value out of range, a lone surrogate, an integer of over 40 digits, a prompt longer than
+``max_prompt_tokens`` or than the context; 400 for a body that is not UTF-8 JSON or nests deeper
+than 32 levels; 413 for a body over ``max_request_bytes``. A request still queued after
+``queue_timeout_s`` gets 503 (``code: "queue_timeout"``); one that fails inside the model gets
+500 (``type: "server_error"``) alone, the requests batched with it are decoded again without it.
+A handler whose client disconnects abandons its job (see ``verinfer.serve.worker``). The OpenAPI
+schema (``/openapi.json``) describes both request bodies, bounds included.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import sys
 import time
@@ -41,18 +50,19 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
-from verinfer.generate import Request as GenRequest
+from verinfer.simulate.generate import Request as GenRequest
 from verinfer.models.backend import Backend
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import get_profile
 from verinfer.serve.config import Misconfiguration, ServeConfig, parse_misconfig
 from verinfer.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from verinfer.serve.prompting import PromptIds, chat_prompt, completion_prompt
-from verinfer.serve.protocol import APIError, ChatRequest, CompletionRequest, parse
-from verinfer.serve.worker import BatchWorker, Generation, Job
-from verinfer.verify.activation_difr import FingerprintSpec
-from verinfer.verify.commits import CommitSpec, build_commits
+from verinfer.serve.protocol import APIError, ChatRequest, CompletionRequest, decode_body, parse
+from verinfer.serve.worker import Abandoned, BatchWorker, Generation, Job, QueueTimeout
+from verinfer.commits.activation_difr import FingerprintSpec
+from verinfer.commits.trace_commits import CommitSpec, build_commits
 
 
 @dataclass
@@ -99,8 +109,11 @@ class ServedModel:
         self.name = config.served_model_name or backend.model_id
         context = int(getattr(backend.model.config.get_text_config(), "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(config.max_model_len or context, context)
+        self.max_prompt_tokens = min(config.max_prompt_tokens or self.max_model_len, self.max_model_len)
         max_batch = variant.batch_size if variant is not None and variant.batch_size else config.max_batch
-        self.worker = BatchWorker(self.generator, variant, max_batch, config.batch_wait_s)
+        self.worker = BatchWorker(self.generator, variant, max_batch, config.batch_wait_s,
+                                  max_batch_prompt_tokens=config.max_batch_prompt_tokens,
+                                  queue_timeout_s=config.queue_timeout_s)
         self.created = int(time.time())
 
     @property
@@ -137,6 +150,10 @@ class ServedModel:
                            "max_tokens")
         hidden = len(prompt.actual) - len(prompt.reported)
         context = self.max_model_len - hidden  # a concealed injection also hides the room it takes
+        longest = min(self.max_prompt_tokens, self.max_model_len - 1) - hidden
+        if len(prompt.reported) > longest:
+            raise APIError(f"{param}: the prompt has {len(prompt.reported)} tokens; this server takes prompts of at "
+                           f"most {longest} tokens (context {context})", param)
         if len(prompt.reported) + max_tokens > context:
             raise APIError(f"{param}: the prompt has {len(prompt.reported)} tokens and max_tokens is {max_tokens}, "
                            f"more than the context of {context} tokens", param)
@@ -165,17 +182,48 @@ class ServedModel:
                 raise APIError(f"verinfer_commits.fingerprint_dim: {fp.problems()[0]}", "verinfer_commits.fingerprint_dim")
         return CommitSpec(fingerprint=fp, toploc_k=128 if c.toploc else None)
 
+    async def wait(self, job: Job, client: Request | None) -> Generation:
+        """Submit ``job`` and await it; abandon it when ``client`` disconnects or the queue times out."""
+        try:
+            future = self.worker.submit(job)
+        except RuntimeError as exc:
+            raise APIError(str(exc), status=503, type="server_error") from None
+        waiter = asyncio.wrap_future(future)
+        waiter.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
+        timeout = self.config.queue_timeout_s
+        try:
+            while not waiter.done():
+                await asyncio.wait({waiter}, timeout=self.config.disconnect_poll_s)
+                if waiter.done():
+                    break
+                if client is not None and await client.is_disconnected():
+                    job.abandon()
+                    raise APIError("the client disconnected", status=499, code="client_disconnected")
+                if timeout and time.monotonic() - job.queued_at > timeout and future.cancel():
+                    raise QueueTimeout(f"the request waited more than {timeout:g} s in the queue")
+            return waiter.result()
+        except asyncio.CancelledError:
+            job.abandon()
+            raise
+        except QueueTimeout as exc:
+            raise APIError(f"{exc}; the server is overloaded, retry later", status=503, type="server_error",
+                           code="queue_timeout") from None
+        except Abandoned:
+            raise APIError("the client disconnected", status=499, code="client_disconnected") from None
+        except APIError:
+            raise
+        except Exception as exc:  # a failure inside the model: this request only
+            raise APIError(f"internal server error: {type(exc).__name__}: {exc}", status=500,
+                           type="server_error") from None
+
     async def run(self, req, prompt: PromptIds, max_tokens: int, logprobs: int | None,
-                  prompt_logprobs: int | None) -> Outcome:
+                  prompt_logprobs: int | None, client: Request | None = None) -> Outcome:
         claimed = self.claimed_params(req)
         spec = self.commit_spec(req, max_tokens)
         actual = self.mis.variant.actual_params(claimed) if self.mis.variant is not None else claimed
         job = Job(GenRequest(f"req-{uuid.uuid4().hex}", prompt.actual, actual), max_tokens, logprobs,
                   prompt_logprobs, capture=spec is not None)
-        try:
-            gen: Generation = await asyncio.wrap_future(self.worker.submit(job))
-        except RuntimeError as exc:
-            raise APIError(str(exc), status=503, type="server_error") from None
+        gen = await self.wait(job, client)
         n, text, stop = cut_at_stop(self.tokenizer, gen.tokens, req.stop)
         tokens = gen.tokens[:n]
         finish = "stop" if stop is not None else gen.finish_reason
@@ -195,7 +243,7 @@ class ServedModel:
         if o.commits is not None:
             choice["verinfer_commits"] = o.commits
 
-    async def completion(self, body: Any) -> dict[str, Any]:
+    async def completion(self, body: Any, client: Request | None = None) -> dict[str, Any]:
         req: CompletionRequest = parse(CompletionRequest, body)
         self.check_model(req.model)
         if isinstance(req.prompt, str):
@@ -208,7 +256,8 @@ class ServedModel:
         prompt = completion_prompt(self.tokenizer, client_ids, self.mis)
         self.check_length(prompt, req.max_tokens, "prompt")
         wants_prompt_lp = req.echo and req.logprobs is not None
-        o = await self.run(req, prompt, req.max_tokens, req.logprobs, req.logprobs if wants_prompt_lp else None)
+        o = await self.run(req, prompt, req.max_tokens, req.logprobs, req.logprobs if wants_prompt_lp else None,
+                           client)
         text = o.text
         if req.echo:
             prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(client_ids)
@@ -230,7 +279,7 @@ class ServedModel:
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.name, "choices": [choice], "usage": self.usage(o)}
 
-    async def chat(self, body: Any) -> dict[str, Any]:
+    async def chat(self, body: Any, client: Request | None = None) -> dict[str, Any]:
         req: ChatRequest = parse(ChatRequest, body)
         self.check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -240,7 +289,7 @@ class ServedModel:
             limit = max(0, min(self.config.max_tokens_limit, self.max_model_len - len(prompt.actual)))
         self.check_length(prompt, limit, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        o = await self.run(req, prompt, limit, top, None)
+        o = await self.run(req, prompt, limit, top, None, client)
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": o.text},
                                   "logprobs": None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
         if top is not None:
@@ -260,12 +309,30 @@ def _error(exc: APIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-async def _json_body(request: Request) -> Any:
-    raw = await request.body()
+async def _json_body(request: Request, limit: int) -> Any:
+    """The body as JSON (``protocol.decode_body``), read no further than ``limit`` bytes (413 above)."""
+    too_large = APIError(f"request body is larger than this server's limit of {limit} bytes", status=413,
+                         code="request_too_large")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and (len(length) > 18 or int(length) > limit):
+        raise too_large
+    chunks, size = [], 0
     try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(f"request body is not valid JSON ({exc})") from None
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise APIError("the client disconnected", status=499, code="client_disconnected") from None
+    return decode_body(b"".join(chunks))
+
+
+def _request_body(model) -> tuple[dict, dict]:
+    """OpenAPI ``requestBody`` of a route that reads its body itself, and the schemas it refers to."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}, defs
 
 
 def create_app(backend: Backend, config: ServeConfig = ServeConfig(), served: ServedModel | None = None) -> FastAPI:
@@ -301,7 +368,8 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), served: Se
     async def health():
         w = served.worker
         return {"status": "ok", "requests": w.requests, "batches": w.batches, "largest_batch": w.largest_batch,
-                "max_batch": w.max_batch}
+                "max_batch": w.max_batch, "decode_steps": w.decode_steps, "queued": w.queued,
+                "abandoned": w.abandoned, "expired": w.expired, "failed": w.failed}
 
     @app.get("/v1/models")
     async def models():
@@ -312,12 +380,25 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), served: Se
         served.check_model(model_id)
         return served.card()
 
-    @app.post("/v1/completions")
+    limit = served.config.max_request_bytes
+    completion_body, completion_defs = _request_body(CompletionRequest)
+    chat_body, chat_defs = _request_body(ChatRequest)
+
+    @app.post("/v1/completions", openapi_extra=completion_body)
     async def completions(request: Request):
-        return await served.completion(await _json_body(request))
+        return await served.completion(await _json_body(request, limit), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=chat_body)
     async def chat_completions(request: Request):
-        return await served.chat(await _json_body(request))
+        return await served.chat(await _json_body(request, limit), request)
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = default_openapi()
+            schema.setdefault("components", {}).setdefault("schemas", {}).update({**completion_defs, **chat_defs})
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

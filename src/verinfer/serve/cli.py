@@ -15,7 +15,7 @@ import typer  # noqa: E402
 
 MISCONFIG_HELP = (
     "Serve misconfigured while the API claims the honest configuration; comma-separated or repeated. "
-    "Any variant of the detection study (verinfer.models.variants): w4 (4-bit RTN weights, groups of 128), "
+    "Any variant of the detection study (verinfer.simulate.variants): w4 (4-bit RTN weights, groups of 128), "
     "w8 (8-bit per channel), wB-gG[-asym], fp8-kv (fp8 KV cache, scale 1, as vLLM), fp8-kv-tensor, fp8-kv-head, "
     "fp8-kv-fresh, bf16, temperature-X (samples at X), top-p-X, wrong-seed (seed + 1000003), bug-topK[-rateR] "
     "(a sampler bug: rate R of tokens uniform among the top K), batch-N; joined with '+' they compose. "
@@ -28,7 +28,7 @@ app = typer.Typer(add_completion=False, help="Serve a local model over an OpenAI
 
 
 def _list_misconfigs() -> None:
-    from verinfer.models.variants import family_docs, list_variants
+    from verinfer.simulate.variants import family_docs, list_variants
 
     for v in list_variants():
         typer.echo(f"{v.name:<20} {'(honest) ' if v.honest else ''}{v.description}")
@@ -49,6 +49,14 @@ def serve(
     batch_wait_ms: float = typer.Option(5.0, help="how long the worker waits for companions before decoding"),
     max_tokens_limit: int = typer.Option(1024, help="largest max_tokens a request may ask for"),
     max_model_len: Optional[int] = typer.Option(None, help="context length (default: the model's)"),
+    max_prompt_tokens: Optional[int] = typer.Option(
+        None, help="longest prompt a request may send, in tokens (default: the context length); longer: 400"),
+    max_batch_prompt_tokens: int = typer.Option(
+        8192, help="prefill budget of one batch: rows x longest prompt (left padding); a request over it "
+                   "on its own runs alone"),
+    queue_timeout: float = typer.Option(
+        60.0, help="seconds a request may wait in the queue before it gets 503 (0: no limit)"),
+    max_request_bytes: int = typer.Option(1 << 20, help="largest request body in bytes; larger: 413"),
     misconfig: list[str] = typer.Option([], help=MISCONFIG_HELP),
     served_model_name: Optional[str] = typer.Option(None, help="model id the API reports (default: the model's id)"),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
@@ -63,14 +71,16 @@ def serve(
         raise typer.Exit(0)
     try:
         _serve(err, model, host, port, sampler, dtype, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
-               misconfig, served_model_name, threads)
+               misconfig, served_model_name, threads, max_prompt_tokens=max_prompt_tokens,
+               max_batch_prompt_tokens=max_batch_prompt_tokens, queue_timeout_s=queue_timeout,
+               max_request_bytes=max_request_bytes)
     except (ValueError, OSError) as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
 
 
 def _serve(err, model, host, port, sampler, dtype, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
-           misconfig, served_model_name, threads) -> None:
+           misconfig, served_model_name, threads, **limits) -> None:
     import torch
     import uvicorn
 
@@ -84,7 +94,8 @@ def _serve(err, model, host, port, sampler, dtype, max_batch, batch_wait_ms, max
         torch.set_num_threads(threads)
     config = ServeConfig(sampler=sampler, max_batch=max_batch, misconfig=split_names(misconfig),
                          served_model_name=served_model_name, max_tokens_limit=max_tokens_limit,
-                         max_model_len=max_model_len, batch_wait_s=batch_wait_ms / 1000, host=host, port=port)
+                         max_model_len=max_model_len, batch_wait_s=batch_wait_ms / 1000, host=host, port=port,
+                         **limits)
     if config.problems():
         raise ValueError(config.problems()[0])
     try:

@@ -1,7 +1,7 @@
 """What a served provider is: its settings, and the misconfigurations it hides behind an honest API.
 
 A misconfiguration is either a configuration variant of the detection study
-(``verinfer.models.variants``: quantized weights, fp8 KV cache, temperature, top-p, wrong seed,
+(``verinfer.simulate.variants``: quantized weights, fp8 KV cache, temperature, top-p, wrong seed,
 sampler bugs, ...), applied inside the server exactly as the study applies it, or one of two
 serving-level deviations that only exist where prompts are rendered:
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from verinfer.models.variants import Variant, compose, get_variant
+from verinfer.simulate.variants import Variant, compose, get_variant
 
 SYSTEM_PROMPT = "system-prompt:"
 OLD_TEMPLATE = "old-template"
@@ -42,6 +42,14 @@ class ServeConfig:
     ``misconfig``: names as described in the module docstring (empty: honest).
     ``served_model_name``: the id the API reports and requires (default: the backend's model id,
     which is what traces must claim for ``verinfer verify``).
+
+    Limits that keep one request from costing the others (see README, "Limits and errors"):
+    ``max_prompt_tokens``: longest prompt a request may send (default: the context length);
+    ``max_batch_prompt_tokens``: prefill budget of one batch, counted as rows times the longest
+    prompt (left padding); a request over it on its own still runs, alone;
+    ``queue_timeout_s``: a request still queued after this long gets 503 (0: wait forever);
+    ``max_request_bytes``: largest request body (413 above it);
+    ``disconnect_poll_s``: how often a waiting handler checks whether its client is gone.
     """
 
     sampler: str = "vllm"
@@ -51,6 +59,11 @@ class ServeConfig:
     max_tokens_limit: int = 1024
     max_model_len: int | None = None  # default: the model's context length
     batch_wait_s: float = 0.005  # how long the worker waits for companions before decoding a batch
+    max_prompt_tokens: int | None = None  # default: the context length
+    max_batch_prompt_tokens: int = 8192
+    queue_timeout_s: float = 60.0
+    max_request_bytes: int = 1 << 20
+    disconnect_poll_s: float = 0.1
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
 
@@ -64,6 +77,16 @@ class ServeConfig:
             out.append(f"max_model_len must be >= 2, got {self.max_model_len}")
         if not 0 <= self.batch_wait_s <= 10:
             out.append(f"batch_wait_s must be in [0, 10] seconds, got {self.batch_wait_s}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            out.append(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.max_batch_prompt_tokens < 1:
+            out.append(f"max_batch_prompt_tokens must be >= 1, got {self.max_batch_prompt_tokens}")
+        if not self.queue_timeout_s >= 0:
+            out.append(f"queue_timeout_s must be >= 0 seconds (0: no timeout), got {self.queue_timeout_s}")
+        if self.max_request_bytes < 1024:
+            out.append(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if not 0 < self.disconnect_poll_s <= 10:
+            out.append(f"disconnect_poll_s must be in (0, 10] seconds, got {self.disconnect_poll_s}")
         if not 0 <= self.port <= 65535:
             out.append(f"port must be in 0..65535, got {self.port}")
         return out

@@ -2,18 +2,30 @@
 
 Unknown fields are refused (``extra="forbid"``) so a typo or an unsupported option never silently
 means a default; every error names the field (``param``) and says what is wrong with it.
-Field names, defaults and ranges follow OpenAI and vLLM: ``top_k`` -1 or 0 disables it,
-``temperature`` 0 is greedy, ``return_token_ids`` is vLLM's extension, ``verinfer_commits`` ours.
+Field names, defaults and ranges follow OpenAI and vLLM: ``top_k`` -1 or 0 disables it (as does
+any value at or above the vocabulary size), ``temperature`` 0 is greedy, ``return_token_ids`` is
+vLLM's extension, ``verinfer_commits`` ours. Every number has bounds: integers that reach the
+sampler fit int64, so no value can fail while a batch's tensors are built.
+
+``decode_body`` turns raw bytes into the JSON value ``parse`` validates, refusing what would make
+parsing itself fail or explode: bodies that are not UTF-8, nesting deeper than ``MAX_DEPTH``
+(checked by a linear scan before parsing), lone UTF-16 surrogates (``"\\ud800"``, which no tokenizer
+or response can encode), and integers of more than ``MAX_INT_DIGITS`` digits (parsed into a
+placeholder that validation then refuses, naming the field).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 INT64 = 2**63
 MAX_LOGPROBS = 20
+MAX_DEPTH = 32  # our bodies nest 4 deep (messages[i].content[j].text)
+MAX_INT_DIGITS = 40  # every integer field is bounded far below this
 
 
 class APIError(Exception):
@@ -33,11 +45,11 @@ class _Strict(BaseModel):
 
 
 class CommitsRequest(_Strict):
-    """``verinfer_commits``: activation commits to attach (see ``verinfer.verify.commits``)."""
+    """``verinfer_commits``: activation commits to attach (see ``verinfer.commits.trace_commits``)."""
 
-    fingerprint_dim: int = Field(0, ge=0)
+    fingerprint_dim: int = Field(0, ge=0, le=2**20)
     fingerprint_precision: Literal["fp32", "fp16", "bf16", "int8"] = "fp32"
-    fingerprint_stride: int = Field(1, ge=1)
+    fingerprint_stride: int = Field(1, ge=1, le=2**20)
     toploc: bool = False
 
     @model_validator(mode="after")
@@ -53,11 +65,11 @@ class _Sampling(_Strict):
     model: str | None = None
     temperature: float = Field(1.0, ge=0, le=2)
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1
+    top_k: int = Field(-1, lt=INT64, json_schema_extra={"minimum": -1})
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
-    n: int = 1
+    n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": 1})
     stream: bool = False
     user: str | None = None
     return_token_ids: bool = False
@@ -79,7 +91,10 @@ class _Sampling(_Strict):
     def _number(cls, v: Any) -> Any:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"must be a number, got {v!r}")
-        return float(v)
+        try:
+            return float(v)
+        except OverflowError:
+            raise ValueError(f"must be a number in the float range, got an integer of {len(str(abs(v)))} digits") from None
 
     @field_validator("top_k")
     @classmethod
@@ -115,9 +130,13 @@ class _Sampling(_Strict):
         return stops
 
 
+_PROMPT_SCHEMA = {"anyOf": [{"type": "string", "minLength": 1},
+                             {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}
+
+
 class CompletionRequest(_Sampling):
-    prompt: Any
-    max_tokens: int = Field(16, ge=0)
+    prompt: Any = Field(json_schema_extra=_PROMPT_SCHEMA)
+    max_tokens: int = Field(16, ge=0, lt=INT64)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -152,8 +171,8 @@ class Message(_Strict):
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=0, lt=INT64)
+    max_completion_tokens: int | None = Field(None, ge=0, lt=INT64)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
@@ -193,6 +212,87 @@ def _message(err: dict) -> str:
     if err["type"] not in ("value_error", "assertion_error") and not isinstance(got, (dict, list)):
         msg += f" (got {got!r})"
     return msg
+
+
+class HugeInt:
+    """A JSON integer of more than ``MAX_INT_DIGITS`` digits: kept as a placeholder, refused by validation."""
+
+    def __init__(self, text: str):
+        self.digits = len(text.lstrip("-"))
+
+    def __repr__(self) -> str:
+        return f"an integer of {self.digits} digits"
+
+
+def _parse_int(text: str) -> int | HugeInt:
+    return int(text) if len(text) <= MAX_INT_DIGITS else HugeInt(text)
+
+
+def nesting_depth(raw: bytes) -> int:
+    """The deepest ``[``/``{`` nesting of a JSON text (UTF-8), outside strings, in one vectorized pass.
+
+    A quote is a string delimiter unless an odd run of backslashes precedes it. Exact for valid
+    JSON; for invalid JSON it bounds the nesting the parser can reach before it finds the error.
+    """
+    a = np.frombuffer(raw, dtype=np.uint8)
+    if not a.size:
+        return 0
+    idx = np.arange(a.size)
+    backslash = a == ord("\\")
+    last_other = np.maximum.accumulate(np.where(backslash, -1, idx))  # last non-backslash at or before i
+    run_before = np.empty(a.size, dtype=np.int64)
+    run_before[0] = 0
+    run_before[1:] = idx[:-1] - last_other[:-1]  # backslashes right before i
+    quote = (a == ord('"')) & (run_before % 2 == 0)
+    inside = np.cumsum(quote) % 2 == 1  # within a string (an opening quote counts as inside)
+    step = np.zeros(a.size, dtype=np.int64)
+    step[(a == ord("[")) | (a == ord("{"))] = 1
+    step[(a == ord("]")) | (a == ord("}"))] = -1
+    step[inside] = 0
+    return int(np.cumsum(step).max(initial=0))
+
+
+def _bad_string(value: Any, loc: tuple = ()) -> tuple | None:
+    """Where a string (or key) that cannot be UTF-8 encoded (a lone surrogate) sits, or None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return loc
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            if _bad_string(k) is not None:
+                return (*loc, k.encode("utf-8", "backslashreplace").decode("ascii"))
+            found = _bad_string(v, (*loc, k))
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            found = _bad_string(v, (*loc, i))
+            if found is not None:
+                return found
+    return None
+
+
+def decode_body(raw: bytes) -> Any:
+    """The JSON value of a request body; APIError (400) for what is not UTF-8 JSON we can take."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise APIError(f"request body is not valid UTF-8 ({exc})") from None
+    depth = nesting_depth(raw)
+    if depth > MAX_DEPTH:
+        raise APIError(f"request body nests {depth} levels deep; at most {MAX_DEPTH} are accepted")
+    try:
+        data = json.loads(text, parse_int=_parse_int)
+    except (json.JSONDecodeError, ValueError, RecursionError) as exc:
+        raise APIError(f"request body is not valid JSON ({exc})") from None
+    where = _bad_string(data)
+    if where is not None:
+        param = _param(where)
+        raise APIError(f"{param or 'request body'}: the text contains a lone UTF-16 surrogate (e.g. \"\\ud800\"), "
+                       "which is not valid Unicode", param)
+    return data
 
 
 def parse(model: type[BaseModel], data: Any) -> Any:

@@ -3,18 +3,32 @@
 torch modules and KV caches are not safe to drive from several threads, so HTTP handlers never
 touch the model: they submit a ``Job`` and await its future. The worker takes the first queued job,
 waits ``batch_wait_s`` for companions (up to ``max_batch``), and decodes them together with
-``verinfer.generate.decode_batch`` (the sampler code the verifier replays). Jobs in one batch may
+``verinfer.simulate.generate.decode_batch`` (the sampler code the verifier replays). Jobs in one batch may
 ask for different ``max_tokens``: the batch runs to the largest and each job keeps its own first
 ``max_tokens`` tokens (decoding is causal, so a row's tokens do not depend on how long it runs).
 
 Logprobs are the provider's own: a token hook records the log-softmax of the raw logits (before
 temperature and filters, as vLLM returns them by default) at each step; prompt logprobs come from
 the prompt's hidden states captured by the same prefill (no extra forward pass).
+
+One request never costs another its answer or much of its time:
+
+- Isolation. A job whose parameters the sampler cannot take fails alone, before batching; if
+  decoding a batch raises anyway, each of its jobs is decoded again on its own, so only the one
+  that fails gets the error and the others get the tokens they get alone.
+- Cancellation. ``Job.abandon`` (the handler's client disconnected) drops a queued job, and a
+  decoding batch stops as soon as the only rows it still decodes are abandoned: checked at every
+  decode step (the prefill itself is not interrupted).
+- Queue timeout. A job still queued after ``queue_timeout_s`` fails with ``QueueTimeout``.
+- Prefill budget. A batch takes companions only while rows times its longest prompt stays within
+  ``max_batch_prompt_tokens`` (left padding makes every row as long as the longest); a job over
+  the budget on its own runs alone.
 """
 
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -22,9 +36,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verinfer.generate import Request, TokenHook, decode_batch
+from verinfer.simulate.generate import Request, TokenHook, decode_batch
 from verinfer.models.backend import Backend
-from verinfer.models.variants import Variant
+from verinfer.simulate.variants import Variant
 from verinfer.sampling.profiles import Profile
 
 
@@ -38,6 +52,17 @@ class TokenLogprobs:
     top_logprobs: tuple[float, ...] = ()
 
 
+INT64 = 2**63
+
+
+class Abandoned(Exception):
+    """The job's client went away before its result was ready; nobody reads this."""
+
+
+class QueueTimeout(Exception):
+    """The job waited in the queue longer than the server's limit and was not run."""
+
+
 @dataclass
 class Job:
     request: Request  # actual prompt ids and actual (possibly misconfigured) sampling parameters
@@ -46,6 +71,24 @@ class Job:
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token (None: none)
     capture: bool = False  # keep hidden rows for activation commits
     future: Future = field(default_factory=Future)
+    queued_at: float = field(default_factory=time.monotonic)
+    gone: threading.Event = field(default_factory=threading.Event)  # set by ``abandon``
+
+    @property
+    def needs_rows(self) -> bool:
+        return self.capture or self.prompt_logprobs is not None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    def abandon(self) -> bool:
+        """The client is gone: a queued job is dropped, a decoding one stops at a decode step.
+
+        True when the job was dropped before it started.
+        """
+        self.gone.set()
+        return self.future.cancel()
 
 
 @dataclass
@@ -90,6 +133,45 @@ class LogprobRecorder:
         return tokens
 
 
+class _StopBatch(Exception):
+    """Raised by ``StepHook``: every row the batch still decodes belongs to a client that is gone."""
+
+
+class StepHook:
+    """The token hook of one batch: the variant's hook (a sampler bug), logprobs, each row's tokens.
+
+    Counts decode steps (``steps``) and ends the batch early (``_StopBatch``) once every row still
+    decoding is done for its own job or abandoned, and at least one is abandoned and not done (so
+    a batch nobody abandoned always runs to its natural end and returns its hidden rows).
+    """
+
+    def __init__(self, jobs: list[Job], inner: TokenHook | None, stop_ids: set[int]):
+        self.jobs = {j.request.id: j for j in jobs}
+        self.inner, self.stop_ids = inner, stop_ids
+        wants = {j.request.id: j.logprobs for j in jobs if j.logprobs is not None}
+        self.recorder = LogprobRecorder(wants) if wants else None
+        self.tokens: dict[str, list[int]] = {rid: [] for rid in self.jobs}
+        self.steps = 0
+
+    def done(self, rid: str) -> bool:
+        toks = self.tokens[rid]
+        return len(toks) >= self.jobs[rid].max_tokens or bool(toks and toks[-1] in self.stop_ids)
+
+    def __call__(self, logits, tokens, requests, step):
+        if self.inner is not None:
+            tokens = self.inner(logits, tokens, requests, step)
+        if self.recorder is not None:
+            tokens = self.recorder(logits, tokens, requests, step)
+        self.steps += 1
+        for r, t in zip(requests, tokens.tolist()):
+            self.tokens[r.id].append(t)
+        gone = [self.jobs[r.id].gone.is_set() for r in requests]
+        done = [self.done(r.id) for r in requests]
+        if any(g and not d for g, d in zip(gone, done)) and all(g or d for g, d in zip(gone, done)):
+            raise _StopBatch
+        return tokens
+
+
 def prompt_logprobs(backend: Backend, rows: torch.Tensor, prompt: tuple[int, ...], k: int,
                     block: int = 512) -> list[TokenLogprobs]:
     """Logprobs of prompt tokens 1 .. L-1 from the prompt's hidden rows (lm_head in row blocks)."""
@@ -103,19 +185,32 @@ def prompt_logprobs(backend: Backend, rows: torch.Tensor, prompt: tuple[int, ...
 
 
 class BatchWorker:
-    """The model-owning thread. ``submit`` is safe from any thread; results arrive on job futures."""
+    """The model-owning thread. ``submit`` is safe from any thread; results arrive on job futures.
+
+    ``max_batch_prompt_tokens``: prefill budget of a batch (rows x longest prompt; None: no budget).
+    ``queue_timeout_s``: a job queued longer fails with ``QueueTimeout`` (0: no limit).
+    """
 
     def __init__(self, backend: Backend, variant: Variant | None = None, max_batch: int = 8,
-                 batch_wait_s: float = 0.005):
+                 batch_wait_s: float = 0.005, max_batch_prompt_tokens: int | None = None,
+                 queue_timeout_s: float = 0.0):
         self.backend = backend  # the backend that generates (the variant's, when misconfigured)
         self.variant = variant
         self.max_batch = max_batch
         self.batch_wait_s = batch_wait_s
+        self.max_batch_prompt_tokens = max_batch_prompt_tokens
+        self.queue_timeout_s = queue_timeout_s
         self.stop_ids = backend.stop_ids()
-        self.batches = 0  # decoded batches (reported by /health)
-        self.requests = 0
+        # Counters reported by /health.
+        self.batches = 0  # decoded batches
+        self.requests = 0  # jobs decoded (each once, whatever retries it took)
         self.largest_batch = 0
+        self.decode_steps = 0  # sampling steps of all batches (one per output token position)
+        self.abandoned = 0  # jobs whose client left: dropped from the queue or stopped mid-batch
+        self.expired = 0  # jobs that waited longer than queue_timeout_s
+        self.failed = 0  # jobs that failed with an internal error
         self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._held: Job | None = None  # the job that did not fit the last batch's budget: next batch's first
         self._profiles: dict[str, Profile] = {}
         self._thread = threading.Thread(target=self._run, name="verinfer-serve-worker", daemon=True)
         self._closed = False
@@ -123,6 +218,10 @@ class BatchWorker:
     def start(self) -> "BatchWorker":
         self._thread.start()
         return self
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize() + (self._held is not None)
 
     def submit(self, job: Job) -> Future:
         if self._closed:
@@ -139,7 +238,31 @@ class BatchWorker:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def _admit(self, job: Job) -> bool:
+        """Mark a dequeued job running; False (and its future settled) when it must not run."""
+        if job.future.cancelled() or job.gone.is_set():  # the handler gave up on it: client gone or timed out
+            if job.gone.is_set():
+                self.abandoned += 1
+            else:
+                self.expired += 1
+            job.future.cancel()
+            return False
+        if self.queue_timeout_s and time.monotonic() - job.queued_at > self.queue_timeout_s:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(QueueTimeout(
+                    f"the request waited more than {self.queue_timeout_s:g} s in the queue"))
+            self.expired += 1
+            return False
+        return job.future.set_running_or_notify_cancel()
+
+    def _fits(self, jobs: list[Job], job: Job) -> bool:
+        if self.max_batch_prompt_tokens is None:
+            return True
+        width = max(job.prompt_len, *(j.prompt_len for j in jobs))
+        return (len(jobs) + 1) * width <= self.max_batch_prompt_tokens
+
     def _collect(self, first: Job) -> tuple[list[Job], bool]:
+        """The batch that starts with ``first``: companions that arrive within ``batch_wait_s``."""
         jobs, stopping = [first], False
         deadline = time.monotonic() + self.batch_wait_s
         while len(jobs) < self.max_batch:
@@ -150,51 +273,124 @@ class BatchWorker:
             if nxt is None:
                 stopping = True
                 break
+            if not self._admit(nxt):
+                continue
+            if not self._fits(jobs, nxt):
+                self._held = nxt  # first of the next batch (order is kept)
+                break
             jobs.append(nxt)
         return jobs, stopping
 
     def _run(self) -> None:
         while True:
-            first = self._queue.get()
-            if first is None:
-                return
+            if self._held is not None:
+                first, self._held = self._held, None
+            else:
+                first = self._queue.get()
+                if first is None:
+                    return
+                if not self._admit(first):
+                    continue
             jobs, stopping = self._collect(first)
-            jobs = [j for j in jobs if j.future.set_running_or_notify_cancel()]
-            if jobs:
-                try:
-                    results = self._decode(jobs)
-                except Exception as exc:  # a bug or resource failure: every waiting request learns of it
-                    for job in jobs:
-                        job.future.set_exception(exc)
-                else:
-                    for job, res in zip(jobs, results):
-                        job.future.set_result(res)
+            self._serve(jobs)
             if stopping:
+                if self._held is not None:  # close() queued None after it: serve it before stopping
+                    job, self._held = self._held, None
+                    self._serve([job])
                 return
 
-    def _decode(self, jobs: list[Job]) -> list[Generation]:
+    def _problem(self, job: Job) -> str | None:
+        """What in a job would fail a whole batch's tensors (the API refuses it before; checked again)."""
+        r = job.request
+        if not r.prompt_token_ids:
+            return "empty prompt"
+        if job.max_tokens < 0:
+            return f"max_tokens {job.max_tokens} < 0"
+        problems = r.params.problems()
+        if problems:
+            return problems[0]
+        if not -INT64 <= r.params.top_k < INT64:
+            return f"top_k {r.params.top_k} does not fit int64"
+        return None
+
+    def _serve(self, jobs: list[Job]) -> None:
+        """Decode ``jobs`` and settle their futures; a failure fails only the jobs it belongs to."""
+        ok = []
+        for job in jobs:
+            problem = self._problem(job)
+            if problem is None:
+                ok.append(job)
+            else:
+                self.failed += 1
+                job.future.set_exception(ValueError(f"request {job.request.id}: {problem}"))
+        if not ok:
+            return
+        try:
+            results = self._decode(ok)
+        except Exception as exc:
+            if len(ok) == 1:
+                results = [exc]
+            else:  # find the job that fails: each on its own
+                print(f"verinfer serve: a batch of {len(ok)} failed ({type(exc).__name__}: {exc}); "
+                      "decoding its requests one by one", file=sys.stderr)
+                results = []
+                for job in ok:
+                    try:
+                        results += self._decode([job])
+                    except Exception as one:
+                        results.append(one)
+        for job, res in zip(ok, results):
+            if isinstance(res, Abandoned):
+                self.abandoned += 1
+            elif isinstance(res, BaseException):
+                self.failed += 1
+                print(f"verinfer serve: request {job.request.id} failed: {type(res).__name__}: {res}",
+                      file=sys.stderr)
+            else:
+                self.requests += 1
+            if isinstance(res, BaseException):
+                job.future.set_exception(res)
+            else:
+                job.future.set_result(res)
+
+    def _decode(self, jobs: list[Job]) -> list[Generation | Exception]:
+        """One batch: a Generation per job, or ``Abandoned`` for a job whose client left."""
+        if all(j.gone.is_set() for j in jobs):
+            return [Abandoned() for _ in jobs]
         batch = [j.request for j in jobs]
         inner = self.variant.hook() if self.variant is not None and self.variant.hook else None
-        wants = {j.request.id: j.logprobs for j in jobs if j.logprobs is not None}
-        hook = LogprobRecorder(wants, inner) if wants else inner
-        capture = any(j.capture or j.prompt_logprobs is not None for j in jobs)
+        hook = StepHook(jobs, inner, self.stop_ids)
+        capture = any(j.needs_rows for j in jobs)
         steps = max(j.max_tokens for j in jobs)
-        decoded = decode_batch(self.backend, batch, steps, self.stop_ids, self._profiles, hook, capture=capture)
-        for r in batch:
-            for profile in self._profiles.values():
-                profile.forget(r.id)
+        decoded = None
+        try:
+            decoded = decode_batch(self.backend, batch, steps, self.stop_ids, self._profiles, hook, capture=capture)
+        except _StopBatch:
+            pass  # only abandoned rows were left; the others' tokens are in the hook
+        finally:
+            self.decode_steps += hook.steps
+            for r in batch:
+                for profile in self._profiles.values():
+                    profile.forget(r.id)
         self.batches += 1
-        self.requests += len(jobs)
         self.largest_batch = max(self.largest_batch, len(jobs))
-        out = []
-        for job, dec in zip(jobs, decoded):
-            n = min(len(dec.tokens), job.max_tokens)
-            tokens = dec.tokens[:n]
+        out: list[Generation | Exception] = []
+        for b, job in enumerate(jobs):
+            if job.gone.is_set():
+                out.append(Abandoned())
+                continue
+            if decoded is None and job.needs_rows:  # stopped early: its hidden rows were not returned
+                out += self._decode([job])
+                continue
+            n = min(len(decoded[b].tokens) if decoded is not None else len(hook.tokens[job.request.id]),
+                    job.max_tokens)
+            tokens = (decoded[b].tokens if decoded is not None else hook.tokens[job.request.id])[:n]
             finish = "stop" if tokens and tokens[-1] in self.stop_ids else "length"
-            length = len(job.request.prompt_token_ids)
-            rows = dec.rows[: length + n - 1] if dec.rows is not None and job.capture else None
-            plp = (prompt_logprobs(self.backend, dec.rows[:length - 1], job.request.prompt_token_ids,
+            length = job.prompt_len
+            rows = decoded[b].rows if decoded is not None else None
+            keep = rows[: length + n - 1] if rows is not None and job.capture else None
+            plp = (prompt_logprobs(self.backend, rows[:length - 1], job.request.prompt_token_ids,
                                    job.prompt_logprobs) if job.prompt_logprobs is not None else None)
-            lps = hook.records[job.request.id][:n] if job.logprobs is not None else None
-            out.append(Generation(tokens, finish, rows, lps, plp))
+            lps = hook.recorder.records[job.request.id][:n] if job.logprobs is not None else None
+            out.append(Generation(tokens, finish, keep, lps, plp))
         return out
