@@ -8,8 +8,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from verinfer.cli_errors import one_line_errors as _friendly
+from verinfer.files import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Audit OpenAI-compatible providers against a trusted reference, with calibrated bands.")
@@ -62,7 +64,7 @@ def bands(
                                f"--top-p {top_p:g}", f"--min-p {min_p:g}", f"--seed {seed}"]
                               if mode == "seeded" else []), f"--max-tokens {max_tokens}"]))
     out = out or DATA_DIR / bands_filename(backend.model_id, spec.signature())
-    out.write_text(json.dumps(data, indent=1))
+    write_atomic(out, json.dumps(data, indent=1))
     for name, b in data["bands"].items():
         toks = sum(s[0] for s in b["sequences"])
         console.print(f"{b['label']:>18}: {len(b['sequences'])} sequences, {toks} tokens, "
@@ -72,22 +74,18 @@ def bands(
 
 def _endpoints(provider: list[str], providers_file: Optional[Path], model: str, api_key_env: str):
     """``name=url`` options and/or a JSON file of ``{name, url, model?, api_key_env?}`` objects."""
-    from verinfer.audit.client import Endpoint
+    from verinfer.audit.client import Endpoint, endpoints_from_file
+    from verinfer.audit.secrets import redact_text
 
     out = []
     for item in provider:
         name, sep, url = item.partition("=")
         if not sep or not name or not url.startswith(("http://", "https://")):
-            raise ValueError(f"--provider {item!r}: expected NAME=URL with an http(s) base URL ending in /v1")
+            raise ValueError(f"--provider {redact_text(item)!r}: expected NAME=URL with an http(s) base URL "
+                             "ending in /v1")
         out.append(Endpoint(name, url, model, api_key_env))
     if providers_file:
-        try:
-            entries = json.loads(providers_file.read_text())
-            out += [Endpoint(e["name"], e["url"], e.get("model", model), e.get("api_key_env", api_key_env))
-                    for e in entries]
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise ValueError(f"{providers_file}: expected a JSON list of {{name, url, model?, api_key_env?}} "
-                             f"objects ({type(exc).__name__}: {exc})") from None
+        out += endpoints_from_file(providers_file, model, api_key_env)
     if not out:
         raise ValueError("no provider to audit: pass --provider NAME=URL (repeatable) or --providers-file")
     return out
@@ -130,7 +128,7 @@ def run(
     from verinfer.audit.bands import Bands, bands_filename, find_bands
     from verinfer.audit.client import Endpoint, ProviderClient, RetryPolicy
     from verinfer.audit.reference import ApiReference, LocalReference
-    from verinfer.audit.report import write_reports
+    from verinfer.audit.report import warning_lines, write_reports
     from verinfer.audit.run import run_audit
     from verinfer.audit.store import ResponseStore
     from verinfer.models.backend import Backend
@@ -169,4 +167,6 @@ def run(
         style = "green" if a.verdict.consistent else "red"
         console.print(f"[bold]{a.endpoint.name}[/bold]: [{style}]{a.verdict.text}[/{style}]", highlight=False,
                       soft_wrap=True)
+        for line in warning_lines(a):  # what the provider said it served contradicts the request
+            console.print(f"  [yellow]warning:[/yellow] {escape(line)}", highlight=False, soft_wrap=True)
     console.print(f"reports: {json_path} {html_path}")
