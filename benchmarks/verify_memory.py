@@ -3,7 +3,7 @@
 Usage: python benchmarks/verify_memory.py [--small N] [--large N] [--profile NAME] [--seq-len N]
 
 Each size runs in a fresh subprocess that loads the model, builds its traces, then verifies them as
-``verinfer.pipeline.verify_to_file`` does (the path of ``verinfer verify``: streaming prefill, scoring,
+``verinfer.scoring.traces.score_traces`` does (the path of ``verinfer verify``: streaming prefill, scoring,
 the Parquet score writer, compact columns kept for the summary), with the token budget made explicit. It reports, in MiB:
 
     after load   resident set (VmRSS) once the model is loaded and the traces are built
@@ -71,7 +71,7 @@ def build_traces(backend, n_tokens: int, seq_len: int, params: dict, seed: int):
     """Traces of ``seq_len`` tokens each (real prompt + random outputs) until ``n_tokens`` outputs."""
     import numpy as np
 
-    from verinfer.pipeline import build_requests
+    from verinfer.simulate.generate import build_requests
     from verinfer.prompts import load_prompts
     from verinfer.sampling.params import SamplingParams
     from verinfer.trace import Trace
@@ -99,8 +99,8 @@ def child(args) -> None:
     import numpy as np
 
     from verinfer.models.backend import Backend
-    from verinfer.verify.report import ScoreWriter
-    from verinfer.verify.token_difr import verify_traces
+    from verinfer.scoring.scores import ScoreWriter
+    from verinfer.scoring.token_difr import verify_traces
 
     torch.set_num_threads(args.threads)
     backend = Backend.load()
@@ -128,7 +128,7 @@ def child(args) -> None:
         cols, parquet_bytes = {"margin": np.empty(rows), "exact_match": np.zeros(1)}, 0
     else:
         with tempfile.TemporaryDirectory() as tmp:
-            # what verinfer.pipeline.verify_to_file does, with the token budget made explicit
+            # what verinfer.scoring.traces.score_traces does, with the token budget made explicit
             keep = {k: [] for k in ("trace_id", "exact_match", "margin", "cross_entropy")}
             with ScoreWriter(Path(tmp) / "scores.parquet") as writer:
                 for block in verify_traces(backend, traces, token_budget=args.token_budget):
@@ -253,7 +253,7 @@ def main() -> None:
         f"synthetic traces of {args.seq_len} tokens (a real chitchat prompt through the chat template, then "
         f"output token ids drawn uniformly from the vocabulary with seed {args.seed}: the scores are "
         f"meaningless, the work per token is real); prefill token budget {args.token_budget}, row block 512; "
-        "each size in a fresh subprocess, verified as `verinfer.pipeline.verify_to_file` does (`verify_traces` "
+        "each size in a fresh subprocess, verified as `verinfer.scoring.traces.score_traces` does (`verify_traces` "
         "streaming the scores to Parquet through `ScoreWriter`, compact columns kept).",
         "",
         table,
@@ -272,7 +272,7 @@ def main() -> None:
         f"- *ru_maxrss - after warm-up*: the method of `getrusage` alone (peak over the whole process life, the "
         f"load included); ratio large / small {ratio_ru:.2f}. Where the load's own peak is higher than "
         "verification's, this figure shows the load, not verification.",
-        "- What stays resident per token is only the compact score columns that `verify_to_file` returns "
+        "- What stays resident per token is only the compact score columns that `score_traces` returns "
         "(a few bytes per token) and the traces themselves.",
     ]
     out.parent.mkdir(parents=True, exist_ok=True)

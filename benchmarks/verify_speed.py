@@ -38,11 +38,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import torch  # noqa: E402
 
 import verinfer  # noqa: E402
-import verinfer.verify.token_difr as token_difr  # noqa: E402
+import verinfer.scoring.token_difr as token_difr  # noqa: E402
 from verinfer.machine import describe  # noqa: E402
-from verinfer.generate import generate  # noqa: E402
+from verinfer.simulate.generate import generate  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
-from verinfer.pipeline import build_requests  # noqa: E402
+from verinfer.simulate.generate import build_requests  # noqa: E402
 from verinfer.prompts import load_prompts  # noqa: E402
 from verinfer.sampling.params import SamplingParams  # noqa: E402
 from verinfer.trace import read_traces, write_traces  # noqa: E402
@@ -287,7 +287,7 @@ def main() -> None:
         "",
         table_b,
         "",
-        "Generation is the provider simulator (`verinfer.generate.generate`: batched KV-cache decoding with the "
+        "Generation is the provider simulator (`verinfer.simulate.generate.generate`: batched KV-cache decoding with the "
         "same sampler), re-run in the middle of the rounds on the same requests, with the batch size the traces "
         "were made with and with batch 1 (the tokens must come out the same); verification is one prefill per "
         "trace plus scoring (median over rounds). *verify speed-up* is generate time / verify time for the same "

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from verinfer.verify.activation_difr import (
+from verinfer.commits.activation_difr import (
     FingerprintCommit, FingerprintError, FingerprintSpec, decode, distances, encode, projection,
 )
 

@@ -243,13 +243,16 @@ def test_cli_malformed_provider_gives_one_line_error_and_keeps_responses(tmp_pat
 def test_seeded_mode_with_a_calibration_file(backend, prompts, tmp_path):
     """Seeded audits replay the provider's vLLM sampler; the verdict comes from a `verinfer calibrate`
     style calibration fitted on honest seeded traces generated locally (other seeds, same settings)."""
-    from verinfer.generate import generate
-    from verinfer.pipeline import build_requests, verify_to_file
-    from verinfer.verify.report import fit_calibrator
+    from verinfer.simulate.generate import generate
+    from verinfer.scoring.traces import score_traces
+    from verinfer.simulate.generate import build_requests
+    from verinfer.stats.summary import fit_calibrator
 
     spec = AuditSpec(mode="seeded", sampler="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000, max_tokens=16)
     honest_traces = generate(backend, build_requests(backend, prompts, spec.params(0).with_(seed=123)), 16, 10)
-    calibrator = fit_calibrator(verify_to_file(backend, honest_traces, None), (1,))
+    calibrator = fit_calibrator(score_traces(backend, honest_traces).columns, (1,),
+                                signature={"model": backend.model_id, "dtype": "float32",
+                                           "sampling": [spec.signature()]})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

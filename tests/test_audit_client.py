@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from tests.audit_servers import asgi_in_thread
 from verinfer.audit.client import Call, Endpoint, ProviderClient, ProviderError, RetryPolicy, retry_after_seconds
 from verinfer.audit.store import ResponseStore, request_key
-from verinfer.audit.verdict import holm
+from verinfer.stats.verdict import holm
 
 GOOD = {"choices": [{"message": {"role": "assistant", "content": "hi"}, "token_ids": [1, 2]}]}
 

@@ -1,5 +1,6 @@
 """The command line as a user meets it: real processes, bad input, exit codes, one-line errors."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 
 from verinfer.sampling.params import SamplingParams
-from verinfer.trace import Trace, write_traces
+from verinfer.trace import Trace, read_traces, write_traces
 
 
 def run(*args, cwd=None):
@@ -59,7 +60,7 @@ def test_verify_rejects_out_of_vocabulary_and_skip_reports_counts(tmp_path):
     assert "1 invalid trace(s) skipped, 1 verified" in proc.stdout
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["traces"] == 1 and summary["tokens"] == 3 and len(summary["skipped"]) == 1
-    assert "uncalibrated" in summary["verdict"]
+    assert summary["verdict"] is None and "uncalibrated" in summary["note"]
 
 
 def test_verify_rejects_model_mismatch_and_unknown_model(tmp_path):
@@ -100,7 +101,23 @@ def test_generate_calibrate_verify_round_trip(tmp_path):
                "--json", str(tmp_path / "v.json"))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "v.json").read_text())
-    assert summary["verdict"].startswith("consistent"), summary
+    assert summary["verdict"]["verdict"] == "CONSISTENT" and summary["consistent"] is True, summary
+    assert summary["signature"]["sampling"][0]["profile"] == "vllm"
+
+    # The same traces claiming other seeds diverge: exit 1, the verdict in the JSON.
+    lying = [dataclasses.replace(t, sampling=t.sampling.with_(seed=t.sampling.seed + 7)) for t in read_traces(test)]
+    write_traces(lying, tmp_path / "lying.jsonl")
+    proc = run("verify", str(tmp_path / "lying.jsonl"), "--calibration", str(tmp_path / "c.json"),
+               "--batch-size", "1", "--json", str(tmp_path / "lying.json"))
+    assert proc.returncode == 1, proc.stderr
+    assert json.loads((tmp_path / "lying.json").read_text())["verdict"]["verdict"] == "INCONSISTENT"
+
+    # A calibration fitted on vLLM's sampler refuses traces of another sampler, naming both.
+    other = [dataclasses.replace(t, sampling=t.sampling.with_(profile="torch-exponential")) for t in read_traces(test)]
+    write_traces(other, tmp_path / "other.jsonl")
+    proc = run("verify", str(tmp_path / "other.jsonl"), "--calibration", str(tmp_path / "c.json"))
+    assert_one_line_error(proc, "c.json", "sampling: calibrated on", "torch-exponential")
+    assert not (tmp_path / "other.scores.parquet").exists()  # refused before any scoring
 
 
 def test_generate_with_commits_then_verify_reports_them(tmp_path):
@@ -111,12 +128,53 @@ def test_generate_with_commits_then_verify_reports_them(tmp_path):
     proc = run("verify", str(path), "--json", str(tmp_path / "v.json"))
     assert proc.returncode == 0, proc.stderr
     assert "TOPLOC:" in proc.stdout and "Activation-DiFR:" in proc.stdout
-    commits = json.loads((tmp_path / "v.json").read_text())["details"]["commits"]
+    commits = json.loads((tmp_path / "v.json").read_text())["commits"]
     assert commits["toploc"]["passed"] == commits["toploc"]["chunks"] > 0 and not commits["errors"]
     assert commits["activation_difr"]["fingerprints"] > 0
-    from verinfer.verify.report import read_commit_scores
+    from verinfer.scoring.scores import read_commit_scores
 
     stored = read_commit_scores(tmp_path / "c.commits.parquet")
     assert stored["fingerprint_l2"].size == commits["activation_difr"]["fingerprints"]
     assert stored["toploc"].size == commits["toploc"]["chunks"]
     assert_one_line_error(run("generate", "-o", str(path), "--fingerprint-dim", "9999"), "dim 9999 is not in 1..576")
+
+
+def test_default_outputs_keep_the_whole_stem_and_never_overwrite_an_input(tmp_path):
+    """run.v1.jsonl and run.v2.jsonl get their own score files; an output equal to an input is
+    refused before anything is written (the trace file stays intact)."""
+    for name in ("run.v1.jsonl", "run.v2.jsonl"):
+        write_traces([good(0)], tmp_path / name)
+        assert run("verify", str(tmp_path / name)).returncode == 0
+    assert (tmp_path / "run.v1.scores.parquet").exists() and (tmp_path / "run.v2.scores.parquet").exists()
+    path = tmp_path / "t.jsonl"
+    write_traces([good(0)], path)
+    before = path.read_bytes()
+    assert_one_line_error(run("verify", str(path), "--scores", str(path)), "would overwrite an input")
+    assert_one_line_error(run("verify", str(path), "--json", str(path)), "would overwrite an input")
+    assert_one_line_error(run("verify", str(path), "--scores", str(tmp_path / "s.parquet"), "--commit-scores",
+                              str(tmp_path / "s.parquet")), "would overwrite another output")
+    assert path.read_bytes() == before
+
+
+def test_bad_calibration_files_and_score_files_are_one_line_errors(tmp_path):
+    path = write_traces([good(0)], tmp_path / "t.jsonl")
+    for name, content, needle in (("list.json", "[1, 2]", "a JSON list"), ("empty.json", "{}", "not a verinfer"),
+                                  ("nothr.json", '{"format": "verinfer.calibrator", "version": 1, "batch_sizes": [1],'
+                                   ' "fpr": 0.01, "rules": ["bound:20"], "resample": null, "random_state": null,'
+                                   ' "metrics": {}}', "malformed")):
+        (tmp_path / name).write_text(content)
+        assert_one_line_error(run("verify", str(path), "--calibration", str(tmp_path / name)), name, needle)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"x": [1, 2]}), tmp_path / "other.parquet")
+    assert_one_line_error(run("calibrate", str(tmp_path / "other.parquet"), "-o", str(tmp_path / "c.json")),
+                          "other.parquet", "not a verinfer token scores file")
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--n", "0"), ("--max-tokens", "-1"), ("--batch-size", "0")])
+def test_generate_refuses_useless_sizes(tmp_path, flag, value):
+    out = tmp_path / "o.jsonl"
+    assert_one_line_error(run("generate", "-o", str(out), flag, value), flag, "at least 1")
+    assert not out.exists()

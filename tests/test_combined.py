@@ -6,11 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from verinfer.generate import generate
-from verinfer.pipeline import build_requests, verify_to_file
+from verinfer.simulate.generate import generate
+from verinfer.simulate.generate import build_requests
+from verinfer.scoring.traces import score_traces
 from verinfer.sampling.params import SamplingParams
-from verinfer.verify.activation_difr import FingerprintSpec
-from verinfer.verify.commits import CommitSpec, build_commits, commit_rows
+from verinfer.commits.activation_difr import FingerprintSpec
+from verinfer.commits.trace_commits import CommitSpec, build_commits, commit_rows
 
 SAMPLED = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=300)
 SPEC = CommitSpec(fingerprint=FingerprintSpec(dim=8, hidden_size=576), toploc_k=128)
@@ -22,9 +23,8 @@ def requests_(backend, chat_prompts):
 
 
 def verify(backend, traces):
-    checks = []
-    cols = verify_to_file(backend, traces, None, commit_checks=checks)
-    return cols, checks
+    scored = score_traces(backend, traces)
+    return scored.columns, scored.commit_checks
 
 
 def test_commits_built_during_generation_pass_validation(backend, requests_):
@@ -41,7 +41,7 @@ def test_commits_built_during_generation_pass_validation(backend, requests_):
 def test_cheap_sampler_with_honest_fingerprints_is_caught_only_by_the_combination(backend, requests_):
     """A provider samples from a 4-bit model, then prefills the honest model over those tokens to
     compute fingerprints and proofs. The commits pass; Token-DiFR on the same prefill does not."""
-    from verinfer.models.variants import get_variant
+    from verinfer.simulate.variants import get_variant
 
     cheap = get_variant("w4-g128").build(backend)
     sampled = generate(cheap, requests_, 32, batch_size=6)
@@ -66,8 +66,10 @@ def test_cheap_sampler_with_honest_fingerprints_is_caught_only_by_the_combinatio
 def test_calibrated_fingerprint_verdicts(backend, chat_prompts):
     """Fingerprint distances calibrated on honest traces judge new honest traces consistent and a
     4-bit provider divergent (batches of 4 fingerprints, 1% target FPR)."""
-    from verinfer.models.variants import get_variant
-    from verinfer.verify.report import commit_scores, commit_verdicts, fit_calibrator
+    from verinfer.simulate.variants import get_variant
+    from verinfer.scoring.scores import commit_scores
+    from verinfer.stats.summary import fit_calibrator
+    from verinfer.stats.verdict import COMMIT_RULE, calibrated_verdict
 
     spec = CommitSpec(fingerprint=FingerprintSpec(dim=8, hidden_size=576))
     cal_requests = build_requests(backend, chat_prompts, SAMPLED.with_(seed=900))
@@ -79,5 +81,8 @@ def test_calibrated_fingerprint_verdicts(backend, chat_prompts):
     _, honest_checks = verify(backend, honest)
     w4 = get_variant("w4-g128").generate(backend, test_requests, 32, 6, commits=spec)
     _, bad_checks = verify(backend, w4)
-    assert commit_verdicts(commit_scores(honest_checks), calibrator, 4)["fingerprint_l2"].startswith("consistent")
-    assert commit_verdicts(commit_scores(bad_checks), calibrator, 4)["fingerprint_l2"].startswith("DIVERGES")
+    def judge(checks):
+        return calibrated_verdict(commit_scores(checks)["fingerprint_l2"], calibrator, 4, "fingerprint_l2", COMMIT_RULE)
+
+    assert judge(honest_checks).consistent
+    assert not judge(bad_checks).consistent

@@ -3,8 +3,8 @@
 import numpy as np
 import torch
 
-from verinfer.verify.activation_difr import FingerprintSpec
-from verinfer.verify.commits import CommitSpec, build_commits, check_commits, commit_rows
+from verinfer.commits.activation_difr import FingerprintSpec
+from verinfer.commits.trace_commits import CommitSpec, build_commits, check_commits, commit_rows
 
 SPEC = CommitSpec(fingerprint=FingerprintSpec(dim=8, hidden_size=576), toploc_k=128)
 

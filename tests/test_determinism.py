@@ -309,11 +309,11 @@ def test_sweep_cli_end_to_end(tmp_path):
     window rule's outputs all match the reference, and unprotected requests never pay."""
     from typer.testing import CliRunner
 
-    from verinfer.cli import app
+    from verinfer.cli.main import app
 
     out = tmp_path / "mg.md"
     result = CliRunner().invoke(app, ["margingate", "sweep", "--n", "2", "--n-transfer", "1", "--transfer", "gsm8k",
-                                      "--max-new-tokens", "4", "--batch", "2", "--thresholds", "0,0.1",
+                                      "--max-tokens", "4", "--batch-size", "2", "--thresholds", "0,0.1",
                                       "--out", str(out)])
     assert result.exit_code == 0, result.output
     text = out.read_text()
@@ -333,9 +333,9 @@ def test_sweep_cli_end_to_end(tmp_path):
 def test_sweep_cli_bad_input(args, needle):
     from typer.testing import CliRunner
 
-    from verinfer.cli import app
+    from verinfer.cli.main import app
 
-    result = CliRunner().invoke(app, ["margingate", "sweep", "--n", "1", "--max-new-tokens", "2"] + args)
+    result = CliRunner().invoke(app, ["margingate", "sweep", "--n", "1", "--max-tokens", "2"] + args)
     assert result.exit_code == 2, result.output
     assert needle in result.output
 
@@ -345,14 +345,14 @@ def test_decode_cli_writes_batch_independent_traces(tmp_path):
     refuses bad options with exit 2."""
     from typer.testing import CliRunner
 
-    from verinfer.cli import app
+    from verinfer.cli.main import app
     from verinfer.trace import read_traces
 
     outs = {}
     for b in (1, 3):
         path = tmp_path / f"b{b}.jsonl"
-        result = CliRunner().invoke(app, ["margingate", "decode", "-o", str(path), "--n", "3", "--max-new-tokens", "5",
-                                          "--batch", str(b), "--dtype", "float32", "--threshold", "0.1"])
+        result = CliRunner().invoke(app, ["margingate", "decode", "-o", str(path), "--n", "3", "--max-tokens", "5",
+                                          "--batch-size", str(b), "--dtype", "float32", "--threshold", "0.1"])
         assert result.exit_code == 0, result.output
         outs[b] = read_traces(path)
     assert [t.output_token_ids for t in outs[1]] == [t.output_token_ids for t in outs[3]]

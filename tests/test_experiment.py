@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from verinfer.cli import app
+from verinfer.cli.main import app
 from verinfer.experiments import detection
 from verinfer.experiments.detection_report import analyse, markdown
 from verinfer.stats.calibration import Calibrator

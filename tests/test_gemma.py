@@ -2,12 +2,12 @@
 
 import pytest
 
-from verinfer.generate import generate
+from verinfer.simulate.generate import generate
 from verinfer.models.backend import Backend
-from verinfer.pipeline import build_requests
+from verinfer.simulate.generate import build_requests
 from verinfer.prompts import Prompt
 from verinfer.sampling.params import SamplingParams
-from verinfer.verify.token_difr import verify_traces
+from verinfer.scoring.token_difr import verify_traces
 
 pytestmark = pytest.mark.gemma
 

@@ -10,7 +10,7 @@ import torch
 
 httpx = pytest.importorskip("httpx")
 
-from verinfer.pipeline import verify_to_file  # noqa: E402
+from verinfer.scoring.traces import score_traces  # noqa: E402
 from verinfer.prompts import Prompt, render  # noqa: E402
 from verinfer.sampling.params import SamplingParams  # noqa: E402
 from verinfer.serve import ServeConfig, serve_in_thread  # noqa: E402
@@ -42,7 +42,10 @@ def _trace(i, choice, prompt_ids=None, model="smollm2-135m") -> Trace:
 
 
 def _verify(backend, traces, commit_checks=None):
-    return verify_to_file(backend, traces, None, commit_checks=commit_checks)
+    scored = score_traces(backend, traces)
+    if commit_checks is not None:
+        commit_checks.extend(scored.commit_checks)
+    return scored.columns
 
 
 def _ids(backend, text):

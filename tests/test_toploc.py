@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from verinfer.verify.toploc import (
+from verinfer.commits.toploc import (
     MAGIC,
     ChunkCheck,
     CommitError,
@@ -27,7 +27,7 @@ from verinfer.verify.toploc import (
     select_topk,
     verify_proofs,
 )
-from verinfer.verify.toploc_poly import P, _mod, evaluate, injective_modulus, interpolate
+from verinfer.commits.toploc_poly import P, _mod, evaluate, injective_modulus, interpolate
 
 GOLDEN_A = "/9nZxJ9IOQVQa+YMcKiZYaGOpPND0lpZ1wvD4ubZqiTKEA=="
 FUZZ = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

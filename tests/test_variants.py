@@ -5,9 +5,11 @@ import torch
 from scipy.stats import binomtest
 from transformers import DynamicCache
 
-from verinfer.generate import Request
-from verinfer.models import variants as V
-from verinfer.pipeline import build_requests
+from verinfer.simulate.generate import Request
+from verinfer.experiments.adversary import match_cross_entropy, score_traces
+from verinfer.models import derived, fp8_kv
+from verinfer.simulate import variants as V
+from verinfer.simulate.generate import build_requests
 from verinfer.sampling.params import SamplingParams
 
 VLLM = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=5000)
@@ -56,7 +58,7 @@ def _logits(backend, ids):
 def test_rtn_symmetric_groups_have_few_levels_and_bounded_error():
     torch.manual_seed(0)
     w = torch.randn(8, 576)
-    q = V.quantize_rtn(w, bits=4, group_size=128)
+    q = derived.quantize_rtn(w, bits=4, group_size=128)
     assert q.shape == w.shape and q.dtype == w.dtype
     for lo in range(0, 576, 128):  # 4 full groups of 128 and a ragged tail of 64
         g, gq = w[:, lo:lo + 128], q[:, lo:lo + 128]
@@ -69,19 +71,19 @@ def test_rtn_symmetric_groups_have_few_levels_and_bounded_error():
 def test_rtn_asymmetric_and_per_channel():
     torch.manual_seed(1)
     w = torch.rand(4, 96) + 0.5  # all positive: the asymmetric range still includes 0
-    q = V.quantize_rtn(w, bits=4, group_size=32, symmetric=False)
+    q = derived.quantize_rtn(w, bits=4, group_size=32, symmetric=False)
     step = w.reshape(4, 3, 32).amax(-1) / 15
     assert ((q - w).abs().reshape(4, 3, 32) <= step[..., None] / 2 + 1e-6).all()
-    q8 = V.quantize_rtn(w, bits=8, group_size=None)
+    q8 = derived.quantize_rtn(w, bits=8, group_size=None)
     assert (q8 - w).abs().max() <= w.abs().max() / 127 / 2 + 1e-6
     zeros = torch.zeros(2, 32)
-    assert torch.equal(V.quantize_rtn(zeros, 4, 32), zeros)
+    assert torch.equal(derived.quantize_rtn(zeros, 4, 32), zeros)
     with pytest.raises(ValueError):
-        V.quantize_rtn(torch.zeros(3), 4, 32)
+        derived.quantize_rtn(torch.zeros(3), 4, 32)
 
 
 def test_quantized_weights_differ_and_reference_untouched(backend, reference_checksum):
-    names = V.quantized_linear_names(backend.model)
+    names = derived.quantized_linear_names(backend.model)
     assert len(names) == 7 * backend.model.config.num_hidden_layers  # q k v o gate up down
     assert not any("lm_head" in n or "embed" in n for n in names)
     ref_params = dict(backend.model.named_parameters())
@@ -105,10 +107,10 @@ def test_quantized_weights_differ_and_reference_untouched(backend, reference_che
 
 def test_fp8_round_trip_saturates_and_rounds():
     x = torch.tensor([0.0, 1.0, 1.0625, 1000.0, -1000.0, 0.3])
-    y = V.fp8_round_trip(x)
+    y = fp8_kv.fp8_round_trip(x)
     assert y[0] == 0 and y[1] == 1 and y[3] == 448 and y[4] == -448 and torch.isfinite(y).all()
     assert y[2] != x[2]  # 3 mantissa bits: 1 + 1/16 is not representable
-    assert torch.equal(V.fp8_round_trip(y), y)  # idempotent
+    assert torch.equal(fp8_kv.fp8_round_trip(y), y)  # idempotent
 
 
 def _prefill_then_decode(backend, ids, next_token):
@@ -130,7 +132,7 @@ def test_fp8_kv_changes_decode_logits(backend):
     assert not torch.equal(decode, ref_decode)
     assert 1e-4 < (decode - ref_decode).abs().max() < 5
     layer = cache.layers[0]
-    assert isinstance(layer, V.Fp8KVLayer) and layer.keys.dtype == torch.float8_e4m3fn
+    assert isinstance(layer, fp8_kv.Fp8KVLayer) and layer.keys.dtype == torch.float8_e4m3fn
     assert layer.keys.shape[-2] == ids.shape[1] + 1
     # vLLM semantics: every read goes through fp8, the prompt pass included.
     vllm = V.get_variant("fp8-kv").build(backend)
@@ -179,9 +181,9 @@ def test_bf16_honest_traces_beat_misconfigured(backend, requests4, honest4):
         for req, t in zip(requests4, traces):
             assert t.sampling == req.params and t.model == backend.model_id
             assert t.meta["variant"] == V.get_variant(name).name and t.meta["dtype"] == "float32"
-        return V.score_traces(backend, traces)
+        return score_traces(backend, traces)
 
-    honest = V.score_traces(backend, honest4)
+    honest = score_traces(backend, honest4)
     bf16, w4 = score("bf16"), score("w4")
     assert honest.exact_match > 0.99
     assert bf16.exact_match > 0.85
@@ -245,7 +247,7 @@ def test_sampling_bug_changes_tokens_only_when_it_fires(backend, requests4, hone
         else:
             assert diverge == changed[0]
     assert n_fired > 0
-    scores = V.score_traces(backend, traces)
+    scores = score_traces(backend, traces)
     assert scores.exact_match < 1.0
 
 
@@ -282,7 +284,7 @@ def test_every_registry_entry_builds(backend, reference_checksum):
 def test_temperature_adversary_search(backend, chat_prompts):
     reqs = build_requests(backend, chat_prompts[4:6], VLLM)
     # The search mechanics on a cheap base (no model copy); the target makes it cool the sampler.
-    found = V.match_cross_entropy(backend, "wrong-seed", reqs, max_new_tokens=8, batch_size=2, target=1.0,
+    found = match_cross_entropy(backend, "wrong-seed", reqs, max_new_tokens=8, batch_size=2, target=1.0,
                                   bracket=(0.3, 1.0), rounds=3)
     assert 1 <= len(found.history) <= 3
     assert found.history[0][0] == 1.0

@@ -5,11 +5,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from verinfer.generate import generate
-from verinfer.pipeline import build_requests, verify_to_file
+from verinfer.simulate.generate import generate
+from verinfer.simulate.generate import build_requests
+from verinfer.scoring.traces import score_traces
 from verinfer.sampling.params import SamplingParams
-from verinfer.verify.report import read_scores
-from verinfer.verify.token_difr import verify_traces
+from verinfer.scoring.scores import read_scores
+from verinfer.scoring.token_difr import verify_traces
 
 SAMPLED = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=1000)
 MAX_NEW = 40
@@ -67,8 +68,8 @@ def test_chunking_does_not_change_scores(backend, honest):
 
 def test_scores_file(backend, honest, tmp_path):
     path = tmp_path / "s.parquet"
-    compact = verify_to_file(backend, honest[:3], path)
+    compact = score_traces(backend, honest[:3], path).columns
     table = read_scores(path)
     assert set(table) >= {"trace_id", "position", "claimed", "margin", "filter_distance", "gumbel_rank"}
     assert len(table["margin"]) == len(compact["margin"]) == sum(len(t.output_token_ids) for t in honest[:3])
-    assert not path.with_name(path.name + ".tmp").exists()
+    assert not list(tmp_path.glob("*.tmp"))

@@ -56,6 +56,18 @@ class Trace:
     meta: dict[str, Any] | None = None
     schema: str = SCHEMA
 
+    @classmethod
+    def of_output(cls, id: str, model: str, prompt_token_ids, output_token_ids, sampling: SamplingParams, *,
+                  tokenizer=None, provider: str | None = None, meta: dict[str, Any] | None = None,
+                  **fields: Any) -> "Trace":
+        """The one trace builder for a generated output: ids as lists, the output text decoded with
+        ``tokenizer`` (special tokens skipped) unless ``output_text`` is given."""
+        output = [int(t) for t in output_token_ids]
+        if tokenizer is not None and "output_text" not in fields:
+            fields["output_text"] = tokenizer.decode(output, skip_special_tokens=True)
+        return cls(id=id, model=model, prompt_token_ids=[int(t) for t in prompt_token_ids], output_token_ids=output,
+                   sampling=sampling, provider=provider, meta=meta, **fields)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["sampling"] = self.sampling.to_dict()
@@ -94,9 +106,13 @@ class Trace:
         kwargs = {k: d[k] for k in _OPTIONAL if d.get(k) is not None}
         return cls(rid, d["model"], d["prompt_token_ids"], d["output_token_ids"], params, **kwargs)
 
-    def problems(self, vocab_size: int | None = None, model_id: str | None = None) -> list[str]:
-        """Semantic problems against a verifier (vocabulary size, model), as 'field: problem'."""
+    def problems(self, vocab_size: int | None = None, model_id: str | None = None,
+                 max_length: int | None = None) -> list[str]:
+        """Semantic problems against a verifier (vocabulary size, model, context length), as 'field: problem'."""
         out = []
+        if max_length is not None and len(self.prompt_token_ids) + len(self.output_token_ids) > max_length:
+            out.append(f"prompt_token_ids: prompt + output is {len(self.prompt_token_ids) + len(self.output_token_ids)}"
+                       f" tokens, more than the verifier's context of {max_length}")
         if not self.prompt_token_ids:
             out.append("prompt_token_ids: empty prompt")
         if not self.output_token_ids:

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from verinfer.cli_errors import one_line_errors as _friendly
+from verinfer.cli.errors import one_line_errors as _friendly
 from verinfer.files import write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
@@ -132,7 +132,7 @@ def run(
     from verinfer.audit.run import run_audit
     from verinfer.audit.store import ResponseStore
     from verinfer.models.backend import Backend
-    from verinfer.pipeline import load_calibrator
+    from verinfer.stats.calibration import Calibrator
     from verinfer.prompts import load_prompts
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
@@ -141,7 +141,7 @@ def run(
         raise ValueError(f"--fpr must be in (0, 1), got {fpr}")
     backend = Backend.load(reference_model)
     endpoints = _endpoints(provider, providers_file, model or backend.model_id, api_key_env)
-    calibrator = load_calibrator(calibration) if calibration else None
+    calibrator = Calibrator.load(calibration) if calibration else None
     bands = None
     if calibrator is None:
         bands = Bands.load(bands_file) if bands_file else find_bands(backend.model_id, spec.signature())

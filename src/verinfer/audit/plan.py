@@ -63,9 +63,7 @@ class AuditSpec:
 
     def signature(self) -> dict:
         """The settings a calibration band must share with the audit (seeds excluded)."""
-        p = self.params(0).to_dict()
-        p.pop("seed")
-        return p
+        return self.params(0).signature()
 
 
 def generation_calls(spec: AuditSpec, prompts: Sequence[Prompt], tokenizer, model: str) -> list[Call]:

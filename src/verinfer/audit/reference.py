@@ -1,7 +1,7 @@
 """Trusted references that score a provider's claimed tokens, one row per output token.
 
 ``LocalReference`` is the project's verifier: one prefill of a local model per sequence and the
-Token-DiFR margin under the claimed sampler (``verinfer.pipeline.verify_to_file``).
+Token-DiFR margin under the claimed sampler (``verinfer.scoring.traces.score_traces``).
 
 ``ApiReference`` asks a reference API for prompt logprobs of prompt + output (``echo: true,
 max_tokens: 0, logprobs: k``) and scores each claimed token t by its own logprob:
@@ -32,19 +32,12 @@ from verinfer.trace import Trace
 Columns = dict[str, np.ndarray]
 
 
-def in_trace_order(columns: Columns, traces: Sequence[Trace]) -> Columns:
-    """Rows sorted by the traces' order, then position (the verifier streams blocks in its own order)."""
-    rank = {t.id: i for i, t in enumerate(traces)}
-    order = np.lexsort((columns["position"], np.array([rank[t] for t in columns["trace_id"]])))
-    return {k: np.asarray(v)[order] for k, v in columns.items()}
-
-
 def claim_traces(claims: Sequence[Claim], provider: str, model_id: str,
                  params: Callable[[int], SamplingParams]) -> list[Trace]:
     """Traces claiming the reference model and the audit's sampling parameters."""
-    return [Trace(f"{provider}/{c.prompt_id}", model_id, list(c.prompt_token_ids), list(c.output_token_ids),
-                  params(c.index), output_text=c.text, provider=provider,
-                  meta={"token_source": c.source, "finish_reason": c.finish_reason})
+    return [Trace.of_output(f"{provider}/{c.prompt_id}", model_id, c.prompt_token_ids, c.output_token_ids,
+                            params(c.index), output_text=c.text, provider=provider,
+                            meta={"token_source": c.source, "finish_reason": c.finish_reason})
             for c in claims]
 
 
@@ -67,12 +60,11 @@ class LocalReference:
         return f"local {self.backend.model_id} ({str(self.backend.dtype).replace('torch.', '')}), Token-DiFR margins"
 
     def score(self, traces: list[Trace], out_dir: Path, on_rows=None) -> Columns:
-        from verinfer.pipeline import check_traces, verify_to_file
-
-        from verinfer.verify.report import read_scores
+        from verinfer.scoring.scores import read_scores
+        from verinfer.scoring.traces import check_traces, in_trace_order, score_traces
 
         check_traces(traces, self.backend, f"{out_dir.name} responses")
-        verify_to_file(self.backend, traces, out_dir / "scores.parquet", on_rows=on_rows)
+        score_traces(self.backend, traces, out_dir / "scores.parquet", on_rows=on_rows)
         return in_trace_order(read_scores(out_dir / "scores.parquet"), traces)
 
 

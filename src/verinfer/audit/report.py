@@ -24,6 +24,7 @@ from verinfer.audit.bands import HIST_EDGES, histogram
 from verinfer.audit.run import AuditResult, ProviderAudit
 from verinfer.audit.secrets import redact, redact_text
 from verinfer.files import write_atomic
+from verinfer.stats.pooling import MARGIN_CLIP
 
 TEMPLATE = Path(__file__).with_name("templates") / "report.html.j2"
 
@@ -126,12 +127,12 @@ def warning_lines(audit: ProviderAudit) -> list[str]:
 
 def to_json(result: AuditResult, tokenizer) -> dict:
     """The report as a JSON-ready dict, with every secret redacted."""
-    clip = result.bands.clip if result.bands else 20.0
+    clip = result.bands.clip if result.bands else MARGIN_CLIP
     return redact({
         "format": "verinfer.audit.report/1",
         "reference": result.reference, "fpr": result.fpr, "elapsed_s": round(result.elapsed_s, 2),
         "spec": result.spec.__dict__,
-        "bands": None if result.bands is None else {"source": result.bands.source, "clip": result.bands.clip,
+        "bands": None if result.bands is None else {"source": display_path(result.bands.source, result.out_dir), "clip": result.bands.clip,
                                                     "statistic": result.bands.data.get("statistic")},
         "providers": [{
             "name": a.endpoint.name, "base_url": a.endpoint.base_url, "model": a.endpoint.model,
@@ -143,11 +144,21 @@ def to_json(result: AuditResult, tokenizer) -> dict:
     })
 
 
+def display_path(path: str | Path, out_dir: Path) -> str:
+    """A path as a report shows it: relative to the audit directory when inside it, else the shipped
+    file's name (never the installation's absolute path)."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path(out_dir).resolve()))
+    except ValueError:
+        return path.name
+
+
 def write_reports(result: AuditResult, tokenizer) -> tuple[Path, Path]:
     """``audit.json`` and ``audit.html`` in the audit directory, each written atomically."""
     import jinja2
 
-    clip = result.bands.clip if result.bands else 20.0
+    clip = result.bands.clip if result.bands else MARGIN_CLIP
     doc = to_json(result, tokenizer)
     json_path = result.out_dir / "audit.json"
     write_atomic(json_path, json.dumps(doc, indent=1, default=str))

@@ -17,17 +17,17 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from verinfer.audit.bands import Bands, sequence_stats
+from verinfer.audit.bands import Bands
 from verinfer.audit.client import Endpoint, ProviderClient, ProviderError, RetryPolicy
 from verinfer.audit.plan import AuditSpec, generation_calls
 from verinfer.audit.reference import claim_traces
 from verinfer.audit.responses import Claim, parse_generation, summarize_drift, summarize_served
 from verinfer.audit.store import ResponseStore
-from verinfer.audit.verdict import Verdict, holm, judge, judge_calibrated
 from verinfer.prompts import Prompt
-from verinfer.stats import Calibrator
+from verinfer.stats.calibration import Calibrator, signature_mismatch
+from verinfer.stats.pooling import MARGIN_CLIP, sequence_stats
+from verinfer.stats.verdict import DETECTOR, Verdict, adjust, calibrated_verdict, pooled_verdict
 from verinfer.trace import write_traces
-from verinfer.verify.report import MARGIN_CLIP
 
 
 @dataclass
@@ -71,6 +71,15 @@ def stop_ids(tokenizer) -> set[int]:
     return ids | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
 
 
+def reference_signature(reference, spec: AuditSpec) -> dict | None:
+    """What a calibration must match for this audit (None for a reference API: no local dtype)."""
+    backend = getattr(reference, "backend", None)
+    if backend is None:
+        return None
+    return {"model": backend.model_id, "dtype": str(backend.dtype).removeprefix("torch."),
+            "sampling": [spec.signature()]}
+
+
 def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: AuditSpec, reference,
               out_dir: Path, bands: Bands | None = None, calibrator: Calibrator | None = None,
               batch_size: int | None = None, fpr: float = 0.01, concurrency: int = 4,
@@ -81,6 +90,10 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         raise ValueError("give exactly one of bands or a calibration file for the verdict")
     if spec.problems():
         raise ValueError(spec.problems()[0])
+    if calibrator is not None:  # refuse before any request is paid for
+        problem = signature_mismatch(calibrator.signature, reference_signature(reference, spec))
+        if problem:
+            raise ValueError(f"calibration does not match this audit: {problem}")
     names = [safe_name(e.name) for e in endpoints]
     if len(set(names)) != len(names):
         raise ValueError(f"provider names must be distinct, got {names}")
@@ -113,17 +126,15 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         write_traces(traces, out_dir / e.name / "traces.jsonl")
         stage(f"{e.name}: scoring {sum(len(c.output_token_ids) for c in claims)} tokens with the reference")
         columns = reference.score(traces, out_dir / e.name)
+        seq = sequence_stats(columns, bands.clip if bands is not None else MARGIN_CLIP)
         if calibrator is not None:
-            seq = sequence_stats(columns, MARGIN_CLIP)
-            verdict = judge_calibrated(seq, columns["margin"], calibrator, batch_size)
+            verdict = calibrated_verdict(columns["margin"], calibrator, batch_size, *DETECTOR)
+            verdict.exact_match_rate, verdict.sequences = float(seq[:, 2].sum() / seq[:, 0].sum()), len(seq)
         else:
-            seq = sequence_stats(columns, bands.clip)
-            verdict = judge(seq, bands, fpr)
+            verdict = pooled_verdict(seq, bands.honest_bands(), fpr, all_bands=bands.labelled(),
+                                     source=Path(bands.source).name, clip=bands.clip)
         audits.append(ProviderAudit(e, claims, columns, seq, verdict, summarize_drift(claims), client.sent,
                                     len(store), store.damaged_lines, empty, served))
-    if len(audits) > 1:
-        for a, p in zip(audits, holm([a.verdict.p_value for a in audits])):
-            a.verdict.p_adjusted = p
-            a.verdict.consistent = p >= a.verdict.fpr
+    adjust([a.verdict for a in audits])
     return AuditResult(audits, spec, reference.describe(), calibrator.fpr if calibrator else fpr, out_dir, bands,
                        started, time.time() - started)

@@ -30,15 +30,18 @@ import numpy as np
 import torch
 
 import verinfer
-from verinfer.models import variants
+from verinfer.simulate import variants
+from verinfer.experiments.adversary import match_cross_entropy
+from verinfer.stats.pooling import MARGIN_CLIP
 from verinfer.models.backend import Backend
 from verinfer.models.load import DEFAULT_MODEL
-from verinfer.pipeline import build_requests, verify_to_file
 from verinfer.prompts import load_prompts
 from verinfer.sampling.params import SamplingParams
 from verinfer.trace import read_traces, write_traces
-from verinfer.verify.report import read_scores
-from verinfer.verify.token_difr import likelihood
+from verinfer.scoring.scores import read_scores
+from verinfer.scoring.traces import score_traces
+from verinfer.simulate.generate import build_requests
+from verinfer.scoring.token_difr import likelihood
 
 BASE_PARAMS = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95)
 
@@ -48,7 +51,7 @@ class Config:
     """One provider configuration in the matrix."""
 
     name: str
-    variant: str  # a name in verinfer.models.variants
+    variant: str  # a name in verinfer.simulate.variants
     honest: bool = False
     attack: bool = False  # temperature tuned until the verifier's mean cross-entropy matches honest
     target: int | None = None  # the paper's bar: AUC@1%FPR >= 0.99 within this many tokens
@@ -92,6 +95,7 @@ class Matrix:
     attack_bracket: tuple[float, float] = (0.1, 1.0)  # temperatures the adversary searches between
     attack_rounds: int = 8
     split_seed: int = 0
+    device: str = "cpu"  # where the reference generates and verifies (part of the cache key: it changes tokens)
 
     def __post_init__(self):
         unknown = [c for c in self.configs if c not in CONFIGS]
@@ -152,11 +156,11 @@ def _attack_temperature(matrix: Matrix, config: Config, reference: Backend, buil
         return json.loads(path.read_text())
     if honest is None:
         raise ValueError(f"{config.name} needs the honest-fp32 configuration in the matrix (its target)")
-    ce = np.minimum(honest.columns["cross_entropy"], variants.MARGIN_CLIP)
+    ce = np.minimum(honest.columns["cross_entropy"], MARGIN_CLIP)
     target = float(ce.mean())
     stage(f"{config.name}: tuning the temperature to cross-entropy {target:.3f}")
     subset = requests[: matrix.attack_prompts]
-    found = variants.match_cross_entropy(reference, config.variant, subset, matrix.attack_tokens,
+    found = match_cross_entropy(reference, config.variant, subset, matrix.attack_tokens,
                                          matrix.batch_size, target=target, bracket=matrix.attack_bracket,
                                          rounds=matrix.attack_rounds, backend=built)
     info = {"temperature": found.temperature, "cross_entropy": found.cross_entropy, "target": target,
@@ -198,7 +202,7 @@ def run_config(matrix: Matrix, config: Config, reference: Backend, cache: Path, 
                                          matrix.batch_size, backend=built, on_batch=None)
                 write_traces(traces, traces_path)
             stage(f"{config.name}: verifying chunk {k + 1}")
-            verify_to_file(reference, traces, scores_path, on_rows=on_tokens)
+            score_traces(reference, traces, scores_path, on_rows=on_tokens)
         parts.append(read_scores(scores_path))
     if config.attack and not info:
         info = json.loads((directory / "attack.json").read_text())
@@ -209,7 +213,7 @@ def run_config(matrix: Matrix, config: Config, reference: Backend, cache: Path, 
 def run_matrix(matrix: Matrix, cache: Path, stage: Stage = lambda _: None,
                on_tokens: Callable[[int], None] | None = None) -> dict[str, ConfigData]:
     """Every configuration of ``matrix`` (honest ones first: the attacks need the honest target)."""
-    reference = Backend.load(matrix.model)
+    reference = Backend.load(matrix.model, device=matrix.device)
     cache = Path(cache) / reference.model_id
     order = sorted(matrix.configs, key=lambda c: (not CONFIGS[c].honest, CONFIGS[c].attack))
     data: dict[str, ConfigData] = {}

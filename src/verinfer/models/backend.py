@@ -59,6 +59,12 @@ class Backend:
         return cls(model.to(device), tokenizer, source.model_id, dt)
 
     @property
+    def max_length(self) -> int | None:
+        """The longest sequence the model's positions cover (None when the config does not say)."""
+        n = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        return int(n) if n else None
+
+    @property
     def hidden_size(self) -> int:
         return int(self.model.config.get_text_config().hidden_size)
 

@@ -45,6 +45,12 @@ class SamplingParams:
             raise ValueError(f"unknown sampling field(s): {', '.join(unknown)}")
         return cls(**data)
 
+    def signature(self) -> dict[str, Any]:
+        """What a calibration must share with the traces it judges: every setting but the seed."""
+        d = asdict(self)
+        d.pop("seed")
+        return d
+
     def with_(self, **changes: Any) -> "SamplingParams":
         return replace(self, **changes)
 

@@ -20,7 +20,9 @@ from a smaller one). Score at a fitted size instead, or refit with the size you 
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -119,6 +121,7 @@ class Calibrator:
         self.rules = tuple(rules)
         self.resample = resample
         self.random_state = random_state
+        self.signature: dict | None = None  # what the honest scores were verified under (verify/scores.py)
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must be positive integers, got {self.batch_sizes}")
         if not 0.0 < self.fpr < 1.0:
@@ -214,11 +217,29 @@ class Calibrator:
                 {"metric": m, "rule": r, "batch_size": n, "threshold": t, "n_batches": k}
                 for (m, r, n), (t, k) in self.thresholds_.items()
             ],
+            "signature": self.signature,
         }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Calibrator:
         """Rebuild a fitted Calibrator from :meth:`to_dict` output, checking format and version."""
+        if not isinstance(data, Mapping):
+            raise ValueError(f"not a {FORMAT} document (a JSON {type(data).__name__}, not an object)")
+        try:
+            return cls._from_dict(data)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"malformed {FORMAT} document ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calibrator:
+        """Read a calibration file; any problem is a one-line ``ValueError`` naming the file."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+            raise ValueError(f"{path}: cannot read calibration file ({exc})") from None
+
+    @classmethod
+    def _from_dict(cls, data: Mapping[str, Any]) -> Calibrator:
         if data.get("format") != FORMAT or data.get("version") != FORMAT_VERSION:
             raise ValueError(
                 f"not a {FORMAT} version {FORMAT_VERSION} document "
@@ -240,6 +261,7 @@ class Calibrator:
             )
             for t in data["thresholds"]
         }
+        cal.signature = data.get("signature")
         return cal
 
     def _rules_for(self, metric: str) -> tuple[str, ...]:
@@ -298,3 +320,25 @@ def _transform(scores: np.ndarray, rule: str, values: Mapping[float, float]) -> 
     if kind == "clip":
         return clip_scores(scores, values[percentiles[0]])
     return tail_scores(scores, clip_hi=values[percentiles[1]], zero_below=values[percentiles[0]])
+
+
+def signature_mismatch(calibration: dict | None, data: dict | None) -> str | None:
+    """Why a calibration does not fit the scores it would judge (None when it does).
+
+    ``calibration`` and ``data`` are signatures as ``verinfer.scoring.scores.signature`` writes them:
+    model, verifier dtype and the sampling settings (every field but the seed). Every sampling
+    setting of the data must be one the calibration was fitted on.
+    """
+    if calibration is None:
+        return ("the calibration records no signature (fitted before verinfer recorded one): "
+                "refit it with `verinfer calibrate` on scores from this version")
+    if data is None:
+        return None
+    for key in ("model", "dtype"):
+        if calibration.get(key) != data.get(key):
+            return f"{key}: calibrated on {calibration.get(key)!r}, these scores have {data.get(key)!r}"
+    fitted = [json.dumps(s, sort_keys=True) for s in calibration.get("sampling", [])]
+    for s in data.get("sampling", []):
+        if json.dumps(s, sort_keys=True) not in fitted:
+            return f"sampling: calibrated on {calibration.get('sampling')}, these scores have {s}"
+    return None

@@ -12,6 +12,9 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 
+MARGIN_CLIP = 20.0  # raw-logit units: the paper's bounded margin min(margin, 20), the one clip constant
+
+
 def as_scores(scores: ArrayLike, name: str = "scores") -> np.ndarray:
     """Return ``scores`` as a non-empty 1-D float64 array, rejecting NaN and ``-inf``.
 
@@ -135,3 +138,17 @@ def sampled_batch_means(
     n_inf = np.concatenate(([0], np.cumsum(infinite)))
     means = (csum[starts + n] - csum[starts]) / n
     return np.where(n_inf[starts + n] > n_inf[starts], np.inf, means)
+
+
+def sequence_stats(columns: dict[str, np.ndarray], clip: float = MARGIN_CLIP) -> np.ndarray:
+    """Per-sequence rows ``[tokens, sum of clipped margins, exact matches]`` in order of appearance
+    (the unit the pooled verdict resamples: tokens of one sequence are correlated)."""
+    ids = np.asarray(columns["trace_id"], dtype=object)
+    clipped = clip_scores(np.asarray(columns["margin"], dtype=np.float64), clip)
+    em = np.asarray(columns["exact_match"], dtype=bool)
+    order, inverse = np.unique(ids, return_index=True, return_inverse=True)[1:]
+    first = np.argsort(order)  # keep the order sequences appeared in
+    n = np.bincount(inverse, minlength=order.size)
+    s = np.bincount(inverse, weights=clipped, minlength=order.size)
+    e = np.bincount(inverse, weights=em, minlength=order.size)
+    return np.stack([n, s, e], axis=1)[first].astype(np.float64)

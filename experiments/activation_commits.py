@@ -1,6 +1,6 @@
 """Activation commits as detectors: AUC at 1% FPR vs tokens, and AUC vs bytes per token.
 
-    python -m verinfer.experiments.activation_commits --out experiments/results/activation_commits.md
+    python experiments/activation_commits.py --out experiments/results/activation_commits.md
 
 Providers decode with a KV cache and keep the hidden rows they computed (no extra pass); the
 verifier prefills prompt + output with the fp32 reference. Honest pool: fp32 decode and bf16
@@ -28,14 +28,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verinfer.generate import decode_batch
+from verinfer.simulate.generate import decode_batch
 from verinfer.models.backend import Backend
-from verinfer.pipeline import build_requests
+from verinfer.simulate.generate import build_requests
 from verinfer.prompts import load_prompts
 from verinfer.sampling.params import SamplingParams
 from verinfer.stats import auc_at_fpr, batch_means
-from verinfer.verify.activation_difr import FingerprintSpec, fingerprint
-from verinfer.verify.toploc import Thresholds, ToplocCommit
+from verinfer.commits.activation_difr import FingerprintSpec, fingerprint
+from verinfer.commits.toploc import Thresholds, ToplocCommit
 
 PROVIDERS = {"honest-fp32": "honest", "honest-bf16": "bf16", "w4": "w4-g128", "fp8-kv": "fp8-kv"}
 HONEST = ("honest-fp32", "honest-bf16")
@@ -46,7 +46,7 @@ PARAMS = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, s
 
 def provider_rows(reference: Backend, variant: str, requests, max_new: int, batch: int):
     """(trace, committed rows) per request, decoded by the variant's backend with capture on."""
-    from verinfer.models.variants import get_variant
+    from verinfer.simulate.variants import get_variant
 
     v = get_variant(variant)
     backend = v.build(reference)

@@ -49,10 +49,9 @@ Semantics worth knowing:
 - ``wrong-seed``: samples with ``seed + 1_000_003`` while claiming ``seed``.
 """
 
+
 from __future__ import annotations
 
-import copy
-import math
 import re
 import zlib
 from collections import defaultdict
@@ -61,235 +60,15 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
-from torch import nn
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-from verinfer.generate import Request, TokenHook, generate
 from verinfer.models.backend import Backend
+from verinfer.models.derived import with_attention, with_dtype, with_quantized_weights
+from verinfer.models.fp8_kv import Fp8KV, with_fp8_kv
 from verinfer.sampling.params import SamplingParams
+from verinfer.simulate.generate import Request, TokenHook, generate
 from verinfer.trace import Trace
 
-MARGIN_CLIP = 20.0  # raw-logit units, the paper's bounded margin
 WRONG_SEED_OFFSET = 1_000_003
-
-# --------------------------------------------------------------------------------------------------
-# Deriving backends without touching the reference
-
-
-def _derive(backend: Backend, cls: type | None = None, **changes: Any) -> Backend:
-    """A shallow copy of ``backend`` (optionally as subclass ``cls``) with some attributes replaced."""
-    new = (cls or type(backend)).__new__(cls or type(backend))
-    new.__dict__.update(backend.__dict__)
-    new.__dict__.update(changes)
-    return new
-
-
-def _clone_model(model: nn.Module, weight: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> nn.Module:
-    """A new module tree (own modules and config) whose parameters are ``weight(name, data)``.
-
-    Without ``weight`` the parameters and buffers are shared with ``model`` (no copy): right for
-    variants that change only module or config state. Tied parameters stay tied. Buffers are always
-    shared (rotary frequencies stay fp32, as when a model is loaded in bf16).
-    """
-    memo: dict[int, Any] = {}
-    with torch.no_grad():
-        for name, p in model.named_parameters():  # tied parameters appear once
-            data = p.data if weight is None else weight(name, p.data)
-            memo[id(p)] = p if weight is None else nn.Parameter(data, requires_grad=False)
-        for b in model.buffers():
-            memo[id(b)] = b
-        return copy.deepcopy(model, memo)
-
-
-def with_dtype(backend: Backend, dtype: torch.dtype) -> Backend:
-    """The same weights cast to ``dtype`` and computed in it (a copy; the reference is untouched)."""
-    model = _clone_model(backend.model, lambda _, w: w.to(dtype, copy=True))
-    model.config.dtype = dtype
-    return _derive(backend, model=model, dtype=dtype)
-
-
-def with_attention(backend: Backend, implementation: str) -> Backend:
-    """The same weights run with transformers' ``attn_implementation`` (``eager``, ``sdpa``)."""
-    model = _clone_model(backend.model)
-    model.set_attn_implementation(implementation)
-    return _derive(backend, model=model)
-
-
-# --------------------------------------------------------------------------------------------------
-# Weight quantization (round to nearest)
-
-
-def _rtn_last_dim(x: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
-    """Fake-quantize ``x`` [..., g] with one scale (and zero point) per group along the last dim."""
-    if symmetric:
-        qmax = 2 ** (bits - 1) - 1
-        scale = x.abs().amax(-1, keepdim=True) / qmax
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        return torch.round(x / scale).clamp(-qmax - 1, qmax) * scale
-    qmax = 2**bits - 1
-    lo = x.amin(-1, keepdim=True).clamp(max=0)
-    hi = x.amax(-1, keepdim=True).clamp(min=0)
-    scale = (hi - lo) / qmax
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    zero = torch.round(-lo / scale)
-    return (torch.round(x / scale + zero).clamp(0, qmax) - zero) * scale
-
-
-def quantize_rtn(weight: torch.Tensor, bits: int, group_size: int | None = 128, symmetric: bool = True) -> torch.Tensor:
-    """Round-to-nearest fake quantization of a ``[out, in]`` weight, returned in its own dtype.
-
-    One scale per output channel and group of ``group_size`` consecutive input columns (``None``: one
-    group per output channel); a ragged tail forms one shorter group.
-    """
-    if weight.dim() != 2:
-        raise ValueError(f"quantize_rtn expects a 2-D [out, in] weight, got shape {tuple(weight.shape)}")
-    if not 2 <= bits <= 8:
-        raise ValueError(f"bits must be between 2 and 8, got {bits}")
-    x = weight.float()
-    n_out, n_in = x.shape
-    g = n_in if group_size is None else int(group_size)
-    if g <= 0:
-        raise ValueError(f"group_size must be positive, got {group_size}")
-    full = (n_in // g) * g
-    parts = []
-    if full:
-        parts.append(_rtn_last_dim(x[:, :full].reshape(n_out, -1, g), bits, symmetric).reshape(n_out, full))
-    if full < n_in:
-        parts.append(_rtn_last_dim(x[:, full:], bits, symmetric))
-    return torch.cat(parts, dim=1).to(weight.dtype)
-
-
-def quantized_linear_names(model: nn.Module) -> list[str]:
-    """Weights a quantization variant rewrites: every ``nn.Linear`` except the output embeddings."""
-    head = model.get_output_embeddings()
-    return [f"{name}.weight" for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and m is not head and m.weight is not head.weight]
-
-
-def with_quantized_weights(backend: Backend, bits: int, group_size: int | None, symmetric: bool = True) -> Backend:
-    """A copy of ``backend`` whose decoder linear weights are RTN-quantized (see ``quantize_rtn``)."""
-    targets = set(quantized_linear_names(backend.model))
-    if not targets:
-        raise ValueError("the model has no nn.Linear layers to quantize")
-
-    def weight(name: str, w: torch.Tensor) -> torch.Tensor:
-        return quantize_rtn(w, bits, group_size, symmetric) if name in targets else w.clone()
-
-    return _derive(backend, model=_clone_model(backend.model, weight))
-
-
-# --------------------------------------------------------------------------------------------------
-# fp8 KV cache
-
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
-
-
-@dataclass(frozen=True)
-class Fp8KV:
-    """How the fp8 KV cache scales and reads its entries.
-
-    ``scale``: ``"unit"`` (1.0, vLLM's default without calibrated scales), ``"tensor"`` (amax / 448 per
-    layer) or ``"head"`` (amax / 448 per layer and KV head); calibrated ones are measured on the first
-    (prompt) pass and then frozen. ``read_current``: attention reads the current chunk's own keys and
-    values back from the fp8 cache too (vLLM) instead of using them fresh.
-    """
-
-    scale: str = "unit"
-    read_current: bool = True
-
-    def __post_init__(self):
-        if self.scale not in ("unit", "tensor", "head"):
-            raise ValueError(f"fp8 KV scale must be 'unit', 'tensor' or 'head', got {self.scale!r}")
-
-
-def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """``x`` stored as float8_e4m3fn with ``scale`` (saturating at +-448) and read back in x's dtype."""
-    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale).to(x.dtype)
-
-
-class Fp8KVLayer(DynamicLayer):
-    """A transformers cache layer that stores keys and values as float8_e4m3fn plus a scale."""
-
-    def __init__(self, spec: Fp8KV):
-        super().__init__()
-        self.spec = spec
-        self.key_scale: torch.Tensor | None = None
-        self.value_scale: torch.Tensor | None = None
-
-    def _calibrate(self, x: torch.Tensor) -> torch.Tensor:  # x [B, H, T, D]
-        if self.spec.scale == "unit":
-            return torch.ones((), dtype=torch.float32, device=x.device)
-        amax = x.abs().amax() if self.spec.scale == "tensor" else x.abs().amax(dim=(0, 2, 3), keepdim=True)
-        return (amax.float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
-
-    @staticmethod
-    def _store(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-
-    def _read(self, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return (q.float() * scale).to(self.dtype)
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.dtype, self.device = key_states.dtype, key_states.device
-            self.key_scale, self.value_scale = self._calibrate(key_states), self._calibrate(value_states)
-            self.keys = self._store(key_states, self.key_scale)
-            self.values = self._store(value_states, self.value_scale)
-            # What attention reads: the fp8 entries dequantized once, as they are appended. Reading the
-            # whole fp8 cache back every step gives the same values but costs O(length) conversions
-            # per step (fp8 casts are slow on CPU: 5 tokens/s at batch 16 instead of ~70).
-            self._keys_read = self._read(self.keys, self.key_scale)
-            self._values_read = self._read(self.values, self.value_scale)
-            self.is_initialized = True
-        else:
-            new_k, new_v = self._store(key_states, self.key_scale), self._store(value_states, self.value_scale)
-            self.keys = torch.cat([self.keys, new_k], dim=-2)
-            self.values = torch.cat([self.values, new_v], dim=-2)
-            self._keys_read = torch.cat([self._keys_read, self._read(new_k, self.key_scale)], dim=-2)
-            self._values_read = torch.cat([self._values_read, self._read(new_v, self.value_scale)], dim=-2)
-        if self.spec.read_current:
-            return self._keys_read, self._values_read
-        n = key_states.shape[-2]
-        return (torch.cat([self._keys_read[..., :-n, :], key_states], dim=-2),
-                torch.cat([self._values_read[..., :-n, :], value_states], dim=-2))
-
-
-class Fp8KVBackend(Backend):
-    """A backend whose KV cache stores keys and values in fp8 (weights shared with its source)."""
-
-    kv: Fp8KV = Fp8KV()
-
-    def new_cache(self) -> DynamicCache:
-        cache = DynamicCache()
-        self._install(cache)
-        return cache
-
-    def _install(self, cache) -> None:
-        if isinstance(cache, DynamicCache) and all(isinstance(layer, Fp8KVLayer) for layer in cache.layers) \
-                and cache.layer_class_to_replicate is None and cache.layers:
-            return
-        if not isinstance(cache, DynamicCache) or cache.get_seq_length() > 0:
-            raise ValueError("the fp8 KV cache variant needs an empty transformers DynamicCache to start from")
-        n_layers = int(self.model.config.get_text_config().num_hidden_layers)
-        cache.layers = [Fp8KVLayer(self.kv) for _ in range(n_layers)]
-        cache.layer_class_to_replicate = None
-
-    @torch.inference_mode()
-    def hidden(self, input_ids, attention_mask, position_ids=None, cache=None):
-        if cache is None:  # a prefill: it goes through an fp8 cache of its own, as in the engine
-            h, _ = super().hidden(input_ids, attention_mask, position_ids, self.new_cache())
-            return h, None
-        self._install(cache)  # generation hands in an empty DynamicCache: make its layers fp8
-        return super().hidden(input_ids, attention_mask, position_ids, cache)
-
-
-def with_fp8_kv(backend: Backend, spec: Fp8KV = Fp8KV()) -> Backend:
-    if isinstance(backend, Fp8KVBackend):
-        raise ValueError("the backend already has an fp8 KV cache")
-    return _derive(backend, Fp8KVBackend, kv=spec)
-
 
 # --------------------------------------------------------------------------------------------------
 # Sampler bug
@@ -369,7 +148,7 @@ class Variant:
         """Generate as this variant; traces claim ``reference``'s model and ``requests``' parameters.
 
         Pass ``backend`` (from ``build``) to reuse a built model across calls; ``generate_options``
-        (``provider``, ``commits``) go to ``verinfer.generate.generate`` unchanged, so activation
+        (``provider``, ``commits``) go to ``verinfer.simulate.generate.generate`` unchanged, so activation
         commits are built from the variant's own hidden states, as a misconfigured provider's would be.
         """
         backend = backend if backend is not None else self.build(reference)
@@ -573,120 +352,7 @@ def family_docs() -> list[str]:
     return [doc for _, _, doc in _FAMILIES]
 
 
-# --------------------------------------------------------------------------------------------------
-# Scoring and the cross-entropy-matching adversary
-
-
-@dataclass(frozen=True)
-class ScoreSummary:
-    """Pooled Token-DiFR scores of a set of traces against the reference."""
-
-    tokens: int
-    exact_match: float
-    mean_margin: float  # min(margin, clip) averaged
-    mean_cross_entropy: float  # min(-log p, clip) averaged, p under the claimed processed distribution
-    filtered: float  # share of claimed tokens outside the claimed top-k/top-p set
-
-    def to_dict(self) -> dict[str, float]:
-        return dict(self.__dict__)
-
-
-def score_traces(reference: Backend, traces: Sequence[Trace], clip: float = MARGIN_CLIP) -> ScoreSummary:
-    """Verify ``traces`` with the reference (one prefill each) and pool the scores."""
-    from verinfer.verify.token_difr import verify_traces
-
-    em, margin, ce, filt = [], [], [], []
-    for block in verify_traces(reference, traces):
-        c = block.columns
-        em.append(c["exact_match"])
-        margin.append(np.minimum(c["margin"], clip))
-        ce.append(np.minimum(c["cross_entropy"], clip))
-        filt.append(c["filtered"])
-    em, margin, ce, filt = (np.concatenate(x) for x in (em, margin, ce, filt))
-    return ScoreSummary(int(em.size), float(em.mean()), float(margin.mean()), float(ce.mean()), float(filt.mean()))
-
-
-@dataclass
-class CrossEntropyMatch:
-    """What the temperature-tuning adversary found."""
-
-    variant: Variant  # base variant + the chosen temperature
-    temperature: float
-    cross_entropy: float
-    target: float
-    history: list[tuple[float, float]]  # (temperature, mean cross-entropy) per generation round
-    bracketed: bool  # whether the search bracket straddled the target
-
-    @property
-    def gap(self) -> float:
-        return self.cross_entropy - self.target
-
-
-def match_cross_entropy(
-    reference: Backend,
-    base: Variant | str,
-    requests: Sequence[Request],
-    max_new_tokens: int = 48,
-    batch_size: int = 8,
-    target: float | None = None,
-    bracket: tuple[float, float] = (0.6, 1.0),
-    rounds: int = 6,
-    tol: float = 0.01,
-    clip: float = MARGIN_CLIP,
-    backend: Backend | None = None,
-) -> CrossEntropyMatch:
-    """Tune the sampling temperature of ``base`` until the verifier's mean cross-entropy on its
-    outputs matches the honest one (DiFR figure 2's adversary).
-
-    ``target`` defaults to the mean cross-entropy of honest traces for the same requests. Each round
-    generates the same requests (same seeds) at one temperature and measures the clipped mean
-    cross-entropy with the reference; the search evaluates the bracket ends, then runs Illinois
-    regula falsi in T (cross-entropy grows with T), within ``rounds`` generations in all.
-    """
-    base = get_variant(base) if isinstance(base, str) else base
-    if target is None:
-        target = score_traces(reference, get_variant("honest").generate(reference, requests, max_new_tokens,
-                                                                         batch_size), clip).mean_cross_entropy
-    built = backend if backend is not None else base.build(reference)
-    history: list[tuple[float, float]] = []
-
-    def f(t: float) -> float:
-        v = compose(base, temperature_variant(round(t, 4)))
-        ce = score_traces(reference, v.generate(reference, requests, max_new_tokens, batch_size, backend=built),
-                          clip).mean_cross_entropy
-        history.append((round(t, 4), ce))
-        return ce - target
-
-    lo, hi = bracket
-    f_hi = f(hi)
-    f_lo = f(lo) if rounds > 1 and abs(f_hi) > tol else math.nan
-    bracketed = not math.isnan(f_lo) and f_lo <= 0 <= f_hi
-    if bracketed:
-        side = 0
-        for _ in range(rounds - 2):
-            t = hi - f_hi * (hi - lo) / (f_hi - f_lo) if f_hi != f_lo else (lo + hi) / 2
-            ft = f(t)
-            if abs(ft) <= tol:
-                break
-            if ft > 0:
-                hi, f_hi = t, ft
-                if side == 1:
-                    f_lo /= 2
-                side = 1
-            else:
-                lo, f_lo = t, ft
-                if side == -1:
-                    f_hi /= 2
-                side = -1
-    t_best, ce_best = min(history, key=lambda h: abs(h[1] - target))
-    return CrossEntropyMatch(compose(base, temperature_variant(t_best)), t_best, ce_best, float(target),
-                             history, bracketed)
-
-
 __all__ = [
-    "CrossEntropyMatch", "Fp8KV", "Fp8KVBackend", "Fp8KVLayer", "ScoreSummary", "TopKUniformBug", "Variant",
-    "batch_variant", "bug_variant", "compose", "family_docs", "fp8_kv_variant", "fp8_round_trip", "get_variant",
-    "list_variants", "match_cross_entropy", "quantize_rtn", "quantized_linear_names", "register",
-    "score_traces", "temperature_variant", "top_p_variant", "weight_quant_variant", "with_attention",
-    "with_dtype", "with_fp8_kv", "with_quantized_weights",
+    "TopKUniformBug", "Variant", "batch_variant", "bug_variant", "compose", "family_docs", "fp8_kv_variant",
+    "get_variant", "list_variants", "register", "temperature_variant", "top_p_variant", "weight_quant_variant",
 ]

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import shlex
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -12,7 +14,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import typer  # noqa: E402
 
-from verinfer.cli_errors import one_line_errors  # noqa: E402
+from verinfer.cli import options as opt  # noqa: E402
+from verinfer.cli.errors import one_line_errors  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="MarginGate: verify only low-margin decode steps against a deterministic path.")
@@ -25,16 +28,23 @@ def _floats(text: str) -> tuple[float, ...]:
         raise typer.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def command_line(argv: list[str] | None = None) -> str:
+    """The command as a user would type it again: ``verinfer margingate <sub> ...`` whether it ran
+    from the ``verinfer`` entry point, ``python -m verinfer.cli`` or this sub-app alone."""
+    argv = list(sys.argv if argv is None else argv)[1:]
+    if "margingate" in argv:
+        argv = argv[argv.index("margingate") + 1:]
+    return "verinfer margingate " + " ".join(shlex.quote(a) for a in argv)
+
+
 def _run(cfg, out: Optional[Path], threads: int) -> None:
     import torch
 
     from verinfer.determinism.experiment import header, run_experiment
 
-    import shlex
-    import sys
 
     torch.set_num_threads(threads)
-    command = "verinfer margingate " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    command = command_line()
     typer.echo(header([cfg], command))
     rep = run_experiment(cfg, log=typer.echo)
     if out is not None:
@@ -48,17 +58,23 @@ def _run(cfg, out: Optional[Path], threads: int) -> None:
 def measure(
     prompts: str = typer.Option("chitchat", help="prompt set: chitchat, human-eval, gsm8k, or a JSONL file"),
     n: int = typer.Option(12, help="number of prompts"),
-    max_new_tokens: int = typer.Option(32, help="tokens per request"),
-    batch: int = typer.Option(4, help="largest running batch"),
+    max_tokens: int = opt.max_tokens(32),
+    max_new_tokens: Optional[int] = opt.hidden("--max-new-tokens"),
+    batch_size: int = opt.batch_size(4, "largest running batch"),
+    batch: Optional[int] = opt.hidden("--batch"),
     dtype: str = typer.Option("float32", help="float32 or bfloat16 (bf16 is several times slower on CPU)"),
     model: str = typer.Option("smollm2-135m", help="model alias, .gguf file or local Llama directory"),
-    seed: int = typer.Option(0, help="prompt sample seed"),
+    prompt_seed: int = opt.prompt_seed(0),
+    seed: Optional[int] = opt.hidden("--seed"),
     threads: int = typer.Option(1, help="torch threads"),
     fidelity: bool = typer.Option(True, help="also recompute each fast step deterministically on the fast "
                                              "path's cache and compare with the reference (doubles the cost)"),
     out: Optional[Path] = typer.Option(None, help="also write the tables to this markdown file"),
 ):
     """Flip rate, margins at flips vs stable steps, and K/V deviation: fast path vs reference."""
+    max_new_tokens = opt.alias(max_tokens, max_new_tokens, "--max-new-tokens", "--max-tokens")
+    batch = opt.alias(batch_size, batch, "--batch", "--batch-size")
+    seed = opt.alias(prompt_seed, seed, "--seed (here: the prompt sample)", "--prompt-seed")
     from verinfer.determinism.experiment import Config
 
     _run(Config(model=model, dtype=dtype, calibration=prompts, transfer=(), n=n, max_new_tokens=max_new_tokens,
@@ -72,19 +88,25 @@ def sweep(
     transfer: str = typer.Option("gsm8k,human-eval", help="comma-separated prompt sets for the transfer table"),
     n: int = typer.Option(12, help="calibration prompts"),
     n_transfer: int = typer.Option(6, help="prompts per transfer set"),
-    max_new_tokens: int = typer.Option(32, help="tokens per request"),
-    batch: int = typer.Option(4, help="largest running batch"),
+    max_tokens: int = opt.max_tokens(32),
+    max_new_tokens: Optional[int] = opt.hidden("--max-new-tokens"),
+    batch_size: int = opt.batch_size(4, "largest running batch"),
+    batch: Optional[int] = opt.hidden("--batch"),
     batch_sizes: str = typer.Option("", help="comma-separated extra batch sizes for the scaling table"),
     thresholds: str = typer.Option("", help="comma-separated margin thresholds (default depends on dtype)"),
     dtype: str = typer.Option("float32", help="float32 or bfloat16"),
     model: str = typer.Option("smollm2-135m", help="model alias, .gguf file or local Llama directory"),
     repeats: int = typer.Option(1, help="interleaved repeats per policy (median time)"),
-    seed: int = typer.Option(0, help="prompt sample seed"),
+    prompt_seed: int = opt.prompt_seed(0),
+    seed: Optional[int] = opt.hidden("--seed"),
     threads: int = typer.Option(1, help="torch threads"),
     out: Optional[Path] = typer.Option(None, help="also write the tables to this markdown file"),
 ):
     """Baselines and the threshold sweep (window rule and the paper's single-column rule) on a
     calibration set, then transfer of the chosen thresholds and batch-size scaling."""
+    max_new_tokens = opt.alias(max_tokens, max_new_tokens, "--max-new-tokens", "--max-tokens")
+    batch = opt.alias(batch_size, batch, "--batch", "--batch-size")
+    seed = opt.alias(prompt_seed, seed, "--seed (here: the prompt sample)", "--prompt-seed")
     from verinfer.determinism.experiment import Config
 
     try:
@@ -105,9 +127,12 @@ def decode(
     out: Path = typer.Option(..., "--out", "-o", help="greedy traces to write (.jsonl or .parquet)"),
     prompts: str = typer.Option("chitchat", help="prompt set: chitchat, human-eval, gsm8k, or a JSONL file"),
     n: int = typer.Option(16, help="number of prompts"),
-    seed: int = typer.Option(0, help="prompt sample seed"),
-    max_new_tokens: int = typer.Option(64, help="tokens per request"),
-    batch: int = typer.Option(8, help="largest running batch"),
+    prompt_seed: int = opt.prompt_seed(0),
+    seed: Optional[int] = opt.hidden("--seed"),
+    max_tokens: int = opt.max_tokens(64),
+    max_new_tokens: Optional[int] = opt.hidden("--max-new-tokens"),
+    batch_size: int = opt.batch_size(8, "largest running batch"),
+    batch: Optional[int] = opt.hidden("--batch"),
     arrival_gap: int = typer.Option(2, help="request i joins at engine step i * gap (a changing batch)"),
     policy: str = typer.Option("margingate", help="margingate, fast, always or deterministic"),
     threshold: float = typer.Option(0.13, help="margingate: verify steps whose top-1/top-2 margin is below this"),
@@ -119,6 +144,9 @@ def decode(
     """Decode prompts greedily through the dynamic-batching engine under a policy and write traces
     (greedy profile): with margingate's window rule or the deterministic policy, every output is the
     one the request gets decoded alone, whatever the batch."""
+    max_new_tokens = opt.alias(max_tokens, max_new_tokens, "--max-new-tokens", "--max-tokens")
+    batch = opt.alias(batch_size, batch, "--batch", "--batch-size")
+    seed = opt.alias(prompt_seed, seed, "--seed (here: the prompt sample)", "--prompt-seed")
     import torch
 
     from verinfer.determinism.engine import Engine, Policy
@@ -134,7 +162,7 @@ def decode(
     pol = {"margingate": lambda: Policy.margingate(threshold, commit), "fast": Policy.fast,
            "always": lambda: Policy.always(commit), "deterministic": Policy.deterministic}[policy]()
     if n < 1 or max_new_tokens < 1 or batch < 1 or arrival_gap < 0:
-        raise ValueError("--n, --max-new-tokens and --batch must be >= 1 and --arrival-gap >= 0")
+        raise ValueError("--n, --max-tokens and --batch-size must be >= 1 and --arrival-gap >= 0")
     if out.suffix not in (".jsonl", ".parquet"):
         raise ValueError(f"{out}: the trace file must end in .jsonl or .parquet")
     backend = Backend.load(model, dtype)
@@ -144,10 +172,9 @@ def decode(
     traces = []
     for r in reqs:
         o = run.outputs[r.id]
-        traces.append(Trace(
-            id=r.id, model=backend.model_id, prompt_token_ids=list(r.prompt), output_token_ids=list(o.tokens),
-            sampling=SamplingParams(profile="greedy", temperature=0.0),
-            output_text=backend.tokenizer.decode(o.tokens, skip_special_tokens=True), provider="verinfer-margingate",
+        traces.append(Trace.of_output(
+            r.id, backend.model_id, r.prompt, o.tokens, SamplingParams(profile="greedy", temperature=0.0),
+            tokenizer=backend.tokenizer, provider="verinfer-margingate",
             meta={"finish_reason": o.finish, "dtype": dtype, "policy": pol.name, "batch": batch,
                   "verified_at_emission": int(sum(o.verified)), "repairs": int(sum(o.repaired)), "rollbacks": o.rollbacks},
         ))

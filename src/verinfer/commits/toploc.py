@@ -67,7 +67,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verinfer.verify.toploc_poly import MAX_POINTS, P, evaluate, injective_modulus, interpolate
+from verinfer.commits.toploc_poly import MAX_POINTS, P, evaluate, injective_modulus, interpolate
 
 FORMAT_VERSION = 1
 MAGIC = b"VTLC"

@@ -4,10 +4,10 @@ The benign band a verifier must accept is set by real deployments (bf16 GPU kern
 shapes), which is far wider than fp32 CPU noise. This experiment measures it:
 
     # on a GPU machine (prompts pre-rendered, so no prompt package is needed there)
-    python -m verinfer.experiments.cross_hardware prompts --out prompts.jsonl        # on any machine
-    python -m verinfer.experiments.cross_hardware generate prompts.jsonl --device cuda --out gpu/
+    python experiments/cross_hardware.py prompts --out prompts.jsonl        # on any machine
+    python experiments/cross_hardware.py generate prompts.jsonl --device cuda --out gpu/
     # back on the CPU verifier
-    python -m verinfer.experiments.cross_hardware score gpu/ --out results.md
+    python experiments/cross_hardware.py score gpu/ --out results.md
 
 ``generate`` writes one trace file per configuration (sampled with the vLLM profile, and greedy at
 two batch sizes to see batch-induced flips); ``score`` verifies every file with the fp32 CPU model
@@ -25,13 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verinfer.generate import Request, generate
+from verinfer.simulate.generate import Request, generate
 from verinfer.models.backend import Backend
 from verinfer.sampling.params import SamplingParams
 from verinfer.trace import read_traces, write_traces
-from verinfer.verify.activation_difr import FingerprintSpec
-from verinfer.verify.commits import CommitSpec
-from verinfer.verify.report import summarize_commits
+from verinfer.commits.activation_difr import FingerprintSpec
+from verinfer.commits.trace_commits import CommitSpec
+from verinfer.stats.summary import summarize_commits
 
 SAMPLED = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=20_000)
 GREEDY = SamplingParams(profile="greedy")
@@ -98,8 +98,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def run_score(in_dir: Path, out: Path) -> str:
     """Verify every trace file in ``in_dir`` with the fp32 CPU model; write a markdown report."""
-    from verinfer.pipeline import verify_to_file
-    from verinfer.verify.report import read_scores
+    from verinfer.scoring.scores import read_scores
+    from verinfer.scoring.traces import score_traces
 
     backend = Backend.load()
     env = json.loads((in_dir / "environment.json").read_text())
@@ -115,8 +115,7 @@ def run_score(in_dir: Path, out: Path) -> str:
         traces = read_traces(path)
         traces_by_name[path.stem] = traces
         scores_path = out.parent / f"{path.stem}.scores.parquet"
-        checks: list = []
-        verify_to_file(backend, traces, scores_path, commit_checks=checks)
+        checks = score_traces(backend, traces, scores_path).commit_checks
         if checks:
             c = summarize_commits(checks)
             l2 = np.concatenate([x.fingerprint_l2 for x in checks if x.fingerprint_l2 is not None])

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from verinfer.models.load import DEFAULT_MODEL
+from verinfer.cli import options as opt
 
 console = Console()
 err = Console(stderr=True)
@@ -22,10 +22,12 @@ def experiment(
     out: Path = typer.Option(Path("experiments/results/detection"), "--out", "-o", help="where the report goes"),
     cache: Optional[Path] = typer.Option(None, help="trace/score cache (default $VERINFER_CACHE/experiments)"),
     configs: Optional[str] = typer.Option(None, help="comma-separated configurations (default: all)"),
-    model: str = typer.Option(DEFAULT_MODEL, help="model alias, directory or .gguf file"),
-    prompts: str = typer.Option("chitchat", help="built-in prompt set or JSONL file"),
-    n_prompts: int = typer.Option(128, "--n-prompts", help="prompts per configuration"),
-    max_tokens: int = typer.Option(64, "--max-tokens", help="new tokens per prompt"),
+    model: str = opt.model(),
+    device: str = opt.device(),
+    prompts: str = opt.prompts(),
+    n: int = opt.n(128, "prompts per configuration"),
+    n_prompts: Optional[int] = opt.hidden("--n-prompts"),
+    max_tokens: int = opt.max_tokens(),
     batch_sizes: Optional[str] = typer.Option(None, "--batch-sizes", help="tokens per batch to evaluate, comma-separated"),
     n_batches: int = typer.Option(1000, "--n-batches", help="random batches per side and batch size"),
     n_boot: int = typer.Option(100, "--n-boot", help="bootstrap resamples per AUC"),
@@ -35,6 +37,7 @@ def experiment(
     """Detection power: the honest/misconfigured matrix (cached, resumable), AUC-vs-tokens tables and plots."""
     import torch
 
+    n_prompts = opt.alias(n, n_prompts, "--n-prompts", "--n")
     from verinfer.experiments import detection
     from verinfer.experiments.detection_report import analyse, write_report
     from verinfer.machine import describe
@@ -43,7 +46,8 @@ def experiment(
 
     detection.set_threads(threads)
     matrix = detection.smoke_matrix() if smoke else detection.Matrix(model=model, prompts=prompts,
-                                                                      n_prompts=n_prompts, max_tokens=max_tokens)
+                                                                      n_prompts=n_prompts, max_tokens=max_tokens,
+                                                                      device=device)
     if configs:
         matrix = dataclasses.replace(matrix, configs=tuple(c.strip() for c in configs.split(",") if c.strip()))
     try:
@@ -59,7 +63,7 @@ def experiment(
         result = analyse(data, matrix, sizes, n_batches=n_batches, n_boot=n_boot)
     # The command that reproduces this report, spelled out from the effective settings.
     args = ["--smoke"] if smoke else ["--model", matrix.model, "--prompts", matrix.prompts,
-                                       "--n-prompts", str(matrix.n_prompts), "--max-tokens", str(matrix.max_tokens)]
+                                       "--n", str(matrix.n_prompts), "--max-tokens", str(matrix.max_tokens)]
     args += ["--configs", ",".join(matrix.configs), "--batch-sizes", ",".join(map(str, sizes)),
              "--n-batches", str(n_batches), "--n-boot", str(n_boot), "--out", str(out)]
     command = "verinfer experiment " + " ".join(shlex.quote(a) for a in args)

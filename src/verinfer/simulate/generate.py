@@ -13,14 +13,15 @@ import torch
 from transformers import DynamicCache
 
 from verinfer.models.backend import Backend
+from verinfer.prompts import Prompt, render
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import Profile, RowKeys, get_profile
 from verinfer.sampling.sampler import sample
 from verinfer.trace import Trace
-from verinfer.verify.commits import CommitSpec, build_commits
+from verinfer.commits.trace_commits import CommitSpec, build_commits
 
 
-# A per-step hook on the sampled tokens, for simulated sampler bugs (``verinfer.models.variants``):
+# A per-step hook on the sampled tokens, for simulated sampler bugs (``verinfer.simulate.variants``):
 # called as ``hook(logits, tokens, requests, step)`` with the logits [n, V] and sampled tokens [n] of the
 # n active rows, their requests, and the output index ``step``; returns the tokens to emit instead.
 TokenHook = Callable[[torch.Tensor, torch.Tensor, Sequence["Request"], int], torch.Tensor]
@@ -143,11 +144,20 @@ def generate(
         out, reason = results[i].tokens, results[i].finish_reason
         fingerprints = (build_commits(results[i].rows, len(req.prompt_token_ids), commits, backend.model_id)
                         if commits is not None else None)
-        traces.append(Trace(
-            id=req.id, model=backend.model_id, prompt_token_ids=list(req.prompt_token_ids), output_token_ids=out,
-            sampling=req.params, messages=list(req.messages) if req.messages else None,
-            output_text=backend.tokenizer.decode(out, skip_special_tokens=True), provider=provider,
-            fingerprints=fingerprints,
-            meta={"finish_reason": reason, "dtype": str(backend.dtype).replace("torch.", "")},
-        ))
+        traces.append(Trace.of_output(
+            req.id, backend.model_id, req.prompt_token_ids, out, req.params, tokenizer=backend.tokenizer,
+            provider=provider, meta={"finish_reason": reason, "dtype": str(backend.dtype).replace("torch.", "")},
+            messages=list(req.messages) if req.messages else None, fingerprints=fingerprints))
     return traces
+
+
+def build_requests(backend: Backend, prompts: Sequence[Prompt], params: SamplingParams,
+                   seed_stride: int = 1, id_prefix: str = "") -> list[Request]:
+    """One request per prompt, rendered with the model's chat template; request i gets seed
+    ``params.seed + i * seed_stride`` (the meaning of ``--seed`` in every command)."""
+    out = []
+    for i, p in enumerate(prompts):
+        seed = None if params.seed is None else params.seed + i * seed_stride
+        out.append(Request(f"{id_prefix}{p.id}", tuple(render(backend.tokenizer, p)), params.with_(seed=seed),
+                           tuple(p.message_dicts()) or None))
+    return out

@@ -1,6 +1,6 @@
 """Exact match, margin and cross-entropy per configuration variant (a quick table, few tokens).
 
-    python -m verinfer.experiments.variants_table [honest,bf16,w4,w8,fp8-kv,temperature-1.1,wrong-seed]
+    python experiments/variants_table.py [honest,bf16,w4,w8,fp8-kv,temperature-1.1,wrong-seed]
 
 16 chitchat prompts x 48 tokens, vLLM sampler (T=1, top-k 50, top-p 0.95, seeds 5000 + i), generation
 batch 8, fp32 verifier on this machine. Single runs: a first look, not the AUC evaluation.
@@ -12,9 +12,10 @@ import sys
 
 import torch
 
-from verinfer.models import variants
+from verinfer.simulate import variants
+from verinfer.experiments.adversary import score_traces
 from verinfer.models.backend import Backend
-from verinfer.pipeline import build_requests
+from verinfer.simulate.generate import build_requests
 from verinfer.prompts import load_prompts
 from verinfer.sampling.params import SamplingParams
 
@@ -30,7 +31,7 @@ def main() -> None:
     print("| variant | tokens | exact match | mean margin (clip 20) | mean cross-entropy | filtered |")
     print("|---|---|---|---|---|---|")
     for name in names:
-        s = variants.score_traces(reference, variants.get_variant(name).generate(reference, requests, 48, 8))
+        s = score_traces(reference, variants.get_variant(name).generate(reference, requests, 48, 8))
         print(f"| {name} | {s.tokens} | {s.exact_match:.1%} | {s.mean_margin:.3f} | {s.mean_cross_entropy:.3f} | "
               f"{s.filtered:.1%} |", flush=True)
 

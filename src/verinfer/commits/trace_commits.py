@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from verinfer.verify.activation_difr import FingerprintCommit, FingerprintError, FingerprintSpec, distances
-from verinfer.verify.toploc import CommitError, Thresholds, ToplocCommit, chunk_score
+from verinfer.commits.activation_difr import FingerprintCommit, FingerprintError, FingerprintSpec, distances
+from verinfer.commits.toploc import CommitError, Thresholds, ToplocCommit, chunk_score
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,276 @@
+"""The public API: generate, verify, calibrate and audit, returning typed results.
+
+The command line (``verinfer.cli``) is a thin layer of options, progress bars and tables over these
+functions; notebooks and services call them directly::
+
+    import verinfer
+
+    honest = verinfer.generate("chitchat", n=8, max_tokens=32, seed=1000)
+    calibration = verinfer.calibrate(verinfer.scoring(honest), batch_sizes=(8,))
+    result = verinfer.scoring(verinfer.generate("chitchat", n=8, max_tokens=32, seed=5000),
+                             calibration=calibration)
+    print(result.verdict.text)
+
+Models are loaded once per (model, dtype, device) and reused; pass ``backend=`` to use one you
+loaded yourself.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from verinfer.files import check_outputs, derived_path, write_atomic
+from verinfer.models.backend import Backend
+from verinfer.models.load import DEFAULT_MODEL
+from verinfer.prompts import Prompt, load_prompts
+from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.profiles import get_profile
+from verinfer.simulate.generate import build_requests
+from verinfer.simulate.generate import generate as simulate
+from verinfer.stats.calibration import Calibrator, signature_mismatch
+from verinfer.stats.summary import Summary, fit_calibrator, summarize
+from verinfer.stats.verdict import Verdict
+from verinfer.trace import Trace, read_traces, write_traces
+from verinfer.scoring.scores import commit_scores, read_commit_scores, read_scores, read_signature, signature
+from verinfer.scoring.traces import Scored, check_traces, score_traces
+
+Progress = Callable[[int], None] | None
+
+
+@functools.lru_cache(maxsize=4)
+def _load(model: str, dtype: str, device: str) -> Backend:
+    return Backend.load(model, dtype, device=device)
+
+
+def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu") -> Backend:
+    """The reference or provider model, loaded offline once per (model, dtype, device)."""
+    return _load(model, dtype, device)
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# generate
+
+
+def generate(prompts: str | Sequence[Prompt] = "chitchat", *, n: int = 16, model: str = DEFAULT_MODEL,
+             dtype: str = "float32", device: str = "cpu", profile: str = "vllm", temperature: float = 1.0,
+             top_k: int = 50, top_p: float = 0.95, min_p: float = 0.0, seed: int | None = 1000,
+             max_tokens: int = 64, batch_size: int = 8, commits=None, out: str | Path | None = None,
+             backend: Backend | None = None, on_batch: Progress = None) -> list[Trace]:
+    """Generate traces with a sampler profile (the provider simulator); request i gets ``seed + i``.
+
+    ``prompts`` is a built-in set name, a JSONL file, or a list of ``Prompt``; ``commits`` a
+    ``verinfer.commits.trace_commits.CommitSpec`` to attach activation commits. With ``out`` the
+    traces are also written (JSONL or Parquet, atomically).
+    """
+    for name, value in (("n", n), ("max_tokens", max_tokens), ("batch_size", batch_size)):
+        _positive(name, value)
+    get_profile(profile)
+    params = SamplingParams(profile=profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                            seed=None if profile == "greedy" else seed)
+    if params.problems():
+        raise ValueError(f"sampling: {params.problems()[0]}")
+    backend = backend or load_model(model, dtype, device)
+    prompt_list = load_prompts(prompts, n) if isinstance(prompts, str) else list(prompts)[:n]
+    traces = simulate(backend, build_requests(backend, prompt_list, params), max_tokens, batch_size,
+                      on_batch=on_batch, commits=commits)
+    if out is not None:
+        write_traces(traces, out)
+    return traces
+
+
+# --------------------------------------------------------------------------------------------------
+# verify
+
+
+@dataclass
+class VerifyResult:
+    """Per-token scores, their summary and calibrated verdict, and the commit checks of one trace set."""
+
+    summary: Summary
+    scored: Scored
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> Verdict | None:
+        return self.summary.verdict
+
+    @property
+    def consistent(self) -> bool | None:
+        return self.summary.consistent
+
+    @property
+    def columns(self) -> dict[str, np.ndarray]:
+        return self.scored.columns
+
+    @property
+    def scores(self) -> pa.Table:
+        """Per-token scores as an Arrow table (every column when a score file was written)."""
+        if self.scored.scores_path is not None:
+            return pa.Table.from_pydict(read_scores(self.scored.scores_path))
+        return pa.Table.from_pydict(self.scored.columns)
+
+    def to_dict(self) -> dict:
+        return {**self.summary.to_dict(), "signature": self.scored.signature, "skipped": self.skipped,
+                "scores": str(self.scored.scores_path) if self.scored.scores_path else None,
+                "commit_scores": str(self.scored.commits_path) if self.scored.commits_path else None}
+
+
+def default_outputs(traces_path: str | Path) -> tuple[Path, Path]:
+    """Where ``verify`` writes by default: ``<whole stem>.scores.parquet`` and ``.commits.parquet``."""
+    return derived_path(traces_path, ".scores.parquet"), derived_path(traces_path, ".commits.parquet")
+
+
+def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dtype: str = "float32",
+           device: str = "cpu", calibration: Calibrator | str | Path | None = None, batch_size: int | None = None,
+           scores: str | Path | None = None, commit_scores_out: str | Path | None = None,
+           skip_invalid: bool = False, allow_model_mismatch: bool = False, alpha: float | None = None,
+           backend: Backend | None = None, on_rows: Progress = None) -> VerifyResult:
+    """Replay traces with one prefill each, score every token (Token-DiFR), check activation commits,
+    and judge with a calibration when one is given (``verinfer.stats.verdict``).
+
+    ``traces`` is a trace file or a list of ``Trace``. For a file, scores go by default to
+    ``<stem>.scores.parquet`` and commit scores to ``<stem>.commits.parquet`` beside it; outputs
+    that would overwrite an input or each other are refused before any work.
+    """
+    source = str(traces) if isinstance(traces, (str, Path)) else "traces"
+    if isinstance(traces, (str, Path)):
+        default_scores, default_commits = default_outputs(traces)
+        scores = default_scores if scores is None else scores
+        commit_scores_out = (derived_path(scores, ".commits.parquet") if commit_scores_out is None and
+                             scores != default_scores else commit_scores_out or default_commits)
+        trace_list = read_traces(traces)
+    else:
+        trace_list = list(traces)
+        if scores is not None and commit_scores_out is None:
+            commit_scores_out = derived_path(scores, ".commits.parquet")
+    calibration_path = calibration if isinstance(calibration, (str, Path)) else None
+    check_outputs([scores, commit_scores_out],
+                  [traces if isinstance(traces, (str, Path)) else None, calibration_path])
+    calibrator = Calibrator.load(calibration) if calibration_path else calibration
+    if backend is None:
+        claimed = sorted({t.model for t in trace_list})
+        if model is None and len(claimed) > 1:
+            raise ValueError(f"{source}: traces claim several models ({', '.join(claimed)}); pass model=")
+        backend = load_model(model or claimed[0], dtype, device)
+    kept, skipped = check_traces(trace_list, backend, source, skip_invalid, allow_model_mismatch)
+    if calibrator is not None:  # refuse a calibration of another configuration before scoring
+        problem = signature_mismatch(calibrator.signature, signature(kept, backend.model_id, _dtype(backend)))
+        if problem:
+            raise ValueError(f"{calibration_path or 'calibration'}: does not match {source}: {problem}")
+    scored = score_traces(backend, kept, scores, commit_scores_out, on_rows)
+    summary = summarize(scored.columns, calibrator, batch_size, scored.commit_checks,
+                        commit_scores(scored.commit_checks), alpha)
+    return VerifyResult(summary, scored, skipped)
+
+
+def _dtype(backend: Backend) -> str:
+    return str(backend.dtype).removeprefix("torch.")
+
+
+# --------------------------------------------------------------------------------------------------
+# calibrate
+
+
+def calibrate(honest: VerifyResult | str | Path | Sequence[VerifyResult | str | Path], *,
+              batch_sizes: Sequence[int] = (10, 100), fpr: float = 0.01,
+              commit_scores_files: Sequence[str | Path] = (), out: str | Path | None = None) -> Calibrator:
+    """Fit detector thresholds on honest scores at a target false-positive rate.
+
+    ``honest`` is one or more ``verify`` results or score files of honest traces, all verified under
+    one signature (model, dtype, sampling settings), which the calibration records and ``verify``
+    and ``audit`` then check. Commit detectors are fitted from the results' commit checks or from
+    ``commit_scores_files``.
+    """
+    sources = [honest] if isinstance(honest, (VerifyResult, str, Path)) else list(honest)
+    if not sources:
+        raise ValueError("no honest scores to calibrate on")
+    for size in batch_sizes:
+        _positive("batch size", size)
+    columns, commits, signatures = [], [], []
+    for s in sources:
+        if isinstance(s, VerifyResult):
+            columns.append(s.columns)
+            commits.append(commit_scores(s.scored.commit_checks))
+            signatures.append((s.scored.signature, "verify result"))
+        else:
+            columns.append(read_scores(s))
+            signatures.append((read_signature(s), str(s)))
+    commits += [read_commit_scores(p) for p in commit_scores_files]
+    sig = signatures[0][0]
+    for other, where in signatures[1:]:
+        if other != sig:
+            raise ValueError(f"{where}: verified under {other}, but {signatures[0][1]} under {sig}; "
+                             "calibrate each configuration on its own")
+    merged = {k: np.concatenate([c[k] for c in columns]) for k in ("margin", "cross_entropy", "exact_match")}
+    merged_commits = {m: np.concatenate([c[m] for c in commits if m in c]) for m in {m for c in commits for m in c}}
+    calibrator = fit_calibrator(merged, tuple(batch_sizes), fpr, merged_commits, sig)
+    if out is not None:
+        check_outputs([out], [s for s in sources if not isinstance(s, VerifyResult)] + list(commit_scores_files))
+        write_atomic(out, json.dumps(calibrator.to_dict(), indent=1))
+    return calibrator
+
+
+# --------------------------------------------------------------------------------------------------
+# audit
+
+
+def audit(providers: Mapping[str, str], *, out: str | Path = "verinfer-audit", model: str | None = None,
+          reference_model: str = DEFAULT_MODEL, device: str = "cpu", prompts: str | Sequence[Prompt] = "chitchat",
+          n: int = 16, prompt_seed: int = 0, mode: str = "greedy", sampler: str = "vllm", temperature: float = 1.0,
+          top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0, seed: int = 1000, max_tokens: int = 48,
+          endpoint: str = "chat", token_ids: bool = True, bands: str | Path | None = None,
+          calibration: Calibrator | str | Path | None = None, batch_size: int | None = None, fpr: float = 0.01,
+          concurrency: int = 4, api_key_env: str | None = "OPENAI_API_KEY", backend: Backend | None = None,
+          on_stage: Callable[[str], None] | None = None):
+    """Audit OpenAI-compatible providers (``{name: base_url}``) against the local reference model.
+
+    Every response is stored before it is scored (re-running with the same ``out`` resumes); the
+    verdict comes from the shipped or given bands, or from a calibration, by the one verdict rule.
+    Returns ``verinfer.audit.run.AuditResult``; its reports are written to ``out``.
+    """
+    from verinfer.audit.bands import Bands, bands_filename, find_bands
+    from verinfer.audit.client import Endpoint
+    from verinfer.audit.plan import AuditSpec
+    from verinfer.audit.reference import LocalReference
+    from verinfer.audit.report import write_reports
+    from verinfer.audit.run import run_audit
+
+    spec = AuditSpec(mode=mode, sampler=sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                     seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids)
+    if spec.problems():
+        raise ValueError(spec.problems()[0])
+    if not 0 < fpr < 1:
+        raise ValueError(f"fpr must be in (0, 1), got {fpr}")
+    backend = backend or load_model(reference_model, "float32", device)
+    endpoints = [Endpoint(name, url, model or backend.model_id, api_key_env) for name, url in providers.items()]
+    calibrator = Calibrator.load(calibration) if isinstance(calibration, (str, Path)) else calibration
+    band_set = None
+    if calibrator is None:  # the bands a verdict needs, found before any request is paid for
+        band_set = Bands.load(bands) if bands else find_bands(backend.model_id, spec.signature())
+        if band_set is None:
+            raise ValueError(f"no bands for {backend.model_id} with {spec.signature()} "
+                             f"(looked for {bands_filename(backend.model_id, spec.signature())}); build them with "
+                             "`verinfer audit bands` and pass --bands, or pass --calibration")
+        if band_set.signature != spec.signature():
+            raise ValueError(f"{band_set.source}: bands were built for sampling {band_set.signature}, the audit "
+                             f"uses {spec.signature()}")
+    prompt_list = load_prompts(prompts, n, seed=prompt_seed) if isinstance(prompts, str) else list(prompts)[:n]
+    result = run_audit(endpoints, prompt_list, spec, LocalReference(backend), Path(out), band_set, calibrator,
+                       batch_size, fpr, concurrency, on_stage=on_stage)
+    write_reports(result, backend.tokenizer)
+    return result
+
+
+__all__ = ["VerifyResult", "audit", "calibrate", "default_outputs", "generate", "load_model", "verify"]

@@ -1,0 +1,3 @@
+from verinfer.cli.main import app
+
+app()

@@ -1,0 +1,256 @@
+"""The main commands: a thin layer of options, progress bars and tables over ``verinfer.api``.
+
+Exit codes (the same in every command): 0 consistent (or no verdict asked for), 1 a verdict says
+DIVERGES / INCONSISTENT or a commitment is invalid, 2 bad input (one line naming what and where)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Optional
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from packages and local files only
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import typer  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from verinfer.cli import options as opt  # noqa: E402
+from verinfer.cli.errors import one_line_errors as _friendly  # noqa: E402
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="verinfer: verify that LLM outputs came from the claimed model and sampler.")
+console = Console()
+err = Console(stderr=True)
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=err, transient=True, disable=not err.is_terminal)
+
+
+def _load_backend(model: str, dtype: str, device: str = "cpu"):
+    from verinfer.api import load_model
+
+    with err.status(f"loading {model} ({dtype}); the first load converts the GGUF file (about 30 s)"):
+        return load_model(model, dtype, device)
+
+
+def _summary_table(rows: dict) -> Table:
+    table = Table(show_lines=False)
+    for col in ("set", "sequences", "tokens", "exact match", "margin = 0", "mean margin", "filtered"):
+        table.add_column(col, justify="right" if col != "set" else "left")
+    for name, s in rows.items():
+        table.add_row(name, str(s.traces), str(s.tokens), f"{s.exact_match_rate:.1%}", f"{s.margin_zero_rate:.1%}",
+                      f"{s.mean_margin:.3f}", f"{s.filtered_rate:.1%}")
+    return table
+
+
+def _print_summaries(rows: dict) -> None:
+    console.print(_summary_table(rows))
+    for name, s in rows.items():
+        ok = s.verdict.consistent if s.verdict else None
+        style = "yellow" if ok is None else "green" if ok else "red"
+        console.print(f"[bold]{name}[/bold]: [{style}]{s.verdict_text}[/{style}]", highlight=False, soft_wrap=True)
+
+
+def _exit_code(consistent: bool | None) -> None:
+    """Exit 1 when a verdict diverges or a commitment is invalid (0 otherwise; 2 is bad input)."""
+    if consistent is False:
+        raise typer.Exit(1)
+
+
+@app.command()
+@_friendly
+def generate(
+    out: Path = typer.Option(..., "--out", "-o", help="trace file to write (.jsonl or .parquet)"),
+    prompts: str = opt.prompts(),
+    n: int = opt.n(),
+    model: str = opt.model(),
+    dtype: str = opt.dtype(),
+    device: str = opt.device(),
+    profile: str = typer.Option("vllm", help="sampler profile: vllm, torch-exponential, greedy"),
+    temperature: float = 1.0,
+    top_k: int = typer.Option(50, help="<= 0 disables"),
+    top_p: float = 0.95,
+    min_p: float = 0.0,
+    seed: int = opt.seed(),
+    max_tokens: int = opt.max_tokens(),
+    batch_size: int = opt.batch_size(),
+    fingerprint_dim: int = typer.Option(0, help="attach Activation-DiFR fingerprints of this many dims (0: off)"),
+    fingerprint_precision: str = typer.Option("fp32", help="fingerprint storage: fp32, fp16, bf16, int8"),
+    fingerprint_stride: int = typer.Option(1, help="fingerprint 1 of every N output tokens"),
+    toploc: bool = typer.Option(False, help="attach TOPLOC proofs (top-128 of the bf16 hidden state per 32 tokens)"),
+):
+    """Generate traces with a sampler profile (the provider simulator)."""
+    from verinfer import api
+
+    for name, value in (("--n", n), ("--max-tokens", max_tokens), ("--batch-size", batch_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    backend = _load_backend(model, dtype, device)
+    commits = None
+    if fingerprint_dim or toploc:
+        from verinfer.commits.activation_difr import FingerprintSpec
+        from verinfer.commits.trace_commits import CommitSpec
+
+        spec = FingerprintSpec(fingerprint_dim, precision=fingerprint_precision, stride=fingerprint_stride,
+                               hidden_size=backend.hidden_size) if fingerprint_dim else None
+        if spec is not None and spec.problems():
+            raise ValueError(f"fingerprint: {spec.problems()[0]}")
+        commits = CommitSpec(fingerprint=spec, toploc_k=128 if toploc else None)
+    with _progress() as bar:
+        task = bar.add_task("generating", total=n)
+        traces = api.generate(prompts, n=n, profile=profile, temperature=temperature, top_k=top_k, top_p=top_p,
+                              min_p=min_p, seed=seed, max_tokens=max_tokens, batch_size=batch_size, commits=commits,
+                              out=out, backend=backend, on_batch=lambda k: bar.advance(task, k))
+    tokens = sum(len(t.output_token_ids) for t in traces)
+    console.print(f"wrote {len(traces)} traces ({tokens} output tokens) to {out}")
+
+
+@app.command()
+@_friendly
+def verify(
+    traces_path: Path = typer.Argument(..., metavar="TRACES", help="trace file (.jsonl or .parquet)"),
+    scores: Optional[Path] = typer.Option(None, help="per-token scores (.parquet); default: <TRACES stem>.scores.parquet"),
+    commit_scores: Optional[Path] = typer.Option(None, help="commit scores (.parquet); default: <scores stem>"
+                                                 ".commits.parquet"),
+    model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
+    dtype: str = opt.dtype("float32", "verifier compute dtype"),
+    device: str = opt.device(),
+    calibration: Optional[Path] = typer.Option(None, help="calibration file from `verinfer calibrate`"),
+    batch_size: Optional[int] = typer.Option(None, help="tokens per verdict batch (a calibrated size)"),
+    skip_invalid: bool = typer.Option(False, help="skip invalid traces (counted and reported) instead of stopping"),
+    allow_model_mismatch: bool = typer.Option(False, help="verify traces that claim another model"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary as JSON"),
+):
+    """Replay traces with one prefill each and score every token (Token-DiFR).
+
+    Exit 0: consistent (or uncalibrated); 1: the calibrated verdict diverges or a commitment is
+    invalid; 2: bad input."""
+    from verinfer import api
+    from verinfer.files import check_outputs, write_atomic
+    from verinfer.trace import read_traces
+
+    check_outputs([json_out], [traces_path, calibration, scores])
+    traces = read_traces(traces_path)
+    claimed = sorted({t.model for t in traces})
+    if model is None and len(claimed) > 1:
+        raise ValueError(f"{traces_path}: traces claim several models ({', '.join(claimed)}); pass --model")
+    backend = _load_backend(model or claimed[0], dtype, device)
+    with _progress() as bar:
+        task = bar.add_task("verifying", total=sum(len(t.output_token_ids) for t in traces))
+        result = api.verify(traces_path, calibration=calibration, batch_size=batch_size, scores=scores,
+                            commit_scores_out=commit_scores, skip_invalid=skip_invalid,
+                            allow_model_mismatch=allow_model_mismatch, backend=backend,
+                            on_rows=lambda k: bar.advance(task, k))
+    for line in result.skipped:
+        err.print(f"[yellow]skipped:[/yellow] {line}", highlight=False)
+    summary = result.summary
+    _print_summaries({traces_path.name: summary})
+    commits = summary.commits
+    if "toploc" in commits:
+        t = commits["toploc"]
+        console.print(f"TOPLOC: {t['passed']}/{t['chunks']} chunks pass the reference bf16 thresholds"
+                      + (f"; failing traces: {', '.join(t['failed_traces'][:5])}" if t["failed_traces"] else ""))
+    if "activation_difr" in commits:
+        a = commits["activation_difr"]
+        console.print(f"Activation-DiFR: {a['fingerprints']} fingerprints, mean L2 {a['mean_l2']:.4g}, "
+                      f"max {a['max_l2']:.4g} (uncalibrated)")
+    for e in commits.get("errors", []):
+        err.print(f"[red]invalid commitment:[/red] {e}", highlight=False, soft_wrap=True)
+    for metric, v in summary.commit_verdicts.items():
+        console.print(f"[bold]{metric}[/bold]: {v.text}", highlight=False, soft_wrap=True)
+    if result.scored.commits_path:
+        console.print(f"commit scores: {result.scored.commits_path}")
+    if result.skipped:
+        console.print(f"{len(result.skipped)} invalid trace(s) skipped, {summary.traces} verified")
+    console.print(f"per-token scores: {result.scored.scores_path}")
+    if json_out:
+        write_atomic(json_out, json.dumps(result.to_dict(), indent=1, default=str))
+    _exit_code(result.consistent)
+
+
+@app.command()
+@_friendly
+def calibrate(
+    honest_scores: list[Path] = typer.Argument(..., help="per-token score files of honest traces"),
+    out: Path = typer.Option(..., "--out", "-o", help="calibration file to write (JSON)"),
+    batch_sizes: str = typer.Option("10,100", help="comma-separated tokens per batch"),
+    fpr: float = opt.fpr(),
+    commit_scores: list[Path] = typer.Option([], help="honest *.commits.parquet files (activation commit detectors)"),
+):
+    """Fit thresholds on honest scores at a target false-positive rate (recording the model, dtype
+    and sampling settings they were verified under)."""
+    from verinfer import api
+
+    try:
+        sizes = tuple(int(s) for s in batch_sizes.split(","))
+    except ValueError:
+        raise ValueError(f"--batch-sizes: expected comma-separated integers, got {batch_sizes!r}") from None
+    calibrator = api.calibrate(honest_scores, batch_sizes=sizes, fpr=fpr, commit_scores_files=commit_scores, out=out)
+    console.print(f"calibrated on {calibrator.n_tokens_['margin']} honest tokens at {fpr:.1%} FPR, "
+                  f"batch sizes {sizes}: {out}")
+
+
+@app.command()
+@_friendly
+def demo(
+    out_dir: Path = typer.Option(Path("verinfer-demo"), "--out", "--out-dir", "-o",
+                                 help="where traces, scores and the summary go"),
+    model: str = opt.model(),
+    n: int = opt.n(24, "prompts per trace set"),
+    max_tokens: int = opt.max_tokens(),
+    audit_prompts: int = typer.Option(8, help="prompts for the loopback HTTP audit of an honest and a 4-bit "
+                                      "server (0: skip it)"),
+):
+    """The main job on the bundled model: honest vs wrong-seed traces, calibrated and verified; then an
+    honest and a 4-bit provider served on loopback and audited over HTTP."""
+    from verinfer.demo import run_demo
+    from verinfer.prompts import load_prompts
+
+    backend = _load_backend(model, "float32")
+    prompts = load_prompts("chitchat", n, seed=0)
+    console.print(f"[bold]verinfer demo[/bold]: {backend.model_id}, {n} chitchat prompts x 3 trace sets, "
+                  f"vLLM sampler (T=1, top-k 50, top-p 0.95), {max_tokens} tokens each")
+    with _progress() as bar:
+        task = bar.add_task("generating", total=3 * n)
+        result = run_demo(backend, prompts, out_dir, max_tokens=max_tokens, batch_size=n,
+                          on_tokens=lambda k: bar.advance(task, k),
+                          on_stage=lambda s: bar.update(task, description=s), audit_prompts=min(audit_prompts, n))
+    _print_summaries({"honest": result.honest.summary, "wrong seed": result.wrong_seed.summary})
+    console.print(f"calibrated on {result.calibration_tokens} tokens of a separate honest set "
+                  f"(bounded margin, batches of {result.batch_size} tokens, 1% target FPR); "
+                  f"files in {result.out_dir}/")
+    if result.audit is not None:
+        console.print("[bold]HTTP audit[/bold] of two `verinfer serve` providers on loopback (greedy spot checks, "
+                      "local reference, shipped bands):")
+        for a in result.audit.providers:
+            style = "green" if a.verdict.consistent else "red"
+            console.print(f"[bold]{a.endpoint.name}[/bold]: [{style}]{a.verdict.text}[/{style}]", highlight=False,
+                          soft_wrap=True)
+        console.print(f"audit report: {result.audit_report}")
+
+
+def _register_subcommands() -> None:
+    from verinfer.cli.margingate import app as margingate
+
+    app.add_typer(margingate, name="margingate", help="MarginGate: reproducible greedy decoding under dynamic batching")
+    app.command(name="experiment")(_friendly(__import__("verinfer.cli.experiment", fromlist=["x"]).experiment))
+    app.command(name="serve")(__import__("verinfer.serve.cli", fromlist=["serve"]).serve)
+    app.add_typer(__import__("verinfer.audit.cli", fromlist=["app"]).app, name="audit", help="Audit OpenAI-compatible providers over HTTP")
+
+
+_register_subcommands()
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(app())

@@ -1,0 +1,279 @@
+"""The one verdict rule: are these scores consistent with the honest configuration, at a stated FPR?
+
+Every command that judges (``verify``, ``audit``, the demo and the public API) goes through this
+module, so the same scores get the same verdict wherever they are judged. There are two kinds of
+evidence and one sequential test over them.
+
+*Calibrated flags* (``flag_verdict``): a ``verinfer calibrate`` detector flags consecutive batches of
+``size`` tokens; its threshold is a conformal quantile of honest batches, so an honest batch is
+flagged with probability at most the calibration's ``fpr``. A look at the first ``n`` batches has
+the one-sided binomial p-value of its ``k`` flags at rate ``fpr`` (SciPy's ``binomtest``).
+
+*Pooled sequences* (``pooled_verdict``): the mean clipped margin over a provider's sequences against
+honest bands (``verinfer audit bands``). The null is composite (the provider runs *some* honest
+configuration: fp32, or bf16 as GPU providers do). A look's p-value is the largest over honest bands
+of the statistic's rank among pseudo-audits of the same size that resample whole honest sequences,
+``(1 + #{>= s}) / (R + 1)``; with n sequences per band, p below ``1 / (n + 1)`` rests on the
+bootstrap's extrapolation and the verdict says so (``beyond_pool``).
+
+*The sequential test.* Evidence is looked at on doubling prefixes (1, 2, 4, ... units, then all),
+and each look is tested at ``alpha / L`` for ``L`` looks (Bonferroni). The verdict's p-value is
+``min(1, L * min_k p_k)`` and the set is INCONSISTENT when it is below ``alpha``: the chance of
+flagging an honest set stays at ``alpha`` although an auditor may stop at the first rejecting look,
+whose size is reported as *tokens needed* (DiFR section 5 measures power the same way, in tokens).
+Several sets judged together (providers of one audit) get Holm-Bonferroni adjusted p-values
+(``holm``), so the chance of wrongly flagging any honest one stays at ``alpha``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+from scipy.stats import binomtest
+
+from verinfer.stats.calibration import Calibrator
+from verinfer.stats.evaluation import bootstrap_ci, wilson_interval
+from verinfer.stats.pooling import MARGIN_CLIP
+
+DETECTOR = ("margin", f"bound:{MARGIN_CLIP:g}")  # the paper's bounded margin min(margin, 20) for token verdicts
+COMMIT_RULE = "clip:99.9"  # commit scores (fingerprint L2, TOPLOC) clipped at their honest 99.9th percentile
+
+
+@dataclass
+class Verdict:
+    """A calibrated statement about one set of scores (see the module docstring for the test)."""
+
+    consistent: bool
+    p_value: float  # sequential: min(1, looks * smallest look p-value)
+    alpha: float  # the verdict's false-positive rate
+    tokens: int
+    units: int  # batches (flags) or sequences (pooled)
+    unit: str  # "batch" or "sequence"
+    statistic: float  # flag rate, or mean clipped margin
+    statistic_name: str
+    ci_low: float  # 95% interval of the statistic (Wilson for flag rates, sequence bootstrap for pooled)
+    ci_high: float
+    looks: int
+    tokens_needed: int | None  # tokens at the first look that rejects (None: never)
+    method: str
+    subject: str = "the claimed configuration"
+    flagged: int | None = None  # flags: batches flagged
+    batch_size: int | None = None
+    exact_match_rate: float | None = None
+    sequences: int | None = None
+    resembles: str | None = None  # pooled: the band whose range holds (or is nearest) the statistic
+    band_ranges: dict = field(default_factory=dict)  # band -> [2.5%, 50%, 97.5%] of pseudo-audits
+    pool_sequences: int | None = None  # pooled: honest sequences per band behind the p-value
+    p_adjusted: float | None = None  # Holm-adjusted, when several sets are judged together
+
+    @property
+    def fpr(self) -> float:
+        return self.alpha
+
+    @property
+    def beyond_pool(self) -> bool:
+        """The p-value is smaller than an honest band of n sequences alone can support (1 / (n + 1))."""
+        return self.pool_sequences is not None and self.p_value < 1 / (self.pool_sequences + 1)
+
+    @property
+    def label(self) -> str:
+        return "CONSISTENT" if self.consistent else "INCONSISTENT"
+
+    @property
+    def text(self) -> str:
+        p = self.p_adjusted if self.p_adjusted is not None else self.p_value
+        which = "Holm-adjusted p" if self.p_adjusted is not None else "p"
+        if self.unit == "batch":
+            evidence = (f"{self.flagged}/{self.units} batches of {self.batch_size} tokens flagged "
+                        f"(flag rate 95% CI {self.ci_low:.0%}-{self.ci_high:.0%})")
+        else:
+            evidence = (f"{self.statistic_name} {self.statistic:.4f} (95% CI {self.ci_low:.4f}-{self.ci_high:.4f}) "
+                        f"over {self.tokens} tokens in {self.units} sequences")
+        beyond = (f" (beyond what {self.pool_sequences} sequences per honest band show: a bootstrap extrapolation)"
+                  if self.beyond_pool else "")
+        needed = (f"; detected after {self.tokens_needed} tokens"
+                  if self.tokens_needed is not None and not self.consistent else "")
+        like = f"; resembles {self.resembles}" if self.resembles else ""
+        return (f"{self.label} with {self.subject} at {self.alpha:.0%} FPR: {evidence}, "
+                f"{which} = {p:.3g}{beyond}{needed}{like}")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "verdict": self.label, "beyond_pool": self.beyond_pool, "text": self.text}
+
+
+def look_sizes(n: int) -> list[int]:
+    """Doubling prefixes 1, 2, 4, ... then ``n`` (the looks of the sequential test)."""
+    sizes, k = [], 1
+    while k < n:
+        sizes.append(k)
+        k *= 2
+    return sizes + [n]
+
+
+def sequential(p_at: Callable[[int], float], looks: Sequence[int], alpha: float) -> tuple[float, int | None]:
+    """Bonferroni over ``looks``: (sequential p-value, first look rejected at ``alpha / L`` or None)."""
+    ps = [p_at(k) for k in looks]
+    first = next((k for k, p in zip(looks, ps) if p < alpha / len(looks)), None)
+    return min(1.0, len(looks) * min(ps)), first
+
+
+# --------------------------------------------------------------------------------------------------
+# Calibrated flags
+
+
+def default_batch_size(calibrator: Calibrator, n: int) -> int:
+    """The largest calibrated batch size that fits in ``n`` scores (else the smallest)."""
+    return min(calibrator.batch_sizes, key=lambda s: (s > n, -s))
+
+
+def flag_verdict(flags: np.ndarray, fpr: float, batch_size: int, alpha: float | None = None,
+                 method: str = "", subject: str = "the claimed configuration") -> Verdict:
+    """Sequential one-sided binomial test of batch ``flags`` (honest batches flag at <= ``fpr``)."""
+    flags = np.asarray(flags, dtype=bool)
+    if flags.size == 0:
+        raise ValueError("no batches to judge")
+    alpha = fpr if alpha is None else alpha
+    looks = look_sizes(flags.size)
+    cum = np.concatenate([[0], np.cumsum(flags)])
+
+    def p_at(k: int) -> float:
+        return float(binomtest(int(cum[k]), k, fpr, alternative="greater").pvalue)
+
+    p, first = sequential(p_at, looks, alpha)
+    k, n = int(flags.sum()), int(flags.size)
+    ci = wilson_interval(k, n)
+    return Verdict(p >= alpha, p, alpha, n * batch_size, n, "batch", k / n, "flag rate", ci.low, ci.high, len(looks),
+                   None if first is None else first * batch_size,
+                   method or f"sequential binomial test of batches flagged at <= {fpr:.2%} when honest",
+                   subject, flagged=k, batch_size=batch_size)
+
+
+def calibrated_verdict(scores: np.ndarray, calibrator: Calibrator, batch_size: int | None = None,
+                       metric: str = DETECTOR[0], rule: str = DETECTOR[1], alpha: float | None = None) -> Verdict:
+    """Flag consecutive batches of ``scores`` with a calibrated detector, then ``flag_verdict``."""
+    scores = np.asarray(scores, dtype=np.float64)
+    size = batch_size or default_batch_size(calibrator, scores.size)
+    if size not in calibrator.batch_sizes:
+        raise ValueError(f"batch size {size} is not calibrated (calibrated: {', '.join(map(str, calibrator.batch_sizes))})")
+    if size > scores.size:
+        raise ValueError(f"too few {metric} scores ({scores.size}) for a calibrated batch of {size}")
+    flags = calibrator.predict(scores, size, metric=metric, rule=rule)
+    method = (f"sequential binomial test ({len(look_sizes(flags.size))} doubling looks, Bonferroni) of batches of "
+              f"{size} tokens flagged by the calibrated {metric} {rule} detector (threshold "
+              f"{calibrator.threshold(metric, rule, size):.4g}; honest batches flag at <= {calibrator.fpr:.0%})")
+    return flag_verdict(flags, calibrator.fpr, size, alpha, method)
+
+
+# --------------------------------------------------------------------------------------------------
+# Pooled sequences against honest bands
+
+
+def pooled(seq: np.ndarray) -> float:
+    """Mean clipped margin of per-sequence rows ``[tokens, clipped-margin sum, exact matches]``."""
+    return float(seq[:, 1].sum() / max(seq[:, 0].sum(), 1.0))
+
+
+def pseudo_audits(sequences: np.ndarray, n_tokens: int, draws: int, rng: np.random.Generator) -> np.ndarray:
+    """Pooled statistics of ``draws`` pseudo-audits of about ``n_tokens`` tokens, resampling sequences."""
+    lengths = sequences[:, 0]
+    k = int(np.ceil(n_tokens / max(lengths.mean(), 1.0) * 2)) + 4
+    pick = rng.integers(0, len(sequences), size=(draws, k))
+    tokens = np.cumsum(lengths[pick], axis=1)
+    keep = np.concatenate([np.ones((draws, 1), bool), tokens[:, :-1] < n_tokens], axis=1)
+    total = (lengths[pick] * keep).sum(axis=1)
+    return (sequences[:, 1][pick] * keep).sum(axis=1) / np.maximum(total, 1)
+
+
+def sequence_ci(seq: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the pooled statistic, resampling sequences."""
+    if len(seq) < 2 or np.ptp(seq[:, 1] / np.maximum(seq[:, 0], 1)) == 0:
+        s = pooled(seq)
+        return s, s
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ci = bootstrap_ci(lambda idx: pooled(seq[np.asarray(idx, dtype=int)]), np.arange(len(seq), dtype=float),
+                          n_boot=2000, rng=seed)
+    return ci.low, ci.high
+
+
+def _draws(n_looks: int, alpha: float) -> int:
+    """Enough honest pseudo-audits to resolve p-values well below ``alpha / looks``."""
+    return max(999, math.ceil(20 * n_looks / alpha))
+
+
+def band_p_value(seq: np.ndarray, honest: Sequence[np.ndarray], draws: int, rng: np.random.Generator) -> float:
+    """Composite-null p-value: the largest over honest bands of the rank of ``seq``'s pooled
+    statistic among that band's pseudo-audits of the same size."""
+    stat, tokens = pooled(seq), int(seq[:, 0].sum())
+    return max(float((1 + np.count_nonzero(pseudo_audits(band, tokens, draws, rng) >= stat - 1e-12)) / (draws + 1))
+               for band in honest)
+
+
+def pooled_looks(seq: np.ndarray, honest: Sequence[np.ndarray]) -> list[int]:
+    """Doubling prefixes of sequences, from the first holding a median honest sequence's tokens on
+    (pseudo-audits are made of whole honest sequences, so a shorter prefix would meet a null that
+    averages over more tokens, hence too narrow)."""
+    shortest = float(np.median(np.concatenate(list(honest))[:, 0]))
+    return [k for k in look_sizes(len(seq)) if seq[:k, 0].sum() >= shortest] or [len(seq)]
+
+
+def pooled_verdict(seq: np.ndarray, honest: Sequence[np.ndarray], alpha: float = 0.01, seed: int = 0,
+                   all_bands: dict[str, np.ndarray] | None = None, source: str = "",
+                   clip: float = MARGIN_CLIP) -> Verdict:
+    """Sequential composite-null test of per-sequence rows ``[tokens, clipped-margin sum, exact]``
+    against ``honest`` bands' sequences; ``all_bands`` (label -> sequences, honest or not) gives
+    each band's range at this size and the band the statistic resembles."""
+    seq = np.asarray(seq, dtype=np.float64)
+    if len(seq) == 0 or seq[:, 0].sum() == 0:
+        raise ValueError("no tokens to judge")
+    rng = np.random.default_rng(seed)
+    looks = pooled_looks(seq, honest)
+    draws = _draws(len(looks), alpha)
+    p, first = sequential(lambda k: band_p_value(seq[:k], honest, draws, rng), looks, alpha)
+    tokens, stat = int(seq[:, 0].sum()), pooled(seq)
+    ranges = {label: [float(x) for x in np.percentile(pseudo_audits(s, tokens, 2000, rng), [2.5, 50, 97.5])]
+              for label, s in (all_bands or {}).items()}
+    resembles = None
+    if ranges:
+        inside = [name for name, (lo, _, hi) in ranges.items() if lo <= stat <= hi]
+        resembles = min(inside or list(ranges), key=lambda name: abs(ranges[name][1] - stat) if inside
+                        else min(abs(ranges[name][0] - stat), abs(ranges[name][2] - stat)))
+    lo, hi = sequence_ci(seq, seed)
+    method = (f"sequential test ({len(looks)} doubling looks of sequences, Bonferroni) of the mean clipped margin "
+              f"(per-token clip {clip:.4g}): largest over {len(honest)} honest band(s){f' ({source})' if source else ''} "
+              f"of the bootstrap p-value among {draws} pseudo-audits resampled from the band's sequences")
+    return Verdict(p >= alpha, p, alpha, tokens, len(seq), "sequence", stat, "mean clipped margin", lo, hi,
+                   len(looks), None if first is None else int(seq[:first, 0].sum()), method,
+                   exact_match_rate=float(seq[:, 2].sum() / tokens), sequences=len(seq), resembles=resembles,
+                   band_ranges=ranges, pool_sequences=min(len(b) for b in honest))
+
+
+# --------------------------------------------------------------------------------------------------
+# Several sets at once
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm-Bonferroni adjusted p-values (family-wise error control over the sets judged together)."""
+    order = np.argsort(p_values, kind="stable")
+    m, running, out = len(p_values), 0.0, [0.0] * len(p_values)
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        out[i] = running
+    return out
+
+
+def adjust(verdicts: Sequence[Verdict]) -> None:
+    """Holm-adjust verdicts judged together, in place; a verdict then rests on its adjusted p."""
+    if len(verdicts) < 2:
+        return
+    for v, p in zip(verdicts, holm([v.p_value for v in verdicts])):
+        v.p_adjusted = p
+        v.consistent = p >= v.alpha
+
+
+__all__ = ["COMMIT_RULE", "DETECTOR", "Verdict", "adjust", "band_p_value", "calibrated_verdict", "flag_verdict",
+           "holm", "look_sizes", "pooled", "pooled_verdict", "pseudo_audits", "sequence_ci", "sequential"]
