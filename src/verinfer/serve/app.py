@@ -150,7 +150,7 @@ class ServedModel:
                            "max_tokens")
         hidden = len(prompt.actual) - len(prompt.reported)
         context = self.max_model_len - hidden  # a concealed injection also hides the room it takes
-        longest = min(self.max_prompt_tokens, self.max_model_len - 1) - hidden
+        longest = self.max_prompt_tokens - hidden
         if len(prompt.reported) > longest:
             raise APIError(f"{param}: the prompt has {len(prompt.reported)} tokens; this server takes prompts of at "
                            f"most {longest} tokens (context {context})", param)
@@ -328,10 +328,21 @@ async def _json_body(request: Request, limit: int) -> Any:
     return decode_body(b"".join(chunks))
 
 
-def _request_body(model) -> tuple[dict, dict]:
-    """OpenAPI ``requestBody`` of a route that reads its body itself, and the schemas it refers to."""
+def _request_body(model, served: ServedModel) -> tuple[dict, dict]:
+    """OpenAPI ``requestBody`` of a route that reads its body itself, and the schemas it refers to.
+
+    The model's bounds, tightened to this server's: token limits, token ids within the vocabulary.
+    """
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     defs = schema.pop("$defs", {})
+    props = schema["properties"]
+    for name in ("max_tokens", "max_completion_tokens"):
+        for option in props.get(name, {}).get("anyOf", [props.get(name, {})]):
+            if option.get("type") == "integer":
+                option["maximum"] = served.config.max_tokens_limit
+    for option in props.get("prompt", {}).get("anyOf", []):
+        if option.get("type") == "array":
+            option["items"]["maximum"] = served.reference.vocab_size - 1
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}, defs
 
 
@@ -381,8 +392,8 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), served: Se
         return served.card()
 
     limit = served.config.max_request_bytes
-    completion_body, completion_defs = _request_body(CompletionRequest)
-    chat_body, chat_defs = _request_body(ChatRequest)
+    completion_body, completion_defs = _request_body(CompletionRequest, served)
+    chat_body, chat_defs = _request_body(ChatRequest, served)
 
     @app.post("/v1/completions", openapi_extra=completion_body)
     async def completions(request: Request):

@@ -33,6 +33,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -140,13 +141,15 @@ class _StopBatch(Exception):
 class StepHook:
     """The token hook of one batch: the variant's hook (a sampler bug), logprobs, each row's tokens.
 
-    Counts decode steps (``steps``) and ends the batch early (``_StopBatch``) once every row still
+    Counts decode steps (``steps``, and ``on_step`` as they happen) and ends the batch early (``_StopBatch``) once every row still
     decoding is done for its own job or abandoned, and at least one is abandoned and not done (so
     a batch nobody abandoned always runs to its natural end and returns its hidden rows).
     """
 
-    def __init__(self, jobs: list[Job], inner: TokenHook | None, stop_ids: set[int]):
+    def __init__(self, jobs: list[Job], inner: TokenHook | None, stop_ids: set[int],
+                 on_step: Callable[[], None] | None = None):
         self.jobs = {j.request.id: j for j in jobs}
+        self.on_step = on_step
         self.inner, self.stop_ids = inner, stop_ids
         wants = {j.request.id: j.logprobs for j in jobs if j.logprobs is not None}
         self.recorder = LogprobRecorder(wants) if wants else None
@@ -163,6 +166,8 @@ class StepHook:
         if self.recorder is not None:
             tokens = self.recorder(logits, tokens, requests, step)
         self.steps += 1
+        if self.on_step is not None:
+            self.on_step()
         for r, t in zip(requests, tokens.tolist()):
             self.tokens[r.id].append(t)
         gone = [self.jobs[r.id].gone.is_set() for r in requests]
@@ -237,6 +242,9 @@ class BatchWorker:
         self._queue.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def _count_step(self) -> None:
+        self.decode_steps += 1
 
     def _admit(self, job: Job) -> bool:
         """Mark a dequeued job running; False (and its future settled) when it must not run."""
@@ -359,7 +367,7 @@ class BatchWorker:
             return [Abandoned() for _ in jobs]
         batch = [j.request for j in jobs]
         inner = self.variant.hook() if self.variant is not None and self.variant.hook else None
-        hook = StepHook(jobs, inner, self.stop_ids)
+        hook = StepHook(jobs, inner, self.stop_ids, on_step=self._count_step)
         capture = any(j.needs_rows for j in jobs)
         steps = max(j.max_tokens for j in jobs)
         decoded = None
@@ -368,7 +376,6 @@ class BatchWorker:
         except _StopBatch:
             pass  # only abandoned rows were left; the others' tokens are in the hook
         finally:
-            self.decode_steps += hook.steps
             for r in batch:
                 for profile in self._profiles.values():
                     profile.forget(r.id)
