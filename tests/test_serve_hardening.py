@@ -115,7 +115,7 @@ def _open_request(url: str, path: str, body: dict) -> socket.socket:
 
 @pytest.fixture(scope="module")
 def fuzz_server(backend):
-    with serve_in_thread(backend, ServeConfig(max_tokens_limit=2, batch_wait_s=0.0)) as url, \
+    with serve_in_thread(backend, ServeConfig(max_tokens_limit=1, batch_wait_s=0.0)) as url, \
             httpx.Client(base_url=url, timeout=HANG_GUARD_S) as client:
         yield url, client
 
@@ -125,7 +125,7 @@ def api_schema(fuzz_server):
     url, _ = fuzz_server
     schema = schemathesis.openapi.from_url(_root(url) + "/openapi.json")
     # Boundary values of every field (coverage phase) plus a few random valid and invalid bodies.
-    schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=10,
+    schema.config.generation.update(modes=[GenerationMode.POSITIVE, GenerationMode.NEGATIVE], max_examples=6,
                                     deterministic=True, database="none")
     schema.config.phases.update(phases=["examples", "coverage", "fuzzing"])
     return schema
@@ -147,7 +147,7 @@ def test_schema_fuzz_never_gets_a_server_error(case):
 
 def test_server_is_healthy_after_the_fuzz(fuzz_server, backend):
     _, client = fuzz_server
-    r = client.post("/completions", json=_body(backend.tokenizer.encode("After the storm"), max_tokens=2))
+    r = client.post("/completions", json=_body(backend.tokenizer.encode("After the storm"), max_tokens=1))
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"][0]["token_ids"]) >= 1
     h = _health(client)
@@ -192,7 +192,7 @@ def test_oversized_body_is_413_and_a_bad_request_spares_its_batch(fuzz_server, b
     assert err["code"] == "request_too_large"
     # The top_k that used to overflow while the batch tensor was built, sent among good requests.
     ids = backend.tokenizer.encode("The river bends")
-    bodies = [_body(ids, 2, seed=10 + i) for i in range(3)] + [_body(ids, 2, seed=13, top_k=2**70)]
+    bodies = [_body(ids, 1, seed=10 + i) for i in range(3)] + [_body(ids, 1, seed=13, top_k=2**70)]
     with cf.ThreadPoolExecutor(len(bodies)) as pool:
         replies = list(pool.map(lambda b: client.post("/completions", json=b), bodies))
     assert [r.status_code for r in replies] == [200, 200, 200, 400]
@@ -208,12 +208,12 @@ def test_a_request_failing_inside_the_model_fails_alone(backend, monkeypatch):
             httpx.Client(base_url=url, timeout=HANG_GUARD_S) as client, cf.ThreadPoolExecutor(5) as pool:
         blocker = pool.submit(client.post, "/completions", json=_body(ids, 2, seed=GATE_SEED))
         _until(client, lambda h: len(gate.batches) == 1, "the gated batch started")
-        futures = [pool.submit(client.post, "/completions", json=_body(ids, 6, seed=s)) for s in seeds]
+        futures = [pool.submit(client.post, "/completions", json=_body(ids, 3, seed=s)) for s in seeds]
         _until(client, lambda h: h["queued"] == len(seeds), "all requests queued behind the gate")
         gate.open()
         replies = [f.result() for f in futures]
         assert blocker.result().status_code == 200
-        alone = {s: client.post("/completions", json=_body(ids, 6, seed=s)).json()["choices"][0]["token_ids"]
+        alone = {s: client.post("/completions", json=_body(ids, 3, seed=s)).json()["choices"][0]["token_ids"]
                  for s in seeds if s != POISON_SEED}
         h = _health(client)
     assert sorted(gate.seeds()[1]) == sorted(seeds)  # the poisoned request shared a batch with the others
