@@ -3,7 +3,7 @@
 Usage: python benchmarks/audit_cost.py [--prompts N] [--max-tokens N] [--orders N] [--fpr F]
 
 For each provider configuration (honest, and misconfigurations the server can hide behind the same
-API) a ``verinfer serve`` runs on loopback and ``verinfer.audit.run_audit`` audits it over real HTTP
+API) a ``verinfer serve`` runs on loopback and ``verinfer.auditing.run_audit`` audits it over real HTTP
 with greedy spot checks (chat requests, returned token ids, local fp32 reference, the shipped bands
 for SmolLM2-135M). From the scored sequences:
 
@@ -39,12 +39,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from verinfer.audit.bands import find_bands  # noqa: E402
-from verinfer.audit.client import Endpoint  # noqa: E402
-from verinfer.audit.plan import AuditSpec  # noqa: E402
-from verinfer.audit.reference import LocalReference  # noqa: E402
-from verinfer.audit.run import run_audit  # noqa: E402
-from verinfer.audit.verdict import tokens_needed  # noqa: E402
+from verinfer.auditing.bands import find_bands  # noqa: E402
+from verinfer.auditing.client import Endpoint  # noqa: E402
+from verinfer.auditing.plan import AuditSpec  # noqa: E402
+from verinfer.auditing.reference import LocalReference  # noqa: E402
+from verinfer.auditing.run import run_audit  # noqa: E402
+from verinfer.stats.verdict import pooled_verdict  # noqa: E402
 from verinfer.machine import describe  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
 from verinfer.prompts import load_prompts  # noqa: E402
@@ -93,7 +93,7 @@ def main() -> None:
             stops_tokens, stops_requests = [], []
             for _ in range(args.orders):
                 order = rng.permutation(len(seq))
-                needed = tokens_needed(seq[order], honest, args.fpr, rng)
+                needed = pooled_verdict(seq[order], honest, args.fpr, seed=int(rng.integers(2**31))).tokens_needed
                 if needed is not None:
                     stops_tokens.append(needed)
                     stops_requests.append(int(np.searchsorted(np.cumsum(seq[order][:, 0]), needed) + 1))

@@ -184,8 +184,8 @@ def main() -> None:
     args = parser.parse_args()
     report = run(args.prompts, args.max_new, args.batch, args.device, args.prompt_file)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(f"# Activation commits: detection vs bytes\n\nCommand: `python -m verinfer.experiments."
-                        f"activation_commits --out {args.out} --prompts {args.prompts} --max-new {args.max_new} "
+    args.out.write_text(f"# Activation commits: detection vs bytes\n\nCommand: `python experiments/"
+                        f"activation_commits.py --out {args.out} --prompts {args.prompts} --max-new {args.max_new} "
                         f"--batch {args.batch} --device {args.device}"
                         + (f" --prompt-file {args.prompt_file}" if args.prompt_file else "") + "`\n"
                         f"torch {torch.__version__}.\n\n" + report)

@@ -21,13 +21,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tests.audit_servers import asgi_in_thread
-from verinfer.audit.bands import find_bands
-from verinfer.audit.client import Endpoint, ProviderClient, ProviderError
-from verinfer.audit.plan import AuditSpec
-from verinfer.audit.reference import ApiReference, LocalReference
-from verinfer.audit.report import write_reports
-from verinfer.audit.run import run_audit
-from verinfer.audit.store import ResponseStore
+from verinfer.auditing.bands import find_bands
+from verinfer.auditing.client import Endpoint, ProviderClient, ProviderError
+from verinfer.auditing.plan import AuditSpec
+from verinfer.auditing.reference import ApiReference, LocalReference
+from verinfer.auditing.report import write_reports
+from verinfer.auditing.run import run_audit
+from verinfer.auditing.store import ResponseStore
 from verinfer.prompts import load_prompts
 from verinfer.serve import ServeConfig, serve_in_thread
 from verinfer.trace import read_traces
@@ -266,7 +266,20 @@ def test_seeded_mode_with_a_calibration_file(backend, prompts, tmp_path):
     honest_v, wrong_v = (a.verdict for a in result.providers)
     assert honest_v.consistent and honest_v.exact_match_rate == 1.0, honest_v.text
     assert not wrong_v.consistent and wrong_v.tokens_needed is not None, wrong_v.text
-    assert "binomial p-value" in wrong_v.method
+    assert "sequential binomial test" in wrong_v.method
+
+    # One verdict rule: the tokens the audit verified, fed to `verinfer verify` with the same
+    # calibration file, get the same flags, p-value and stopping point.
+    (tmp_path / "cal.json").write_text(json.dumps(calibrator.to_dict()))
+    for name, audited in (("honest", honest_v), ("wrong-seed", wrong_v)):
+        proc = subprocess.run([sys.executable, "-m", "verinfer.cli", "verify", str(tmp_path / name / "traces.jsonl"),
+                               "--calibration", str(tmp_path / "cal.json"), "--json", str(tmp_path / f"{name}.json")],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == (0 if name == "honest" else 1), proc.stderr
+        verified = json.loads((tmp_path / f"{name}.json").read_text())["verdict"]
+        for key in ("flagged", "units", "batch_size", "tokens", "tokens_needed", "looks"):
+            assert verified[key] == getattr(audited, key), (name, key)
+        assert verified["p_value"] == pytest.approx(audited.p_value, rel=1e-12)
     stored = ResponseStore(tmp_path / "honest" / "responses.jsonl")
     seeds = sorted(r["request"]["seed"] for r in stored.records())
     assert seeds == [7000 + i for i in range(6)]  # prompt i asked with seed + i, as replayed
@@ -281,3 +294,41 @@ def test_identical_prompts_are_asked_and_counted_once(backend, servers, prompts,
     assert proxy.state.forwarded == 2
     a = result.providers[0]
     assert [c.prompt_id for c in a.claims] == [prompts[0].id, prompts[1].id] and a.verdict.sequences == 2
+
+
+def test_a_calibration_of_another_sampler_is_refused_before_any_request(backend, servers, prompts, tmp_path):
+    """A calibration fitted on torch-exponential traces cannot judge a vLLM-sampler audit: refused
+    with both signatures named, and the provider never sees a request."""
+    from verinfer.stats.summary import fit_calibrator
+
+    spec = AuditSpec(mode="seeded", sampler="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000, max_tokens=8)
+    other = {"model": backend.model_id, "dtype": "float32",
+             "sampling": [{**spec.signature(), "profile": "torch-exponential"}]}
+    rng = np.random.default_rng(0)
+    calibrator = fit_calibrator({"margin": rng.exponential(size=400), "cross_entropy": rng.exponential(size=400),
+                                 "exact_match": np.ones(400)}, (1,), signature=other)
+    proxy = counting_proxy(servers["honest"], fail_after=None)
+    with asgi_in_thread(proxy) as url:
+        with pytest.raises(ValueError, match="torch-exponential"):
+            run_audit([Endpoint("p", url, backend.model_id, None)], prompts[:2], spec, LocalReference(backend),
+                      tmp_path, calibrator=calibrator)
+    assert proxy.state.forwarded == 0
+
+
+def test_a_seeded_audit_without_bands_refuses_before_any_request(backend, servers, prompts, tmp_path):
+    from verinfer.api import audit
+
+    proxy = counting_proxy(servers["honest"], fail_after=None)
+    with asgi_in_thread(proxy) as url:
+        with pytest.raises(ValueError, match="no bands for"):
+            audit({"p": url}, out=tmp_path, prompts=prompts, n=2, mode="seeded", sampler="vllm", top_k=50,
+                  top_p=0.95, max_tokens=8, api_key_env=None, backend=backend)
+    assert proxy.state.forwarded == 0
+    assert not (tmp_path / "p").exists()
+
+
+def test_reports_show_the_bands_file_without_the_installation_path(audit):
+    _, (json_path, html_path) = audit
+    doc = json.loads(json_path.read_text())
+    assert doc["bands"]["source"] == "bands-smollm2-135m-greedy.json", doc["bands"]
+    assert "site-packages" not in html_path.read_text() and "src/verinfer" not in html_path.read_text()

@@ -18,10 +18,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from tests.audit_servers import asgi_in_thread
-from verinfer.audit.client import Call, Endpoint, ProviderClient, ProviderError, RetryPolicy, endpoints_from_file
-from verinfer.audit.responses import parse_generation, summarize_served
-from verinfer.audit.secrets import REDACTED, redact, redact_text, remember, remember_url
-from verinfer.audit.store import ResponseStore
+from verinfer.auditing.client import Call, Endpoint, ProviderClient, ProviderError, RetryPolicy, endpoints_from_file
+from verinfer.auditing.responses import parse_generation, summarize_served
+from verinfer.auditing.secrets import REDACTED, redact, redact_text, remember, remember_url
+from verinfer.auditing.store import ResponseStore
 
 KEY = "sk-verinfer-hardening-" + "7f3a9c1e5b2d8046"
 PASSWORD = "hunter2-Pa55word-xyz"
@@ -347,11 +347,11 @@ def test_cli_providers_file_with_a_non_string_name(tmp_path):
 # ---------------------------------------------------------------- atomic reports
 
 def test_failed_report_write_leaves_the_previous_report_intact(proxy, backend, tmp_path, monkeypatch):
-    from verinfer.audit.bands import find_bands
-    from verinfer.audit.plan import AuditSpec
-    from verinfer.audit.reference import LocalReference
-    from verinfer.audit.report import write_reports
-    from verinfer.audit.run import run_audit
+    from verinfer.auditing.bands import find_bands
+    from verinfer.auditing.plan import AuditSpec
+    from verinfer.auditing.reference import LocalReference
+    from verinfer.auditing.report import write_reports
+    from verinfer.auditing.run import run_audit
     from verinfer.files import OutputError
     from verinfer.prompts import load_prompts
 

@@ -12,7 +12,7 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "generate": "verinfer.api", "verify": "verinfer.api", "calibrate": "verinfer.api",
+    "generate": "verinfer.api", "verify": "verinfer.api", "calibrate": "verinfer.api", "audit": "verinfer.api",
     "load_model": "verinfer.api", "VerifyResult": "verinfer.api", "Summary": "verinfer.stats.summary",
     "Verdict": "verinfer.stats.verdict", "Calibrator": "verinfer.stats.calibration", "Trace": "verinfer.trace",
     "read_traces": "verinfer.trace", "write_traces": "verinfer.trace", "SamplingParams": "verinfer.sampling.params",

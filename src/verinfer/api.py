@@ -226,26 +226,33 @@ def calibrate(honest: VerifyResult | str | Path | Sequence[VerifyResult | str | 
 # audit
 
 
-def audit(providers: Mapping[str, str], *, out: str | Path = "verinfer-audit", model: str | None = None,
+def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfer-audit", model: str | None = None,
           reference_model: str = DEFAULT_MODEL, device: str = "cpu", prompts: str | Sequence[Prompt] = "chitchat",
           n: int = 16, prompt_seed: int = 0, mode: str = "greedy", sampler: str = "vllm", temperature: float = 1.0,
           top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0, seed: int = 1000, max_tokens: int = 48,
           endpoint: str = "chat", token_ids: bool = True, bands: str | Path | None = None,
           calibration: Calibrator | str | Path | None = None, batch_size: int | None = None, fpr: float = 0.01,
-          concurrency: int = 4, api_key_env: str | None = "OPENAI_API_KEY", backend: Backend | None = None,
-          on_stage: Callable[[str], None] | None = None):
-    """Audit OpenAI-compatible providers (``{name: base_url}``) against the local reference model.
+          concurrency: int = 4, timeout: float = 120.0, retries: int = 4,
+          api_key_env: str | None = "OPENAI_API_KEY", reference_url: str | None = None,
+          reference_api_model: str | None = None, reference_api_key_env: str | None = None,
+          backend: Backend | None = None, on_stage: Callable[[str], None] | None = None):
+    """Audit OpenAI-compatible providers against a trusted reference.
 
-    Every response is stored before it is scored (re-running with the same ``out`` resumes); the
-    verdict comes from the shipped or given bands, or from a calibration, by the one verdict rule.
-    Returns ``verinfer.audit.run.AuditResult``; its reports are written to ``out``.
+    ``providers`` maps names to base URLs (ending in ``/v1``), or is a list of
+    ``verinfer.auditing.client.Endpoint``. The reference is the local model, or with
+    ``reference_url`` an API returning prompt logprobs. Every response is stored before it is
+    scored (re-running with the same ``out`` resumes); the verdict comes from the shipped or given
+    bands, or from a calibration, by the one verdict rule; both are checked against the audit's
+    settings before any request is paid for. Returns ``verinfer.auditing.run.AuditResult``; its
+    reports (``audit.json``, ``audit.html``) are written to ``out``.
     """
-    from verinfer.audit.bands import Bands, bands_filename, find_bands
-    from verinfer.audit.client import Endpoint
-    from verinfer.audit.plan import AuditSpec
-    from verinfer.audit.reference import LocalReference
-    from verinfer.audit.report import write_reports
-    from verinfer.audit.run import run_audit
+    from verinfer.auditing.bands import Bands, bands_filename, find_bands
+    from verinfer.auditing.client import Endpoint, ProviderClient, RetryPolicy
+    from verinfer.auditing.plan import AuditSpec
+    from verinfer.auditing.reference import ApiReference, LocalReference
+    from verinfer.auditing.report import write_reports
+    from verinfer.auditing.run import run_audit
+    from verinfer.auditing.store import ResponseStore
 
     spec = AuditSpec(mode=mode, sampler=sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids)
@@ -253,8 +260,13 @@ def audit(providers: Mapping[str, str], *, out: str | Path = "verinfer-audit", m
         raise ValueError(spec.problems()[0])
     if not 0 < fpr < 1:
         raise ValueError(f"fpr must be in (0, 1), got {fpr}")
+    _positive("n", n)
+    out = Path(out)
     backend = backend or load_model(reference_model, "float32", device)
-    endpoints = [Endpoint(name, url, model or backend.model_id, api_key_env) for name, url in providers.items()]
+    endpoints = ([Endpoint(name, url, model or backend.model_id, api_key_env) for name, url in providers.items()]
+                 if isinstance(providers, Mapping) else list(providers))
+    if not endpoints:
+        raise ValueError("no providers to audit: give at least one NAME=BASE_URL")
     calibrator = Calibrator.load(calibration) if isinstance(calibration, (str, Path)) else calibration
     band_set = None
     if calibrator is None:  # the bands a verdict needs, found before any request is paid for
@@ -266,10 +278,18 @@ def audit(providers: Mapping[str, str], *, out: str | Path = "verinfer-audit", m
         if band_set.signature != spec.signature():
             raise ValueError(f"{band_set.source}: bands were built for sampling {band_set.signature}, the audit "
                              f"uses {spec.signature()}")
+    policy = RetryPolicy(retries=retries, timeout_s=timeout)
+    if reference_url:
+        ref_endpoint = Endpoint("reference", reference_url, reference_api_model or backend.model_id,
+                                reference_api_key_env)
+        store = ResponseStore(out / "reference" / "responses.jsonl")
+        reference = ApiReference(ProviderClient(ref_endpoint, store, concurrency, policy), backend.tokenizer)
+    else:
+        reference = LocalReference(backend)
     prompt_list = load_prompts(prompts, n, seed=prompt_seed) if isinstance(prompts, str) else list(prompts)[:n]
-    result = run_audit(endpoints, prompt_list, spec, LocalReference(backend), Path(out), band_set, calibrator,
-                       batch_size, fpr, concurrency, on_stage=on_stage)
-    write_reports(result, backend.tokenizer)
+    result = run_audit(endpoints, prompt_list, spec, reference, out, band_set, calibrator, batch_size, fpr,
+                       concurrency, policy, on_stage=on_stage)
+    result.reports = write_reports(result, backend.tokenizer)
     return result
 
 

@@ -32,7 +32,7 @@ class DemoResult:
     calibration_tokens: int
     batch_size: int
     out_dir: Path
-    audit: object | None = None  # verinfer.audit.run.AuditResult of the loopback audit
+    audit: object | None = None  # verinfer.auditing.run.AuditResult of the loopback audit
     audit_report: Path | None = None
 
 
@@ -102,4 +102,4 @@ def audit_loopback(backend: Backend, prompts: Sequence[Prompt], out_dir: Path, m
                                                                                   max_batch=len(prompts))))
         result = audit(urls, out=out_dir, prompts=prompts, n=len(prompts), max_tokens=max_tokens,
                        concurrency=len(prompts), api_key_env=None, backend=backend, on_stage=on_stage)
-    return result, out_dir / "audit.html"
+    return result, result.reports[1]

@@ -8,7 +8,7 @@ highlighted where the reference disagrees with the provider. What each provider 
 (model id, usage, returned tokens) is listed with a warning for every contradiction with the request.
 
 Both files are written atomically (``verinfer.files.write_atomic``) and redacted
-(``verinfer.audit.secrets``): no API key and no ``user:password@`` of a provider URL reaches them.
+(``verinfer.auditing.secrets``): no API key and no ``user:password@`` of a provider URL reaches them.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from verinfer.audit.bands import HIST_EDGES, histogram
-from verinfer.audit.run import AuditResult, ProviderAudit
-from verinfer.audit.secrets import redact, redact_text
+from verinfer.auditing.bands import HIST_EDGES, histogram
+from verinfer.auditing.run import AuditResult, ProviderAudit
+from verinfer.auditing.secrets import redact, redact_text
 from verinfer.files import write_atomic
 from verinfer.stats.pooling import MARGIN_CLIP
 
@@ -129,7 +129,7 @@ def to_json(result: AuditResult, tokenizer) -> dict:
     """The report as a JSON-ready dict, with every secret redacted."""
     clip = result.bands.clip if result.bands else MARGIN_CLIP
     return redact({
-        "format": "verinfer.audit.report/1",
+        "format": "verinfer.auditing.report/1",
         "reference": result.reference, "fpr": result.fpr, "elapsed_s": round(result.elapsed_s, 2),
         "spec": result.spec.__dict__,
         "bands": None if result.bands is None else {"source": display_path(result.bands.source, result.out_dir), "clip": result.bands.clip,

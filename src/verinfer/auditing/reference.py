@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from verinfer.audit.client import Call, ProviderClient, ProviderError
-from verinfer.audit.responses import Claim
+from verinfer.auditing.client import Call, ProviderClient, ProviderError
+from verinfer.auditing.responses import Claim
 from verinfer.sampling.params import SamplingParams
 from verinfer.trace import Trace
 

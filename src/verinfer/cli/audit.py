@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from verinfer.cli import options as opt
 from verinfer.cli.errors import one_line_errors as _friendly
 from verinfer.files import write_atomic
 
@@ -20,7 +21,7 @@ err = Console(stderr=True)
 
 
 def _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, endpoint, token_ids=True):
-    from verinfer.audit.plan import AuditSpec
+    from verinfer.auditing.plan import AuditSpec
 
     spec = AuditSpec(mode=mode, sampler=sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids)
@@ -48,7 +49,7 @@ def bands(
     """Build calibrated bands (honest, bf16-, 8-bit-, fp8-KV-, 4-bit-like) for an audit's settings."""
     import torch
 
-    from verinfer.audit.bands import DATA_DIR, bands_filename, build_bands
+    from verinfer.auditing.bands import DATA_DIR, bands_filename, build_bands
     from verinfer.models.backend import Backend
     from verinfer.prompts import load_prompts
 
@@ -74,8 +75,8 @@ def bands(
 
 def _endpoints(provider: list[str], providers_file: Optional[Path], model: str, api_key_env: str):
     """``name=url`` options and/or a JSON file of ``{name, url, model?, api_key_env?}`` objects."""
-    from verinfer.audit.client import Endpoint, endpoints_from_file
-    from verinfer.audit.secrets import redact_text
+    from verinfer.auditing.client import Endpoint, endpoints_from_file
+    from verinfer.auditing.secrets import redact_text
 
     out = []
     for item in provider:
@@ -99,70 +100,49 @@ def run(
     out: Path = typer.Option(Path("verinfer-audit"), "--out", "-o", help="audit directory (re-running resumes)"),
     model: Optional[str] = typer.Option(None, help="model id sent to providers; default: the reference model's id"),
     reference_model: str = typer.Option("smollm2-135m", help="local reference model (also the tokenizer)"),
+    device: str = opt.device(),
     reference_url: Optional[str] = typer.Option(None, help="reference API base URL returning prompt logprobs "
                                                 "(echo); default: score with the local reference model"),
     reference_api_model: Optional[str] = typer.Option(None, help="model id at the reference API"),
     reference_api_key_env: Optional[str] = typer.Option(None, help="env var of the reference API's key"),
     api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable holding providers' API key"),
-    prompts: str = typer.Option("chitchat", help="prompt set (chitchat, human-eval, gsm8k) or JSONL file"),
-    n: int = typer.Option(16, help="number of prompts"),
-    prompt_seed: int = typer.Option(0, help="which prompts a built-in set samples"),
+    prompts: str = opt.prompts(),
+    n: int = opt.n(),
+    prompt_seed: int = opt.prompt_seed(),
     mode: str = typer.Option("greedy", help="greedy (temperature 0 spot checks) or seeded"),
     sampler: str = typer.Option("vllm", help="seeded mode: the provider's sampler profile"),
     temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
-    seed: int = typer.Option(1000, help="seeded mode: prompt i uses seed + i"),
-    max_tokens: int = 48,
+    seed: int = opt.seed(),
+    max_tokens: int = opt.max_tokens(48),
     endpoint: str = typer.Option("chat", help="chat (messages) or completions (token-id prompts)"),
     no_token_ids: bool = typer.Option(False, help="do not ask for return_token_ids (re-tokenize text instead)"),
     bands_file: Optional[Path] = typer.Option(None, "--bands", help="bands file from `verinfer audit bands`"),
     calibration: Optional[Path] = typer.Option(None, help="calibration file from `verinfer calibrate` instead of bands"),
     batch_size: Optional[int] = typer.Option(None, help="with --calibration: tokens per batch"),
-    fpr: float = typer.Option(0.01, help="target false-positive rate"),
+    fpr: float = opt.fpr(),
     concurrency: int = typer.Option(4, help="requests in flight per provider"),
     timeout: float = typer.Option(120.0, help="seconds per HTTP attempt"),
     retries: int = typer.Option(4, help="retries on connection errors, timeouts, 5xx and 429"),
 ):
-    """Audit providers: ask, persist, verify against the reference, judge against calibrated bands."""
+    """Audit providers: ask, persist, verify against the reference, judge against calibrated bands.
+
+    Exit 0: every provider consistent; 1: some provider INCONSISTENT; 2: bad input."""
     import torch
 
-    from verinfer.audit.bands import Bands, bands_filename, find_bands
-    from verinfer.audit.client import Endpoint, ProviderClient, RetryPolicy
-    from verinfer.audit.reference import ApiReference, LocalReference
-    from verinfer.audit.report import warning_lines, write_reports
-    from verinfer.audit.run import run_audit
-    from verinfer.audit.store import ResponseStore
-    from verinfer.models.backend import Backend
-    from verinfer.stats.calibration import Calibrator
-    from verinfer.prompts import load_prompts
+    from verinfer import api
+    from verinfer.auditing.report import warning_lines
 
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    spec = _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, endpoint, not no_token_ids)
-    if not 0 < fpr < 1:
-        raise ValueError(f"--fpr must be in (0, 1), got {fpr}")
-    backend = Backend.load(reference_model)
+    backend = api.load_model(reference_model, "float32", device)
     endpoints = _endpoints(provider, providers_file, model or backend.model_id, api_key_env)
-    calibrator = Calibrator.load(calibration) if calibration else None
-    bands = None
-    if calibrator is None:
-        bands = Bands.load(bands_file) if bands_file else find_bands(backend.model_id, spec.signature())
-        if bands is None:
-            raise ValueError(f"no bands for {backend.model_id} with {spec.signature()} "
-                             f"(looked for {bands_filename(backend.model_id, spec.signature())}); build them with "
-                             "`verinfer audit bands` and pass --bands, or pass --calibration")
-        if bands.signature != spec.signature():
-            raise ValueError(f"{bands.source}: bands were built for sampling {bands.signature}, the audit uses "
-                             f"{spec.signature()}")
-    policy = RetryPolicy(retries=retries, timeout_s=timeout)
-    if reference_url:
-        ref_endpoint = Endpoint("reference", reference_url, reference_api_model or backend.model_id,
-                                reference_api_key_env)
-        store = ResponseStore(out / "reference" / "responses.jsonl")
-        reference = ApiReference(ProviderClient(ref_endpoint, store, concurrency, policy), backend.tokenizer)
-    else:
-        reference = LocalReference(backend)
-    result = run_audit(endpoints, load_prompts(prompts, n, seed=prompt_seed), spec, reference, out, bands,
-                       calibrator, batch_size, fpr, concurrency, policy, on_stage=lambda s: err.print(s))
-    json_path, html_path = write_reports(result, backend.tokenizer)
+    result = api.audit(endpoints, out=out, prompts=prompts, n=n, prompt_seed=prompt_seed, mode=mode, sampler=sampler,
+                       temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+                       max_tokens=max_tokens, endpoint=endpoint, token_ids=not no_token_ids, bands=bands_file,
+                       calibration=calibration, batch_size=batch_size, fpr=fpr, concurrency=concurrency,
+                       timeout=timeout, retries=retries, reference_url=reference_url,
+                       reference_api_model=reference_api_model, reference_api_key_env=reference_api_key_env,
+                       backend=backend, on_stage=lambda s: err.print(s))
+    json_path, html_path = result.reports
     for a in result.providers:
         style = "green" if a.verdict.consistent else "red"
         console.print(f"[bold]{a.endpoint.name}[/bold]: [{style}]{a.verdict.text}[/{style}]", highlight=False,
@@ -170,3 +150,5 @@ def run(
         for line in warning_lines(a):  # what the provider said it served contradicts the request
             console.print(f"  [yellow]warning:[/yellow] {escape(line)}", highlight=False, soft_wrap=True)
     console.print(f"reports: {json_path} {html_path}")
+    if any(not a.verdict.consistent for a in result.providers):
+        raise typer.Exit(1)

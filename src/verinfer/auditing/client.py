@@ -7,7 +7,7 @@ provider, the endpoint and what was wrong. Every accepted response is written to
 sent again. Responses that are not JSON or lack the fields every caller needs are kept in a
 ``rejected.jsonl`` beside the store (they were paid for) and reported. The API key is read from
 an environment variable at request time and only ever placed in the ``Authorization`` header; it
-and any ``user:password@`` in the base URL are registered with ``verinfer.audit.secrets`` so that
+and any ``user:password@`` in the base URL are registered with ``verinfer.auditing.secrets`` so that
 error messages, stored responses and reports never contain them.
 """
 
@@ -24,8 +24,8 @@ from typing import Any, Callable, Sequence
 
 import httpx
 
-from verinfer.audit.secrets import redact, redact_text, remember, remember_url
-from verinfer.audit.store import ResponseStore, request_key
+from verinfer.auditing.secrets import redact, redact_text, remember, remember_url
+from verinfer.auditing.store import ResponseStore, request_key
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -34,7 +34,7 @@ class ProviderError(ValueError):
     """A provider that cannot be audited as asked; the message names the provider and what failed.
 
     A ValueError, like every other input error, so the command line reports it as one line. The
-    message is redacted (``verinfer.audit.secrets``): a provider that echoes the key in an error
+    message is redacted (``verinfer.auditing.secrets``): a provider that echoes the key in an error
     body does not get it printed."""
 
     def __init__(self, message: str):

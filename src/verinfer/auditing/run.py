@@ -17,12 +17,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from verinfer.audit.bands import Bands
-from verinfer.audit.client import Endpoint, ProviderClient, ProviderError, RetryPolicy
-from verinfer.audit.plan import AuditSpec, generation_calls
-from verinfer.audit.reference import claim_traces
-from verinfer.audit.responses import Claim, parse_generation, summarize_drift, summarize_served
-from verinfer.audit.store import ResponseStore
+from verinfer.auditing.bands import Bands
+from verinfer.auditing.client import Endpoint, ProviderClient, ProviderError, RetryPolicy
+from verinfer.auditing.plan import AuditSpec, generation_calls
+from verinfer.auditing.reference import claim_traces
+from verinfer.auditing.responses import Claim, parse_generation, summarize_drift, summarize_served
+from verinfer.auditing.store import ResponseStore
 from verinfer.prompts import Prompt
 from verinfer.stats.calibration import Calibrator, signature_mismatch
 from verinfer.stats.pooling import MARGIN_CLIP, sequence_stats
@@ -55,6 +55,7 @@ class AuditResult:
     bands: Bands | None
     started: float
     elapsed_s: float
+    reports: tuple[Path, Path] | None = None  # (audit.json, audit.html) once written
 
 
 def safe_name(name: str) -> str:

@@ -9,7 +9,7 @@ pooled statistic over pseudo-audits that resample whole sequences (keeping the w
 correlation of greedy divergence) until they hold N tokens.
 
 ``build_bands`` is what ``verinfer audit bands`` runs; its output for the bundled model ships in
-``verinfer/audit/data`` and is found by the audit's sampling signature.
+``verinfer/auditing/data`` and is found by the audit's sampling signature.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import numpy as np
 
 from verinfer.stats.pooling import finite_percentile, sequence_stats
 
-FORMAT = "verinfer.audit.bands/1"
+FORMAT = "verinfer.auditing.bands/1"
 DATA_DIR = Path(__file__).with_name("data")
 CLIP_PERCENTILE = 99.9
 DEFAULT_VARIANTS = ("honest", "bf16", "w8", "fp8-kv", "w4")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from verinfer.audit.client import Call
+from verinfer.auditing.client import Call
 from verinfer.prompts import Prompt, render
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import get_profile

@@ -26,7 +26,7 @@ import difflib
 from dataclasses import dataclass, field
 from typing import Any
 
-from verinfer.audit.client import ProviderError
+from verinfer.auditing.client import ProviderError
 
 
 @dataclass

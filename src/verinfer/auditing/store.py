@@ -7,7 +7,7 @@ a line that is not valid JSON can only come from a write that was cut off (the p
 mid-write); it is skipped and counted (``damaged_lines``, shown in the report), and its request is
 simply asked again.
 
-Nothing secret is written: every record passes through ``verinfer.audit.secrets.redact`` first,
+Nothing secret is written: every record passes through ``verinfer.auditing.secrets.redact`` first,
 so a provider that echoes the API key (or a URL password) in its body has it replaced by
 ``[REDACTED]`` on disk and in memory alike.
 """
@@ -20,9 +20,9 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from verinfer.audit.secrets import redact
+from verinfer.auditing.secrets import redact
 
-RECORD_FORMAT = "verinfer.audit.response/1"
+RECORD_FORMAT = "verinfer.auditing.response/1"
 
 
 class StoreError(ValueError):
