@@ -8,14 +8,13 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-import numpy as np
 
 from verinfer.models.backend import Backend
 from verinfer.simulate.generate import Request
 from verinfer.simulate.variants import Variant, compose, get_variant, temperature_variant
-from verinfer.stats.pooling import MARGIN_CLIP
 from verinfer.trace import Trace
-from verinfer.scoring.token_difr import verify_traces
+from verinfer.scoring.traces import score_traces as verify
+from verinfer.stats.summary import token_statistics
 
 
 
@@ -33,17 +32,11 @@ class ScoreSummary:
         return dict(self.__dict__)
 
 
-def score_traces(reference: Backend, traces: Sequence[Trace], clip: float = MARGIN_CLIP) -> ScoreSummary:
-    """Verify ``traces`` with the reference (one prefill each) and pool the scores."""
-    em, margin, ce, filt = [], [], [], []
-    for block in verify_traces(reference, traces):
-        c = block.columns
-        em.append(c["exact_match"])
-        margin.append(np.minimum(c["margin"], clip))
-        ce.append(np.minimum(c["cross_entropy"], clip))
-        filt.append(c["filtered"])
-    em, margin, ce, filt = (np.concatenate(x) for x in (em, margin, ce, filt))
-    return ScoreSummary(int(em.size), float(em.mean()), float(margin.mean()), float(ce.mean()), float(filt.mean()))
+def score_traces(reference: Backend, traces: Sequence[Trace]) -> ScoreSummary:
+    """Verify ``traces`` with the reference (one prefill each) and pool the scores (``token_statistics``)."""
+    t = token_statistics(verify(reference, traces).columns)
+    return ScoreSummary(t["tokens"], t["exact_match_rate"], t["mean_margin"], t["mean_cross_entropy"],
+                        t["filtered_rate"])
 
 
 @dataclass
@@ -72,7 +65,6 @@ def match_cross_entropy(
     bracket: tuple[float, float] = (0.6, 1.0),
     rounds: int = 6,
     tol: float = 0.01,
-    clip: float = MARGIN_CLIP,
     backend: Backend | None = None,
 ) -> CrossEntropyMatch:
     """Tune the sampling temperature of ``base`` until the verifier's mean cross-entropy on its
@@ -86,14 +78,13 @@ def match_cross_entropy(
     base = get_variant(base) if isinstance(base, str) else base
     if target is None:
         target = score_traces(reference, get_variant("honest").generate(reference, requests, max_new_tokens,
-                                                                         batch_size), clip).mean_cross_entropy
+                                                                         batch_size)).mean_cross_entropy
     built = backend if backend is not None else base.build(reference)
     history: list[tuple[float, float]] = []
 
     def f(t: float) -> float:
         v = compose(base, temperature_variant(round(t, 4)))
-        ce = score_traces(reference, v.generate(reference, requests, max_new_tokens, batch_size, backend=built),
-                          clip).mean_cross_entropy
+        ce = score_traces(reference, v.generate(reference, requests, max_new_tokens, batch_size, backend=built)).mean_cross_entropy
         history.append((round(t, 4), ce))
         return ce - target
 

@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from verinfer.stats.summary import token_statistics
 from verinfer.experiments.detection import ConfigData, Matrix, pool, split, split_ids
 from verinfer.stats.power import (BATCH_SIZES, COMBINED, DETECTORS, fit_transforms, held_out, power_curves,
                                   tokens_to_reach)
@@ -69,11 +70,11 @@ def analyse(data: dict[str, ConfigData], matrix: Matrix, batch_sizes: Sequence[i
 def _noise(columns: dict[str, np.ndarray]) -> dict:
     m = columns["margin"]
     finite = m[np.isfinite(m)]
-    return {"exact_match": float(columns["exact_match"].mean()), "filtered": float(np.isinf(m).mean()),
-            "mean_margin_bound20": float(np.minimum(m, 20.0).mean()),
+    t = token_statistics(columns)
+    return {"exact_match": t["exact_match_rate"], "filtered": t["filtered_rate"], "mean_margin_bound20": t["mean_margin"],
             "p99_margin": float(np.percentile(finite, 99)) if finite.size else None,
             "p999_margin": float(np.percentile(finite, 99.9)) if finite.size else None,
-            "mean_cross_entropy": float(np.minimum(columns["cross_entropy"], 20.0).mean())}
+            "mean_cross_entropy": t["mean_cross_entropy"]}
 
 
 def _verdict(config, needed: dict, curves: dict, sizes: Sequence[int]) -> dict:
