@@ -1,6 +1,6 @@
 """``verinfer serve``: run the OpenAI-compatible provider server (honest or misconfigured) with uvicorn.
 
-``verinfer.cli`` registers ``serve`` as a command; ``app`` runs it standalone.
+``verinfer.cli.main`` registers ``serve`` as a command; ``app`` runs it standalone.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import typer  # noqa: E402
+
+from verinfer.cli import options as opt  # noqa: E402
 
 MISCONFIG_HELP = (
     "Serve misconfigured while the API claims the honest configuration; comma-separated or repeated. "
@@ -40,12 +42,14 @@ def _list_misconfigs() -> None:
 
 @app.callback(invoke_without_command=True)
 def serve(
-    model: str = typer.Option("smollm2-135m", help="model alias, .gguf file, local directory or cached hub id"),
+    model: str = opt.model(),
     host: str = typer.Option("127.0.0.1", help="interface to listen on"),
     port: int = typer.Option(8000, help="TCP port (0: a free one, printed at start)"),
     sampler: str = typer.Option("vllm", help="sampler profile: vllm, torch-exponential, greedy"),
-    dtype: str = typer.Option("float32", help="compute dtype of the served (claimed) model"),
-    max_batch: int = typer.Option(8, help="most requests decoded together"),
+    dtype: str = opt.dtype("float32", "compute dtype of the served (claimed) model"),
+    device: str = opt.device(),
+    batch_size: int = opt.batch_size(8, "most requests decoded together"),
+    max_batch: Optional[int] = opt.hidden("--max-batch"),
     batch_wait_ms: float = typer.Option(5.0, help="how long the worker waits for companions before decoding"),
     max_tokens_limit: int = typer.Option(1024, help="largest max_tokens a request may ask for"),
     max_model_len: Optional[int] = typer.Option(None, help="context length (default: the model's)"),
@@ -66,11 +70,12 @@ def serve(
     from rich.console import Console
 
     err = Console(stderr=True)
+    max_batch = opt.alias(batch_size, max_batch, "--max-batch", "--batch-size")
     if list_misconfigs:
         _list_misconfigs()
         raise typer.Exit(0)
     try:
-        _serve(err, model, host, port, sampler, dtype, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
+        _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
                misconfig, served_model_name, threads, max_prompt_tokens=max_prompt_tokens,
                max_batch_prompt_tokens=max_batch_prompt_tokens, queue_timeout_s=queue_timeout,
                max_request_bytes=max_request_bytes)
@@ -79,7 +84,7 @@ def serve(
         raise typer.Exit(2) from None
 
 
-def _serve(err, model, host, port, sampler, dtype, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
+def _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
            misconfig, served_model_name, threads, **limits) -> None:
     import torch
     import uvicorn
@@ -100,7 +105,7 @@ def _serve(err, model, host, port, sampler, dtype, max_batch, batch_wait_ms, max
         raise ValueError(config.problems()[0])
     try:
         with err.status(f"loading {model} ({dtype})"):
-            backend = Backend.load(model, dtype)
+            backend = Backend.load(model, dtype, device=device)
     except ModelNotAvailable as exc:
         raise ValueError(str(exc)) from None
     with err.status("building the served model" + (f" ({', '.join(config.misconfig)})" if config.misconfig else "")):
