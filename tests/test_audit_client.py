@@ -137,7 +137,7 @@ def test_store_survives_a_write_cut_off_mid_line(tmp_path):
     store = ResponseStore(tmp_path / "r.jsonl")
     store.append("k1", "p", {"a": 1}, GOOD)
     with open(tmp_path / "r.jsonl", "ab") as fh:
-        fh.write(b'{"format": "verinfer.auditing.response/1", "key": "k2", "resp')  # killed mid-write
+        fh.write(b'{"format": "verinfer.audit.response/1", "key": "k2", "resp')  # killed mid-write
     again = ResponseStore(tmp_path / "r.jsonl")
     assert "k1" in again and "k2" not in again and again.damaged_lines == 1
     again.append("k2", "p", {"a": 2}, GOOD)

@@ -24,7 +24,7 @@ import numpy as np
 
 from verinfer.stats.pooling import finite_percentile, sequence_stats
 
-FORMAT = "verinfer.auditing.bands/1"
+FORMAT = "verinfer.audit.bands/1"
 DATA_DIR = Path(__file__).with_name("data")
 CLIP_PERCENTILE = 99.9
 DEFAULT_VARIANTS = ("honest", "bf16", "w8", "fp8-kv", "w4")

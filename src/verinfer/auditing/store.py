@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from verinfer.auditing.secrets import redact
 
-RECORD_FORMAT = "verinfer.auditing.response/1"
+RECORD_FORMAT = "verinfer.audit.response/1"
 
 
 class StoreError(ValueError):
