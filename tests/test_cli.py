@@ -178,3 +178,19 @@ def test_generate_refuses_useless_sizes(tmp_path, flag, value):
     out = tmp_path / "o.jsonl"
     assert_one_line_error(run("generate", "-o", str(out), flag, value), flag, "at least 1")
     assert not out.exists()
+
+
+def test_invalid_commitments_fail_the_check_and_overlong_traces_are_refused(tmp_path):
+    """A garbage commitment is a failed check (exit 1, the trace named), not a note beside exit 0;
+    a trace longer than the verifier's context is refused before any scoring (exit 2)."""
+    path = write_traces([good(0), good(1, fingerprints={"toploc": {"proofs": "not base64!"}}),
+                         good(2, fingerprints={"sha": "x"})], tmp_path / "c.jsonl")
+    proc = run("verify", str(path), "--json", str(tmp_path / "v.json"))
+    assert proc.returncode == 1, proc.stderr
+    assert "invalid commitment" in proc.stderr and "trace 't1'" in proc.stderr and "unknown commit kind" in proc.stderr
+    summary = json.loads((tmp_path / "v.json").read_text())
+    assert summary["consistent"] is False and len(summary["commits"]["errors"]) == 2
+
+    long = write_traces([good(0, prompt_token_ids=[1] * 9000)], tmp_path / "long.jsonl")
+    assert_one_line_error(run("verify", str(long)), "record 1 (id 't0')", "more than the verifier's context of 8192")
+    assert not (tmp_path / "long.scores.parquet").exists()

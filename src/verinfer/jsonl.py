@@ -9,12 +9,18 @@ from typing import Iterator
 
 def read_jsonl(path: Path, error: type[Exception]) -> Iterator[tuple[str, object]]:
     """Yield ('<path>:<line>', record) for each non-blank line; ``error`` names a line that is not JSON."""
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise error(f"{path}:{lineno}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})") \
+                    from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise error(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            except (json.JSONDecodeError, RecursionError) as exc:
+                what = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deep"
+                raise error(f"{path}:{lineno}: not valid JSON ({what})") from None
             yield f"{path}:{lineno}", record

@@ -66,6 +66,8 @@ class Bands:
     """Bands of one model and sampling signature, with the clip value they share."""
 
     def __init__(self, data: dict, source: str):
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: not a {FORMAT} file (a JSON {type(data).__name__}, not an object)")
         if data.get("format") != FORMAT:
             raise ValueError(f"{source}: not a {FORMAT} file (format={data.get('format')!r})")
         self.data, self.source = data, source
@@ -96,7 +98,10 @@ class Bands:
     def load(cls, path: str | Path) -> "Bands":
         try:
             return cls(json.loads(Path(path).read_text()), str(path))
-        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError,
+                ValueError) as exc:
+            if isinstance(exc, ValueError) and str(exc).startswith(str(path)):
+                raise
             raise ValueError(f"{path}: cannot read bands file ({type(exc).__name__}: {exc})") from None
 
 

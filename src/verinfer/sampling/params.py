@@ -67,6 +67,10 @@ class SamplingParams:
             out.append(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             out.append(f"seed must be an integer, got {self.seed!r}")
+        elif self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            out.append(f"seed must fit in 64 bits (as engines take it), got {self.seed}")
+        if isinstance(self.top_k, int) and not -(2**63) <= self.top_k < 2**63:
+            out.append(f"top_k must fit in int64, got {self.top_k}")
         if not out and not self.is_greedy and self.seed is None:
             out.append(f"profile {self.profile!r} is seeded but no seed was given")
         return out
