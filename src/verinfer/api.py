@@ -147,14 +147,15 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
     source = str(traces) if isinstance(traces, (str, Path)) else "traces"
     if isinstance(traces, (str, Path)):
         default_scores, default_commits = default_outputs(traces)
-        scores = default_scores if scores is None else scores
-        commit_scores_out = (derived_path(scores, ".commits.parquet") if commit_scores_out is None and
-                             scores != default_scores else commit_scores_out or default_commits)
+        if scores is None:
+            scores = default_scores
+        if commit_scores_out is None:
+            commit_scores_out = default_commits if scores == default_scores else None
         trace_list = read_traces(traces)
     else:
         trace_list = list(traces)
-        if scores is not None and commit_scores_out is None:
-            commit_scores_out = derived_path(scores, ".commits.parquet")
+    if scores is not None and commit_scores_out is None:
+        commit_scores_out = derived_path(scores, ".commits.parquet")
     calibration_path = calibration if isinstance(calibration, (str, Path)) else None
     check_outputs([scores, commit_scores_out],
                   [traces if isinstance(traces, (str, Path)) else None, calibration_path])

@@ -28,6 +28,13 @@ def _floats(text: str) -> tuple[float, ...]:
         raise typer.BadParameter(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _old_spellings(max_tokens, max_new_tokens, batch_size, batch, prompt_seed, seed) -> tuple[int, int, int]:
+    """(tokens, batch, prompt seed) from the shared options or their old spellings (one release)."""
+    return (opt.alias(max_tokens, max_new_tokens, "--max-new-tokens", "--max-tokens"),
+            opt.alias(batch_size, batch, "--batch", "--batch-size"),
+            opt.alias(prompt_seed, seed, "--seed (here: the prompt sample)", "--prompt-seed"))
+
+
 def command_line(argv: list[str] | None = None) -> str:
     """The command as a user would type it again: ``verinfer margingate <sub> ...`` whether it ran
     from the ``verinfer`` entry point, ``python -m verinfer.cli`` or this sub-app alone."""
@@ -72,9 +79,7 @@ def measure(
     out: Optional[Path] = typer.Option(None, help="also write the tables to this markdown file"),
 ):
     """Flip rate, margins at flips vs stable steps, and K/V deviation: fast path vs reference."""
-    max_new_tokens = opt.alias(max_tokens, max_new_tokens, "--max-new-tokens", "--max-tokens")
-    batch = opt.alias(batch_size, batch, "--batch", "--batch-size")
-    seed = opt.alias(prompt_seed, seed, "--seed (here: the prompt sample)", "--prompt-seed")
+    max_new_tokens, batch, seed = _old_spellings(max_tokens, max_new_tokens, batch_size, batch, prompt_seed, seed)
     from verinfer.determinism.experiment import Config
 
     _run(Config(model=model, dtype=dtype, calibration=prompts, transfer=(), n=n, max_new_tokens=max_new_tokens,
@@ -104,9 +109,7 @@ def sweep(
 ):
     """Baselines and the threshold sweep (window rule and the paper's single-column rule) on a
     calibration set, then transfer of the chosen thresholds and batch-size scaling."""
-    max_new_tokens = opt.alias(max_tokens, max_new_tokens, "--max-new-tokens", "--max-tokens")
-    batch = opt.alias(batch_size, batch, "--batch", "--batch-size")
-    seed = opt.alias(prompt_seed, seed, "--seed (here: the prompt sample)", "--prompt-seed")
+    max_new_tokens, batch, seed = _old_spellings(max_tokens, max_new_tokens, batch_size, batch, prompt_seed, seed)
     from verinfer.determinism.experiment import Config
 
     try:
@@ -144,9 +147,7 @@ def decode(
     """Decode prompts greedily through the dynamic-batching engine under a policy and write traces
     (greedy profile): with margingate's window rule or the deterministic policy, every output is the
     one the request gets decoded alone, whatever the batch."""
-    max_new_tokens = opt.alias(max_tokens, max_new_tokens, "--max-new-tokens", "--max-tokens")
-    batch = opt.alias(batch_size, batch, "--batch", "--batch-size")
-    seed = opt.alias(prompt_seed, seed, "--seed (here: the prompt sample)", "--prompt-seed")
+    max_new_tokens, batch, seed = _old_spellings(max_tokens, max_new_tokens, batch_size, batch, prompt_seed, seed)
     import torch
 
     from verinfer.determinism.engine import Engine, Policy
