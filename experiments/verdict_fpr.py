@@ -35,12 +35,13 @@ from verinfer.models.backend import Backend
 from verinfer.models.load import cache_root
 from verinfer.prompts import load_prompts
 from verinfer.sampling.params import SamplingParams
+from verinfer.scoring.scores import read_scores
 from verinfer.scoring.traces import score_traces
 from verinfer.simulate.generate import build_requests
 from verinfer.simulate.variants import get_variant
 from verinfer.stats.evaluation import wilson_interval
 from verinfer.stats.summary import fit_calibrator
-from verinfer.stats.verdict import DETECTOR, calibrated_verdict
+from verinfer.stats.verdict import CLIPPED, DETECTOR, calibrated_verdict, token_detector
 from verinfer.trace import read_traces, write_traces
 
 SOURCES = {"honest fp32": ("honest", True), "honest bf16": ("bf16", True), "w4 (4-bit weights)": ("w4", False),
@@ -55,7 +56,8 @@ def per_trace_scores(backend, variant: str, requests, max_tokens: int, cache: Pa
     else:
         traces = get_variant(variant).generate(backend, requests, max_tokens, 16)
         write_traces(traces, path)
-    cols = score_traces(backend, traces).columns
+    scores = cache / f"{variant}.scores.parquet"
+    cols = read_scores(scores) if scores.exists() else score_traces(backend, traces, scores).columns
     ids = np.asarray(cols["trace_id"], dtype=object)
     keys = ("margin", "cross_entropy", "exact_match")
     return [{k: np.asarray(cols[k])[ids == t.id] for k in keys} for t in traces]
@@ -77,6 +79,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=4, help="tokens per calibrated batch")
     ap.add_argument("--sets", type=int, default=2000, help="random held-out sets per source and size")
     ap.add_argument("--fpr", type=float, default=0.01)
+    ap.add_argument("--rules", default=f"{DETECTOR[1]},{CLIPPED[1]}", help="margin detectors (calibrator rules) to compare")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", type=Path, default=Path("experiments/results/verdict_fpr.md"))
     args = ap.parse_args()
@@ -93,36 +96,43 @@ def main() -> None:
         print(f"{label}: generating and scoring", file=sys.stderr, flush=True)
         margins[label] = per_trace_scores(backend, variant, requests, args.max_tokens, cache)
     half = args.n // 2
-    cal = [c for label, (_, honest) in SOURCES.items() if honest for c in margins[label][:half]]
-    calibrator = fit_calibrator({k: np.concatenate([c[k] for c in cal]) for k in ("margin", "cross_entropy",
-                                                                                  "exact_match")},
-                                (args.batch_size,), args.fpr)
-    honest_cal = np.concatenate([c["margin"] for c in cal])
+    keys = ("margin", "cross_entropy", "exact_match")
+
+    def fit(labels: list[str]):
+        cal = [c for label in labels for c in margins[label][:half]]
+        return fit_calibrator({k: np.concatenate([c[k] for c in cal]) for k in keys}, (args.batch_size,), args.fpr), \
+            sum(c["margin"].size for c in cal)
+
+    honest_labels = [label for label, (_, honest) in SOURCES.items() if honest]
+    calibrations = {"pooled (fp32 + bf16)": fit(honest_labels), "bf16 only": fit(["honest bf16"])}
     rng = np.random.default_rng(0)
     sizes = [int(s) for s in args.set_sizes.split(",")]
     rows = []
-    for label, (_, honest) in SOURCES.items():
-        held = [c["margin"] for c in margins[label][half:]]
-        for k in sizes:
-            one = wilson_rej = binom_rej = 0
-            tokens = []
-            for _ in range(args.sets):
-                pick = rng.choice(len(held), size=k, replace=False)
-                m = np.concatenate([held[i] for i in pick])
-                if m.size < args.batch_size:
-                    continue
-                v = calibrated_verdict(m, calibrator, args.batch_size, *DETECTOR)
-                flags = calibrator.predict(m, args.batch_size, metric=DETECTOR[0], rule=DETECTOR[1])
-                w, b = previous_rules(flags, args.fpr)
-                one += not v.consistent
-                wilson_rej += w
-                binom_rej += b
-                tokens.append(m.size)
-            ci = wilson_interval(one, args.sets)
-            rows.append({"source": label, "honest": honest, "traces": k, "tokens_median": float(np.median(tokens)),
-                         "rejected": one / args.sets, "ci": [ci.low, ci.high], "wilson_rule": wilson_rej / args.sets,
-                         "single_binomial": binom_rej / args.sets})
-            print(json.dumps(rows[-1]), flush=True)
+    rules = [r.strip() for r in args.rules.split(",") if r.strip()]
+    for (cal_name, (calibrator, cal_tokens)), rule in [(c, r) for c in calibrations.items() for r in rules]:
+        for label, (_, honest) in SOURCES.items():
+            held = [c["margin"] for c in margins[label][half:]]
+            for k in sizes:
+                one = wilson_rej = binom_rej = 0
+                tokens = []
+                for _ in range(args.sets):
+                    pick = rng.choice(len(held), size=k, replace=False)
+                    m = np.concatenate([held[i] for i in pick])
+                    if m.size < args.batch_size:
+                        continue
+                    v = calibrated_verdict(m, calibrator, args.batch_size, "margin", rule)
+                    flags = calibrator.predict(m, args.batch_size, metric="margin", rule=rule)
+                    w, b = previous_rules(flags, args.fpr)
+                    one += not v.consistent
+                    wilson_rej += w
+                    binom_rej += b
+                    tokens.append(m.size)
+                ci = wilson_interval(one, args.sets)
+                rows.append({"calibration": cal_name, "rule": rule, "calibration_tokens": cal_tokens, "source": label,
+                             "honest": honest, "traces": k, "tokens_median": float(np.median(tokens)),
+                             "rejected": one / args.sets, "ci": [ci.low, ci.high],
+                             "wilson_rule": wilson_rej / args.sets, "single_binomial": binom_rej / args.sets})
+                print(json.dumps(rows[-1]), flush=True)
     command = "python experiments/verdict_fpr.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     load = os.getloadavg()
     lines = [
@@ -131,18 +141,21 @@ def main() -> None:
         f"Date: {started:%Y-%m-%d %H:%M} UTC; machine: {describe(args.threads)}; load average at start "
         f"{load[0]:.2f}  ",
         f"Setup: SmolLM2-135M, {args.n} chitchat prompts (seed 21) x up to {args.max_tokens} tokens, vLLM sampler "
-        "(T=1, top-k 50, top-p 0.95, seeds 31000 + i), fp32 reference. Calibration: bounded margin "
-        f"`{DETECTOR[1]}` on the honest fp32 + bf16 tokens of the first {half} prompts "
-        f"({honest_cal.size} tokens), batches of {args.batch_size} tokens, {args.fpr:.0%} FPR. Each row judges "
+        "(T=1, top-k 50, top-p 0.95, seeds 31000 + i), fp32 reference. Calibrations: margin detectors "
+        f"({', '.join(f'`{r}`' for r in rules)}) fitted on the honest tokens of the first {half} prompts, pooled over fp32 and bf16 "
+        f"({calibrations['pooled (fp32 + bf16)'][1]} tokens) or bf16 only ({calibrations['bf16 only'][1]} tokens), "
+        f"batches of {args.batch_size} tokens, {args.fpr:.0%} FPR. Each row judges "
         f"{args.sets} random sets of held-out traces (prompts {half}-{args.n - 1}) with the one verdict rule "
         f"(sequential binomial test, Bonferroni over doubling looks, alpha = {args.fpr:.0%}).", "",
-        "| source | traces per set | median tokens | verdict: rejected (95% CI) | previous verify rule | "
-        "previous audit rule |",
-        "|---|---|---|---|---|---|",
+        "| calibration | detector | source | traces per set | median tokens | verdict: rejected (95% CI) | "
+        "previous verify rule | previous audit rule |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['source']} | {r['traces']} | {r['tokens_median']:.0f} | {r['rejected']:.2%} "
+        lines.append(f"| {r['calibration']} | `{r['rule']}` | {r['source']} | {r['traces']} | {r['tokens_median']:.0f} | {r['rejected']:.2%} "
                      f"({r['ci'][0]:.2%}-{r['ci'][1]:.2%}) | {r['wilson_rule']:.2%} | {r['single_binomial']:.2%} |")
+    lines += ["", "Detector the verdict uses by default (`verinfer.stats.verdict.token_detector`): " + "; ".join(
+        f"{name}: `{token_detector(cal)[1]}`" for name, (cal, _) in calibrations.items()) + "."]
     lines += ["", "For honest sources *rejected* is the false-positive rate (target at most "
               f"{args.fpr:.0%}); for misconfigured ones it is the power. Sets of one source overlap "
               "(drawn from the same held-out traces), so rows are estimates for that population, not "

@@ -109,3 +109,24 @@ def test_layers_have_no_cycles():
     proc = subprocess.run(["lint-imports", "--no-cache"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "1 kept, 0 broken" in proc.stdout
+
+
+def test_token_detector_clips_at_the_honest_percentile_unless_the_null_has_no_noise():
+    """Honest bf16-like noise with a few filtered (infinite) claims: the clipped detector keeps the
+    threshold low enough to flag a wrong seed; an exact null (every margin 0) falls back to the
+    bounded margin, which the clip would erase."""
+    from verinfer.stats.calibration import Calibrator
+    from verinfer.stats.verdict import CLIPPED, DETECTOR, calibrated_verdict, token_detector
+
+    rng = np.random.default_rng(5)
+    honest = np.where(rng.random(4000) < 0.97, 0.0, rng.exponential(0.05, 4000))
+    honest[rng.choice(4000, 12, replace=False)] = np.inf  # honest claims outside the reference's top-p
+    cols = {"margin": honest, "cross_entropy": np.zeros(4000), "exact_match": (honest == 0).astype(float)}
+    noisy = Calibrator(batch_sizes=(4,)).fit(cols)
+    assert token_detector(noisy) == CLIPPED
+    wrong_seed = np.where(rng.random(400) < 0.4, 0.0, rng.exponential(1.6, 400))
+    assert not calibrated_verdict(wrong_seed, noisy, 4).consistent
+    assert calibrated_verdict(wrong_seed, noisy, 4, *DETECTOR).consistent  # the bound alone misses it here
+    exact = Calibrator(batch_sizes=(4,)).fit({k: np.zeros(4000) for k in ("margin", "cross_entropy")} |
+                                             {"exact_match": np.ones(4000)})
+    assert token_detector(exact) == DETECTOR and not calibrated_verdict(wrong_seed, exact, 4).consistent

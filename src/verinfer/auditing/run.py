@@ -26,7 +26,7 @@ from verinfer.auditing.store import ResponseStore
 from verinfer.prompts import Prompt
 from verinfer.stats.calibration import Calibrator, signature_mismatch
 from verinfer.stats.pooling import MARGIN_CLIP, sequence_stats
-from verinfer.stats.verdict import DETECTOR, Verdict, adjust, calibrated_verdict, pooled_verdict
+from verinfer.stats.verdict import Verdict, adjust, calibrated_verdict, pooled_verdict
 from verinfer.trace import write_traces
 
 
@@ -129,7 +129,7 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         columns = reference.score(traces, out_dir / e.name)
         seq = sequence_stats(columns, bands.clip if bands is not None else MARGIN_CLIP)
         if calibrator is not None:
-            verdict = calibrated_verdict(columns["margin"], calibrator, batch_size, *DETECTOR)
+            verdict = calibrated_verdict(columns["margin"], calibrator, batch_size)
             verdict.exact_match_rate, verdict.sequences = float(seq[:, 2].sum() / seq[:, 0].sum()), len(seq)
         else:
             verdict = pooled_verdict(seq, bands.honest_bands(), fpr, all_bands=bands.labelled(),

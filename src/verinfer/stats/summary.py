@@ -14,7 +14,7 @@ import numpy as np
 
 from verinfer.stats.calibration import Calibrator
 from verinfer.stats.pooling import MARGIN_CLIP, clip_scores
-from verinfer.stats.verdict import COMMIT_RULE, DETECTOR, Verdict, calibrated_verdict, default_batch_size
+from verinfer.stats.verdict import COMMIT_RULE, Verdict, calibrated_verdict, default_batch_size
 
 UNCALIBRATED = "uncalibrated: pass a calibration file for a verdict with a known false-positive rate"
 
@@ -83,7 +83,7 @@ def summarize(columns: dict[str, np.ndarray], calibrator: Calibrator | None = No
     if size > margin.size:
         summary.note = f"too few tokens: {margin.size} < the smallest calibrated batch ({size})"
     else:
-        summary.verdict = calibrated_verdict(margin, calibrator, size, *DETECTOR, alpha=alpha)
+        summary.verdict = calibrated_verdict(margin, calibrator, size, alpha=alpha)
     for metric, values in (commit_scores or {}).items():
         if metric not in calibrator.percentile_values_:
             continue

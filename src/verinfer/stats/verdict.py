@@ -39,7 +39,8 @@ from verinfer.stats.calibration import Calibrator
 from verinfer.stats.evaluation import bootstrap_ci, wilson_interval
 from verinfer.stats.pooling import MARGIN_CLIP
 
-DETECTOR = ("margin", f"bound:{MARGIN_CLIP:g}")  # the paper's bounded margin min(margin, 20) for token verdicts
+CLIPPED = ("margin", "clip:99.9")  # margins clipped at their honest 99.9th percentile (DiFR section 4)
+DETECTOR = ("margin", f"bound:{MARGIN_CLIP:g}")  # the bounded margin min(margin, 20): for a null without noise
 COMMIT_RULE = "clip:99.9"  # commit scores (fingerprint L2, TOPLOC) clipped at their honest 99.9th percentile
 
 
@@ -152,9 +153,28 @@ def flag_verdict(flags: np.ndarray, fpr: float, batch_size: int, alpha: float | 
                    subject, flagged=k, batch_size=batch_size)
 
 
+def token_detector(calibrator: Calibrator) -> tuple[str, str]:
+    """The margin detector token verdicts use with this calibration.
+
+    Margins clipped at the honest 99.9th percentile (``CLIPPED``, the seed paper's clipping): honest
+    claims that fall outside the reference's top-k/top-p set (bf16 providers make a few) have
+    infinite margins, and under the bounded margin they set the threshold so high that a wrong
+    seed passes, while pooling fp32 and bf16 honest tokens under it flags honest bf16 providers
+    (both measured: RESULTS.md section 8). When the honest margins have no spread (an exact fp32
+    null: every margin 0) the percentile clip would erase every score, so the bounded margin
+    (``DETECTOR``) is used instead.
+    """
+    clip = calibrator.percentile_values_.get(CLIPPED[0], {}).get(99.9)
+    usable = CLIPPED[1] in calibrator.rules and clip is not None and clip > 0
+    return CLIPPED if usable else DETECTOR
+
+
 def calibrated_verdict(scores: np.ndarray, calibrator: Calibrator, batch_size: int | None = None,
-                       metric: str = DETECTOR[0], rule: str = DETECTOR[1], alpha: float | None = None) -> Verdict:
-    """Flag consecutive batches of ``scores`` with a calibrated detector, then ``flag_verdict``."""
+                       metric: str | None = None, rule: str | None = None, alpha: float | None = None) -> Verdict:
+    """Flag consecutive batches of ``scores`` with a calibrated detector (default: ``token_detector``),
+    then ``flag_verdict``."""
+    if metric is None or rule is None:
+        metric, rule = token_detector(calibrator)
     scores = np.asarray(scores, dtype=np.float64)
     size = batch_size or default_batch_size(calibrator, scores.size)
     if size not in calibrator.batch_sizes:
@@ -275,5 +295,5 @@ def adjust(verdicts: Sequence[Verdict]) -> None:
         v.consistent = p >= v.alpha
 
 
-__all__ = ["COMMIT_RULE", "DETECTOR", "Verdict", "adjust", "band_p_value", "calibrated_verdict", "flag_verdict",
-           "holm", "look_sizes", "pooled", "pooled_verdict", "pseudo_audits", "sequence_ci", "sequential"]
+__all__ = ["CLIPPED", "COMMIT_RULE", "DETECTOR", "Verdict", "adjust", "band_p_value", "calibrated_verdict", "flag_verdict",
+           "holm", "look_sizes", "pooled", "pooled_verdict", "pseudo_audits", "sequence_ci", "sequential", "token_detector"]
