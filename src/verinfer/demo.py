@@ -19,6 +19,7 @@ from verinfer.prompts import Prompt
 from verinfer.sampling.params import SamplingParams
 from verinfer.simulate.generate import build_requests, generate
 from verinfer.stats.calibration import min_batches
+from verinfer.stats.verdict import token_detector
 from verinfer.trace import Trace, write_traces
 
 Progress = Callable[[int], None] | None
@@ -31,6 +32,7 @@ class DemoResult:
     wrong_seed: VerifyResult
     calibration_tokens: int
     batch_size: int
+    detector: str  # the calibrated rule token verdicts used (verinfer.stats.verdict.token_detector)
     out_dir: Path
     audit: object | None = None  # verinfer.auditing.run.AuditResult of the loopback audit
     audit_report: Path | None = None
@@ -82,7 +84,8 @@ def run_demo(backend: Backend, prompts: Sequence[Prompt], out_dir: Path, max_tok
     if audit_prompts:
         audit, report = audit_loopback(backend, list(prompts)[:audit_prompts], out_dir / "audit", audit_tokens,
                                        on_stage=stage)
-    return DemoResult(results["honest"], results["wrong-seed"], n_cal, calib_batch, out_dir, audit, report)
+    return DemoResult(results["honest"], results["wrong-seed"], n_cal, calib_batch,
+                      " ".join(token_detector(calibrator)), out_dir, audit, report)
 
 
 def audit_loopback(backend: Backend, prompts: Sequence[Prompt], out_dir: Path, max_tokens: int = 32,

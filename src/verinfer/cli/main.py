@@ -224,7 +224,7 @@ def demo(
                           on_stage=lambda s: bar.update(task, description=s), audit_prompts=min(audit_prompts, n))
     _print_summaries({"honest": result.honest.summary, "wrong seed": result.wrong_seed.summary})
     console.print(f"calibrated on {result.calibration_tokens} tokens of a separate honest set "
-                  f"(bounded margin, batches of {result.batch_size} tokens, 1% target FPR); "
+                  f"({result.detector}, batches of {result.batch_size} tokens, 1% target FPR); "
                   f"files in {result.out_dir}/")
     if result.audit is not None:
         console.print("[bold]HTTP audit[/bold] of two `verinfer serve` providers on loopback (greedy spot checks, "
