@@ -167,17 +167,13 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
         backend = load_model(model or claimed[0], dtype, device)
     kept, skipped = check_traces(trace_list, backend, source, skip_invalid, allow_model_mismatch)
     if calibrator is not None:  # refuse a calibration of another configuration before scoring
-        problem = signature_mismatch(calibrator.signature, signature(kept, backend.model_id, _dtype(backend)))
+        problem = signature_mismatch(calibrator.signature, signature(kept, backend.model_id, backend.dtype_name))
         if problem:
             raise ValueError(f"{calibration_path or 'calibration'}: does not match {source}: {problem}")
     scored = score_traces(backend, kept, scores, commit_scores_out, on_rows)
     summary = summarize(scored.columns, calibrator, batch_size, scored.commit_checks,
                         commit_scores(scored.commit_checks), alpha)
     return VerifyResult(summary, scored, skipped)
-
-
-def _dtype(backend: Backend) -> str:
-    return str(backend.dtype).removeprefix("torch.")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -153,7 +153,7 @@ def build_bands(backend, prompts, spec, variants: Sequence[str] = DEFAULT_VARIAN
         "statistic": f"mean per-token Token-DiFR margin clipped at the honest {CLIP_PERCENTILE}th percentile "
                      "(raw-logit units)",
         "prompts": len(prompts), "max_tokens": spec.max_tokens, "seed": spec.seed,
-        "reference_dtype": str(backend.dtype).replace("torch.", ""), "command": command,
+        "reference_dtype": backend.dtype_name, "command": command,
         "built_s": round(time.time() - started, 1), "histogram_edges": HIST_EDGES,
         "bands": {n: Band(n, LABELS.get(n, n), get_variant(n).honest, get_variant(n).description,
                           sequence_stats(columns[n], clip), histogram(columns[n]["margin"])).to_dict()

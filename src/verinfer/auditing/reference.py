@@ -57,7 +57,7 @@ class LocalReference:
         return self.backend.vocab_size
 
     def describe(self) -> str:
-        return f"local {self.backend.model_id} ({str(self.backend.dtype).replace('torch.', '')}), Token-DiFR margins"
+        return f"local {self.backend.model_id} ({self.backend.dtype_name}), Token-DiFR margins"
 
     def score(self, traces: list[Trace], out_dir: Path, on_rows=None) -> Columns:
         from verinfer.scoring.scores import read_scores

@@ -77,7 +77,7 @@ def reference_signature(reference, spec: AuditSpec) -> dict | None:
     backend = getattr(reference, "backend", None)
     if backend is None:
         return None
-    return {"model": backend.model_id, "dtype": str(backend.dtype).removeprefix("torch."),
+    return {"model": backend.model_id, "dtype": backend.dtype_name,
             "sampling": [spec.signature()]}
 
 

@@ -59,6 +59,11 @@ class Backend:
         return cls(model.to(device), tokenizer, source.model_id, dt)
 
     @property
+    def dtype_name(self) -> str:
+        """The compute dtype as traces, signatures and reports name it (``float32``, ``bfloat16``)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def max_length(self) -> int | None:
         """The longest sequence the model's positions cover (None when the config does not say)."""
         n = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)

@@ -67,7 +67,7 @@ def score_traces(backend: Backend, traces: Sequence[Trace], scores_path: Path | 
     """
     parts: dict[str, list[np.ndarray]] = {k: [] for k in COMPACT}
     checks: list[CommitCheck] = []
-    sig = signature(traces, backend.model_id, str(backend.dtype).removeprefix("torch."))
+    sig = signature(traces, backend.model_id, backend.dtype_name)
 
     def check(i: int, hidden) -> None:
         t = traces[i]

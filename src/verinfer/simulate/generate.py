@@ -146,7 +146,7 @@ def generate(
                         if commits is not None else None)
         traces.append(Trace.of_output(
             req.id, backend.model_id, req.prompt_token_ids, out, req.params, tokenizer=backend.tokenizer,
-            provider=provider, meta={"finish_reason": reason, "dtype": str(backend.dtype).replace("torch.", "")},
+            provider=provider, meta={"finish_reason": reason, "dtype": backend.dtype_name},
             messages=list(req.messages) if req.messages else None, fingerprints=fingerprints))
     return traces
 

@@ -159,7 +159,7 @@ class Variant:
         for req, t in zip(requests, traces):
             t.sampling = req.params
             t.model = reference.model_id
-            meta = {**(t.meta or {}), "dtype": str(reference.dtype).replace("torch.", ""), "variant": self.name}
+            meta = {**(t.meta or {}), "dtype": reference.dtype_name, "variant": self.name}
             if self.settings:
                 meta["variant_settings"] = dict(self.settings)
             if hook is not None and hasattr(hook, "trace_meta"):
