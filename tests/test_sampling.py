@@ -9,42 +9,86 @@ import pytest
 import torch
 
 from verinfer.sampling.filters import kept_set
-from verinfer.sampling.noise import torch_exponential_draws, vllm_gumbel
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import RowKeys, get_profile
+from verinfer.sampling.profiles.vllm_v1 import exponential_draws
 from verinfer.sampling.sampler import replay
 
-
-def mmh3_gumbel(seed: int, pos: int, token: int) -> float:
-    """vLLM's noise computed independently: mmh3 package, fp32 uniform, fp32 double log."""
-    h = mmh3.hash(struct.pack("<QII", seed % 2**64, pos % 2**32, token), seed=0, signed=False)
-    u = np.float32((h + 0.5) * 2.0**-32)
-    with np.errstate(divide="ignore"):
-        return float(-np.log(-np.log(np.float32(1) - u)))
+F32 = np.float32
 
 
+def mmh3_gumbel(seed: int, pos: int, token: int, fp64: bool = False) -> float:
+    """vLLM V2's noise written independently from REFERENCE.md 1.2: the mmh3 package's hash, the
+    fp32 uniform, the degree-8 series below 0.25 (fp32 Horner), or the fp64 mode's 53-bit uniform."""
+    msg = struct.pack("<QII", seed % 2**64, pos % 2**32, token)
+    lo = mmh3.hash(msg, seed=0, signed=False)
+    if fp64:
+        hi = mmh3.hash(msg, seed=0x9E3779B9, signed=False)
+        u = (float(((hi << 32) | lo) >> 11) + 0.5) * 2.0**-53
+        u = u - 2.0**-53 if u == 1.0 else u
+        return float(-np.log(-np.log(np.float64(u))))
+    u = F32(lo >> 16) * F32(2.0**-16) + (F32(lo & 0xFFFF) + F32(0.5)) * F32(2.0**-32)
+    assert u == F32((lo + 0.5) * 2.0**-32)  # the split sum is the correctly rounded uniform
+    if u < 0.25:
+        poly = F32(1 / 8)
+        for c in (1 / 7, 1 / 6, 1 / 5, 1 / 4, 1 / 3, 1 / 2, 1.0):
+            poly = F32(c) + u * poly
+        log1mu = -u * poly
+    else:
+        log1mu = np.log(max(F32(1) - u, F32(5.960464477539063e-08)))
+    return float(-np.log(-log1mu))
+
+
+def vllm_gumbel(seeds, positions, tokens, fp64: bool = False) -> np.ndarray:
+    """The profile's noise for tokens [R, C] of rows (seed, pos)."""
+    tokens = np.asarray(tokens)
+    r, c = tokens.shape
+    keys = RowKeys(tuple(["r"] * r), np.asarray(seeds, dtype=object), np.asarray(positions), np.zeros(r, np.int64),
+                   params=tuple([SamplingParams(seed=1, fp64_gumbel=fp64)] * r))
+    rows = torch.arange(r).repeat_interleave(c)
+    return get_profile("vllm").gumbel(keys, rows, torch.as_tensor(tokens).reshape(-1), 0).numpy().reshape(r, c)
+
+
+@pytest.mark.parametrize("fp64", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 42, -7, 2**63 + 5, 2**64 - 1])
-def test_vllm_noise_matches_mmh3(seed):
+def test_vllm_noise_matches_mmh3(seed, fp64):
     rng = np.random.default_rng(abs(seed) % 1000)
     positions = rng.integers(0, 2**33, size=5)
-    tokens = rng.integers(0, 262144, size=(5, 7))
-    got = vllm_gumbel(np.array([seed] * 5, dtype=object), positions, tokens)
-    want = np.array([[mmh3_gumbel(seed, int(p), int(t)) for t in row] for p, row in zip(positions, tokens)])
+    tokens = rng.integers(0, 262144, size=(5, 40))
+    got = vllm_gumbel([seed] * 5, positions, tokens, fp64)
+    want = np.array([[mmh3_gumbel(seed, int(p), int(t), fp64) for t in row] for p, row in zip(positions, tokens)])
     np.testing.assert_array_equal(got, want)
 
 
-def test_vllm_noise_is_gumbel_distributed():
-    g = vllm_gumbel(np.array([3]), np.array([11]), np.arange(200_000)[None, :])[0]
+def test_vllm_noise_is_finite_and_bounded_in_the_tail():
+    # u < 0.25 takes the series: the tail that wins argmaxes stays finite (no +inf at u < 2**-25)
+    g = vllm_gumbel([3], [11], np.arange(400_000)[None, :])[0]
+    assert np.isfinite(g).all() and g.max() <= 22.875
+    g64 = vllm_gumbel([3], [11], np.arange(400_000)[None, :], fp64=True)[0]
+    assert np.isfinite(g64).all() and g64.max() <= 36.75
+
+
+@pytest.mark.parametrize("fp64", [False, True])
+def test_vllm_noise_is_gumbel_distributed(fp64):
+    g = vllm_gumbel([3], [11], np.arange(200_000)[None, :], fp64)[0]
     assert abs(g.mean() - np.euler_gamma) < 0.01
     assert abs(g.var() - np.pi**2 / 6) < 0.03
 
 
+def test_vllm_draft_noise_is_the_salted_position():
+    keys = RowKeys(("r",), np.array([5], dtype=object), np.array([9]), np.array([0]))
+    rows, cols = torch.zeros(50, dtype=torch.long), torch.arange(50)
+    draft = get_profile("vllm").__class__(draft=True).gumbel(keys, rows, cols, 0).numpy()
+    want = [mmh3_gumbel(5, 9 + 2**30, t) for t in range(50)]
+    np.testing.assert_array_equal(draft, want)
+
+
 def test_exponential_bulk_draw_equals_sequential_steps():
-    bulk = torch_exponential_draws(9, 4, 1000)
+    bulk = exponential_draws(9, 4, 1000)
     gen = torch.Generator().manual_seed(9)
     seq = torch.stack([torch.empty(1000).exponential_(generator=gen) for _ in range(4)])
     assert torch.equal(bulk, seq)
-    assert torch.equal(torch_exponential_draws(9, 2, 1000, skip_steps=2), seq[2:])
+    assert torch.equal(exponential_draws(9, 2, 1000, skip_steps=2), seq[2:])
 
 
 def _kept(x, k=-1, p=1.0, m=0.0):
@@ -84,8 +128,9 @@ def test_min_p():
 
 
 def reference_vllm_sample(logits, params, pos):
-    """Straightforward vLLM-order sampler over the full vocabulary (sorts every row)."""
-    x = logits.double() / max(params.temperature, 0.01)
+    """Straightforward vLLM-order sampler over the full vocabulary (sorts every row); the noise is
+    added to the fp32 scaled logits in fp32, as vLLM V2 does."""
+    x = logits.float() / max(params.temperature, 0.01)
     if params.min_p > 0:
         x = x.masked_fill(x < x.max() + np.log(params.min_p), -np.inf)
     if 0 < params.top_k < x.numel():
@@ -99,8 +144,8 @@ def reference_vllm_sample(logits, params, pos):
         keep[0] = True
         cutoff = vals[keep].min()
         x = x.masked_fill(x < cutoff, -np.inf)
-    g = torch.tensor(vllm_gumbel(np.array([params.seed]), np.array([pos]), np.arange(x.numel())[None])[0])
-    s = x + g
+    g = torch.tensor(vllm_gumbel([params.seed], [pos], np.arange(x.numel())[None])[0])
+    s = (x + g.float()).double()
     return int(torch.argmax(s)), s, x
 
 
@@ -167,7 +212,7 @@ def test_torch_exponential_stream_continues_across_blocks():
         for a, b in [(0, 2), (2, 5), (5, 6)]
     ]
     assert torch.equal(whole, torch.cat(parts))
-    q = torch_exponential_draws(123, 6, 500)
+    q = exponential_draws(123, 6, 500)
     x = logits.masked_fill(logits < logits.topk(40).values[:, -1:], -np.inf)
     assert torch.equal(whole, torch.argmax(torch.softmax(x, -1) / q, -1))
 

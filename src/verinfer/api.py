@@ -31,7 +31,7 @@ from verinfer.models.backend import Backend
 from verinfer.models.load import DEFAULT_MODEL
 from verinfer.prompts import Prompt, load_prompts
 from verinfer.sampling.params import SamplingParams
-from verinfer.sampling.profiles import get_profile
+from verinfer.sampling.profiles import get_profile, params_problems
 from verinfer.simulate.generate import build_requests
 from verinfer.simulate.generate import generate as simulate
 from verinfer.stats.calibration import Calibrator, signature_mismatch
@@ -79,8 +79,8 @@ def generate(prompts: str | Sequence[Prompt] = "chitchat", *, n: int = 16, model
     get_profile(profile)
     params = SamplingParams(profile=profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             seed=None if profile == "greedy" else seed)
-    if params.problems():
-        raise ValueError(f"sampling: {params.problems()[0]}")
+    if params_problems(params):
+        raise ValueError(f"sampling: {params_problems(params)[0]}")
     backend = backend or load_model(model, dtype, device)
     prompt_list = load_prompts(prompts, n) if isinstance(prompts, str) else list(prompts)[:n]
     traces = simulate(backend, build_requests(backend, prompt_list, params), max_tokens, batch_size,
@@ -232,7 +232,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
           concurrency: int = 4, timeout: float = 120.0, retries: int = 4,
           api_key_env: str | None = "OPENAI_API_KEY", reference_url: str | None = None,
           reference_api_model: str | None = None, reference_api_key_env: str | None = None,
-          backend: Backend | None = None, on_stage: Callable[[str], None] | None = None):
+          backend: Backend | None = None, on_stage: Callable[[str], None] | None = None, samples: int = 16,
+          stream: bool = False):
     """Audit OpenAI-compatible providers against a trusted reference.
 
     ``providers`` maps names to base URLs (ending in ``/v1``), or is a list of
@@ -240,7 +241,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     ``reference_url`` an API returning prompt logprobs. Every response is stored before it is
     scored (re-running with the same ``out`` resumes); the verdict comes from the shipped or given
     bands, or from a calibration, by the one verdict rule; both are checked against the audit's
-    settings before any request is paid for. Returns ``verinfer.auditing.run.AuditResult``; its
+    settings before any request is paid for (``mode="rank"`` / ``"mmd"`` audit sampled traffic without
+    seeds against ``samples`` local draws per prompt and need neither). Returns ``verinfer.auditing.run.AuditResult``; its
     reports (``audit.json``, ``audit.html``) are written to ``out``.
     """
     from verinfer.auditing.bands import Bands, bands_filename, find_bands
@@ -252,7 +254,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     from verinfer.auditing.store import ResponseStore
 
     spec = AuditSpec(mode=mode, sampler=sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                     seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids)
+                     seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids, samples=samples,
+                     stream=stream)
     if spec.problems():
         raise ValueError(spec.problems()[0])
     if not 0 < fpr < 1:
@@ -266,7 +269,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
         raise ValueError("no providers to audit: give at least one NAME=BASE_URL")
     calibrator = Calibrator.load(calibration) if isinstance(calibration, (str, Path)) else calibration
     band_set = None
-    if calibrator is None:  # the bands a verdict needs, found before any request is paid for
+    if calibrator is None and not spec.seedless:  # the bands a verdict needs, found before any request is paid for
         band_set = Bands.load(bands) if bands else find_bands(backend.model_id, spec.signature())
         if band_set is None:
             raise ValueError(f"no bands for {backend.model_id} with {spec.signature()} "

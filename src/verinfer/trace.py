@@ -8,7 +8,7 @@ with nested fields stored as JSON strings so the Parquet schema never depends on
     model             model id the provider claims (e.g. "smollm2-135m")
     prompt_token_ids  list of int, the exact prompt the model saw (chat template applied)
     output_token_ids  list of int, the generated tokens (a stop token, if emitted, included)
-    sampling          {profile, temperature, top_k, top_p, min_p, seed}
+    sampling          {profile, temperature, top_k, top_p, min_p, seed[, fp64_gumbel, stream]}
     messages          optional chat messages the prompt was rendered from
     prompt_text, output_text   optional text, informational only
     fingerprints      optional activation commits, by method name
@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from verinfer.jsonl import read_jsonl
 from verinfer.sampling.params import SamplingParams
-from verinfer.sampling.profiles import PROFILES
+from verinfer.sampling.profiles import params_problems
 
 SCHEMA = "verinfer.trace/1"
 _JSON_FIELDS = ("sampling", "messages", "fingerprints", "meta")
@@ -117,9 +117,7 @@ class Trace:
             out.append("prompt_token_ids: empty prompt")
         if not self.output_token_ids:
             out.append("output_token_ids: empty output")
-        if self.sampling.profile not in PROFILES:
-            out.append(f"sampling.profile: unknown profile {self.sampling.profile!r} (known: {', '.join(sorted(PROFILES))})")
-        out += [f"sampling: {p}" for p in self.sampling.problems()]
+        out += [f"sampling.{p}" if p.startswith("profile:") else f"sampling: {p}" for p in params_problems(self.sampling)]
         if vocab_size is not None:
             for name in ("prompt_token_ids", "output_token_ids"):
                 bad = [(i, t) for i, t in enumerate(getattr(self, name)) if not 0 <= t < vocab_size]

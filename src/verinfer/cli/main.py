@@ -21,6 +21,7 @@ from rich.table import Table  # noqa: E402
 
 from verinfer.cli import options as opt  # noqa: E402
 from verinfer.cli.errors import one_line_errors as _friendly  # noqa: E402
+from verinfer.sampling.profiles import profile_names  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="verinfer: verify that LLM outputs came from the claimed model and sampler.")
@@ -73,7 +74,7 @@ def generate(
     model: str = opt.model(),
     dtype: str = opt.dtype(),
     device: str = opt.device(),
-    profile: str = typer.Option("vllm", help="sampler profile: vllm, torch-exponential, greedy"),
+    profile: str = typer.Option("vllm", help="sampler profile: " + ", ".join(profile_names())),
     temperature: float = 1.0,
     top_k: int = typer.Option(50, help="<= 0 disables"),
     top_p: float = 0.95,

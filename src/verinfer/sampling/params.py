@@ -14,7 +14,11 @@ class SamplingParams:
     """Per-request sampling configuration, named after vLLM's ``SamplingParams``.
 
     ``top_k <= 0`` and ``top_p >= 1`` disable those filters, ``min_p <= 0`` disables min-p.
-    ``seed`` is required by every seeded profile (anything but ``greedy``).
+    ``seed`` is required by every seeded profile (anything but ``greedy``). ``fp64_gumbel`` is
+    vLLM's ``use_fp64_gumbel`` engine option (the V2 sampler's fp64 noise). ``stream`` holds what an
+    engine profile needs to find the request's place in its random stream beyond seed and position
+    (e.g. a batch row); each profile documents and validates its keys. Neither the seed nor
+    ``stream`` is part of the calibration signature.
     """
 
     profile: str = "vllm"
@@ -23,6 +27,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None
+    fp64_gumbel: bool = False
+    stream: dict[str, Any] | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -34,7 +40,12 @@ class SamplingParams:
         return max(self.temperature, MIN_TEMPERATURE)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, leaving out engine options at their defaults (older readers stay compatible)."""
+        d = asdict(self)
+        for name in ("fp64_gumbel", "stream"):
+            if not d[name]:
+                d.pop(name)
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SamplingParams":
@@ -47,8 +58,9 @@ class SamplingParams:
 
     def signature(self) -> dict[str, Any]:
         """What a calibration must share with the traces it judges: every setting but the seed."""
-        d = asdict(self)
+        d = self.to_dict()
         d.pop("seed")
+        d.pop("stream", None)
         return d
 
     def with_(self, **changes: Any) -> "SamplingParams":
@@ -69,6 +81,10 @@ class SamplingParams:
             out.append(f"seed must be an integer, got {self.seed!r}")
         elif self.seed is not None and not -(2**63) <= self.seed < 2**64:
             out.append(f"seed must fit in 64 bits (as engines take it), got {self.seed}")
+        if not isinstance(self.fp64_gumbel, bool):
+            out.append(f"fp64_gumbel must be true or false, got {self.fp64_gumbel!r}")
+        if self.stream is not None and not isinstance(self.stream, dict):
+            out.append(f"stream must be an object, got {self.stream!r}")
         if isinstance(self.top_k, int) and not -(2**63) <= self.top_k < 2**63:
             out.append(f"top_k must fit in int64, got {self.top_k}")
         if not out and not self.is_greedy and self.seed is None:

@@ -94,37 +94,55 @@ def replay(
     return out
 
 
+def _noised_kept(profile: Profile, keys: RowKeys, kept, floor: torch.Tensor, vocab: int):
+    """Noised scores of the kept tokens that can reach ``floor`` (per row), and which those are.
+
+    A kept token whose scaled logit plus the profile's noise bound (with room for the engine's
+    rounding) stays below its row's floor cannot be sampled nor outrank a claim at the floor, so
+    its noise is never computed: the result is identical to noising every kept token.
+    """
+    bound = profile.noise_bound(keys).to(kept.values.device)
+    reach = kept.values + bound[kept.rows]
+    reach = reach + 1e-6 * reach.abs() + 1e-6
+    sel = (reach >= floor[kept.rows]).nonzero().squeeze(1)
+    rows, cols = kept.rows[sel], kept.cols[sel]
+    return sel, profile.noised(keys, rows, cols, kept.values[sel], vocab, kept)
+
+
 def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -> None:
     sub = [params[i] for i in s_idx.tolist()]
     temp, top_k, top_p, min_p = _params_tensors(sub)
     raw = logits[s_idx]
     x = raw / temp[:, None]
     kept = kept_set(x, top_k, top_p, min_p)
-    sub_keys = RowKeys(
-        requests=tuple(keys.requests[i] for i in s_idx.tolist()),
-        seeds=keys.seeds[s_idx.numpy()],
-        positions=keys.positions[s_idx.numpy()],
-        steps=keys.steps[s_idx.numpy()],
-    )
+    pick = s_idx.numpy()
+    sub_keys = RowKeys(requests=tuple(keys.requests[i] for i in pick.tolist()), seeds=keys.seeds[pick],
+                       positions=keys.positions[pick], steps=keys.steps[pick], params=tuple(sub))
     n = s_idx.numel()
     vocab = logits.shape[1]
-    g = profile.gumbel(sub_keys, kept.rows, kept.cols, vocab)
-    scores = kept.values + g
-    best, winner = _segment_argmax(scores, kept.rows, kept.cols, n)
+    rows_n = torch.arange(n)
+
+    # A first bound on each row's best score from its largest logits (the top view), then only
+    # the tokens that can reach it (or the claim's score, when ranking a claim) are noised.
+    top = kept.values >= kept.view[kept.rows, -1].double()
+    floor = torch.full((n,), -INF, dtype=torch.float64)
+    first = profile.noised(sub_keys, kept.rows[top], kept.cols[top], kept.values[top], vocab, kept)
+    floor = floor.scatter_reduce(0, kept.rows[top], first, "amax")
+    if claimed is not None:
+        c = claimed[s_idx]
+        xc = x.gather(1, c[:, None]).squeeze(1)
+        is_kept = xc >= kept.threshold
+        sc = torch.where(is_kept, profile.noised(sub_keys, rows_n, c, xc.double(), vocab, kept),
+                         torch.full((n,), -INF, dtype=torch.float64))
+        floor = torch.where(is_kept, torch.minimum(floor, sc), floor)
+    sel, scores = _noised_kept(profile, sub_keys, kept, floor, vocab)
+    best, winner = _segment_argmax(scores, kept.rows[sel], kept.cols[sel], n)
     out.token[s_idx] = winner
     if claimed is None:
         return
 
-    c = claimed[s_idx]
-    xc = x.gather(1, c[:, None]).squeeze(1)
-    is_kept = xc >= kept.threshold
-    rows_c = torch.arange(n)
-    gc = profile.gumbel(sub_keys, rows_c, c, vocab)
-    sc = torch.where(is_kept, xc.double() + gc, torch.full_like(gc, -INF))
     t64 = temp.double()
     margin = (best - sc) * t64
-    # inf - inf: both the winner and the claim drew infinite noise (fp32 vLLM, u < 2**-25)
-    margin = torch.where(torch.isnan(margin), torch.where(winner == c, 0.0, INF), margin)
     margin = torch.where(winner == c, torch.zeros_like(margin), margin)
     out.margin[s_idx] = margin
     out.filter_distance[s_idx] = torch.where(
@@ -132,8 +150,11 @@ def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -
     )
     out.logprob[s_idx] = torch.where(is_kept, xc.double() - kept.log_norm, torch.full_like(margin, -INF))
     out.logit_rank[s_idx] = rank_in_row(x, kept.view, xc)  # x = raw / T has the raw logits' order
-    above = (scores > sc[kept.rows]).long()
-    out.gumbel_rank[s_idx] = torch.zeros(n, dtype=torch.int64).scatter_add(0, kept.rows, above)
+    # Unnoised kept tokens lie below the claim's score; a filtered claim ranks below every kept token.
+    above = (scores > sc[kept.rows[sel]]).long()
+    rank = torch.zeros(n, dtype=torch.int64).scatter_add(0, kept.rows[sel], above)
+    n_kept = torch.bincount(kept.rows, minlength=n)
+    out.gumbel_rank[s_idx] = torch.where(is_kept, rank, n_kept)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], profile: Profile, keys: RowKeys) -> torch.Tensor:

@@ -7,7 +7,7 @@ the provider claims. A request without ``seed`` gets a random one in [0, 2^63), 
 For the ``vllm`` profile the k-th output token (k = 0, 1, ...) uses the noise of position
 ``len(prompt_token_ids) - 1 + k`` under that seed, where ``prompt_token_ids`` are the ids returned
 with ``return_token_ids`` (for chat: the prompt rendered with the model's chat template and the
-generation prompt); for ``torch-exponential`` it uses the k-th full-vocabulary draw of a
+generation prompt); for ``vllm-v1`` (alias ``torch-exponential``) it uses the k-th full-vocabulary draw of a
 ``torch.Generator`` seeded with the seed; ``temperature`` 0 (below 1e-5) is greedy. So
 
     Trace(id, model, choice["prompt_token_ids"], choice["token_ids"],
@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -60,6 +60,7 @@ from verinfer.serve.config import Misconfiguration, ServeConfig, parse_misconfig
 from verinfer.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from verinfer.serve.prompting import PromptIds, chat_prompt, completion_prompt
 from verinfer.serve.protocol import APIError, ChatRequest, CompletionRequest, decode_body, parse
+from verinfer.serve.stream import sse, stream_chunks, text_pieces
 from verinfer.serve.worker import Abandoned, BatchWorker, Generation, Job, QueueTimeout
 from verinfer.commits.activation_difr import FingerprintSpec
 from verinfer.commits.trace_commits import CommitSpec, build_commits
@@ -114,7 +115,19 @@ class ServedModel:
         self.worker = BatchWorker(self.generator, variant, max_batch, config.batch_wait_s,
                                   max_batch_prompt_tokens=config.max_batch_prompt_tokens,
                                   queue_timeout_s=config.queue_timeout_s)
+        self.honest_worker = self.worker  # the greedy-only cheat decodes greedy requests honestly, on its own thread
+        if self.mis.greedy_honest:
+            self.honest_worker = BatchWorker(backend, None, config.max_batch, config.batch_wait_s,
+                                             max_batch_prompt_tokens=config.max_batch_prompt_tokens,
+                                             queue_timeout_s=config.queue_timeout_s)
         self.created = int(time.time())
+
+    @property
+    def workers(self) -> list[BatchWorker]:
+        return [self.worker] + ([self.honest_worker] if self.honest_worker is not self.worker else [])
+
+    def worker_for(self, claimed: SamplingParams) -> BatchWorker:
+        return self.worker if self.mis.deviates(claimed) else self.honest_worker
 
     @property
     def tokenizer(self):
@@ -182,10 +195,10 @@ class ServedModel:
                 raise APIError(f"verinfer_commits.fingerprint_dim: {fp.problems()[0]}", "verinfer_commits.fingerprint_dim")
         return CommitSpec(fingerprint=fp, toploc_k=128 if c.toploc else None)
 
-    async def wait(self, job: Job, client: Request | None) -> Generation:
-        """Submit ``job`` and await it; abandon it when ``client`` disconnects or the queue times out."""
+    async def wait(self, job: Job, client: Request | None, worker: BatchWorker) -> Generation:
+        """Submit ``job`` to ``worker`` and await it; abandon it when ``client`` disconnects or the queue times out."""
         try:
-            future = self.worker.submit(job)
+            future = worker.submit(job)
         except RuntimeError as exc:
             raise APIError(str(exc), status=503, type="server_error") from None
         waiter = asyncio.wrap_future(future)
@@ -217,25 +230,34 @@ class ServedModel:
                            type="server_error") from None
 
     async def run(self, req, prompt: PromptIds, max_tokens: int, logprobs: int | None,
-                  prompt_logprobs: int | None, client: Request | None = None) -> Outcome:
-        claimed = self.claimed_params(req)
+                  prompt_logprobs: int | None, client: Request | None = None) -> list[Outcome]:
+        """The request's ``n`` completions, decoded together (choice j of a seeded request uses seed + j)."""
         spec = self.commit_spec(req, max_tokens)
-        actual = self.mis.variant.actual_params(claimed) if self.mis.variant is not None else claimed
-        job = Job(GenRequest(f"req-{uuid.uuid4().hex}", prompt.actual, actual), max_tokens, logprobs,
-                  prompt_logprobs, capture=spec is not None)
-        gen = await self.wait(job, client)
-        n, text, stop = cut_at_stop(self.tokenizer, gen.tokens, req.stop)
-        tokens = gen.tokens[:n]
-        finish = "stop" if stop is not None else gen.finish_reason
-        commits = None
-        if spec is not None and tokens:
-            rows = gen.rows[: len(prompt.actual) + n - 1]
-            commits = build_commits(rows, len(prompt.actual), spec, self.reference.model_id)
-        return Outcome(prompt, gen, tokens, text, finish, stop, claimed, commits)
+        claims = [self.claimed_params(req) for _ in range(req.n)]
+        if req.seed is not None:
+            claims = [c.with_(seed=req.seed + j) for j, c in enumerate(claims)]
+        jobs = []
+        for j, claimed in enumerate(claims):
+            actual = self.mis.actual_params(claimed)
+            jobs.append(Job(GenRequest(f"req-{uuid.uuid4().hex}", prompt.actual, actual), max_tokens, logprobs,
+                            prompt_logprobs if j == 0 else None, capture=spec is not None))
+        workers = [self.worker_for(claimed) for claimed in claims]
+        gens = await asyncio.gather(*(self.wait(job, client, worker) for job, worker in zip(jobs, workers)))
+        out = []
+        for claimed, gen in zip(claims, gens):
+            n, text, stop = cut_at_stop(self.tokenizer, gen.tokens, req.stop)
+            tokens = gen.tokens[:n]
+            finish = "stop" if stop is not None else gen.finish_reason
+            commits = None
+            if spec is not None and tokens:
+                rows = gen.rows[: len(prompt.actual) + n - 1]
+                commits = build_commits(rows, len(prompt.actual), spec, self.reference.model_id)
+            out.append(Outcome(prompt, gen, tokens, text, finish, stop, claimed, commits))
+        return out
 
     @staticmethod
-    def usage(o: Outcome) -> dict[str, int]:
-        p, c = len(o.prompt.reported), len(o.tokens)
+    def usage(outcomes: list[Outcome]) -> dict[str, int]:
+        p, c = len(outcomes[0].prompt.reported), sum(len(o.tokens) for o in outcomes)
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def extensions(self, o: Outcome, choice: dict) -> None:
@@ -243,7 +265,15 @@ class ServedModel:
         if o.commits is not None:
             choice["verinfer_commits"] = o.commits
 
-    async def completion(self, body: Any, client: Request | None = None) -> dict[str, Any]:
+    def respond(self, req, body: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any] | StreamingResponse:
+        """The response, or with ``stream: true`` the same response as server-sent events."""
+        if not req.stream:
+            return body
+        usage = req.stream_options is not None and req.stream_options.include_usage
+        pieces = [text_pieces(self.tokenizer, o.tokens, o.text) for o in outcomes]
+        return StreamingResponse(sse(stream_chunks(body, pieces, usage)), media_type="text/event-stream")
+
+    async def completion(self, body: Any, client: Request | None = None):
         req: CompletionRequest = parse(CompletionRequest, body)
         self.check_model(req.model)
         if isinstance(req.prompt, str):
@@ -256,30 +286,35 @@ class ServedModel:
         prompt = completion_prompt(self.tokenizer, client_ids, self.mis)
         self.check_length(prompt, req.max_tokens, "prompt")
         wants_prompt_lp = req.echo and req.logprobs is not None
-        o = await self.run(req, prompt, req.max_tokens, req.logprobs, req.logprobs if wants_prompt_lp else None,
-                           client)
-        text = o.text
-        if req.echo:
-            prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(client_ids)
-            text = prompt_text + text
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None, "finish_reason": o.finish_reason,
-                                  "stop_reason": o.stop_reason}
-        if req.logprobs is not None:
-            entries: list = []
+        outcomes = await self.run(req, prompt, req.max_tokens, req.logprobs,
+                                  req.logprobs if wants_prompt_lp else None, client)
+        choices = []
+        for j, o in enumerate(outcomes):
+            text = o.text
             if req.echo:
-                reported = o.prompt.reported
-                plp = o.generation.prompt_logprobs[len(o.prompt.actual) - len(reported):]
-                entries = [reported[0], *plp]
-            entries += o.generation.logprobs[: len(o.tokens)]
-            choice["logprobs"] = completion_logprobs(TokenText(self.tokenizer, req.return_tokens_as_token_ids), entries)
-        if req.return_token_ids:
-            choice["prompt_token_ids"] = list(o.prompt.reported)
-            choice["token_ids"] = o.tokens
-        self.extensions(o, choice)
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.name, "choices": [choice], "usage": self.usage(o)}
+                prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(client_ids)
+                text = prompt_text + text
+            choice: dict[str, Any] = {"index": j, "text": text, "logprobs": None, "finish_reason": o.finish_reason,
+                                      "stop_reason": o.stop_reason}
+            if req.logprobs is not None:
+                entries: list = []
+                if req.echo:
+                    reported = o.prompt.reported
+                    plp = outcomes[0].generation.prompt_logprobs[len(o.prompt.actual) - len(reported):]
+                    entries = [reported[0], *plp]
+                entries += o.generation.logprobs[: len(o.tokens)]
+                choice["logprobs"] = completion_logprobs(TokenText(self.tokenizer, req.return_tokens_as_token_ids),
+                                                         entries)
+            if req.return_token_ids:
+                choice["prompt_token_ids"] = list(o.prompt.reported)
+                choice["token_ids"] = o.tokens
+            self.extensions(o, choice)
+            choices.append(choice)
+        return self.respond(req, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+                                  "created": int(time.time()), "model": self.name, "choices": choices,
+                                  "usage": self.usage(outcomes)}, outcomes)
 
-    async def chat(self, body: Any, client: Request | None = None) -> dict[str, Any]:
+    async def chat(self, body: Any, client: Request | None = None):
         req: ChatRequest = parse(ChatRequest, body)
         self.check_model(req.model)
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -289,20 +324,23 @@ class ServedModel:
             limit = max(0, min(self.config.max_tokens_limit, self.max_model_len - len(prompt.actual)))
         self.check_length(prompt, limit, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        o = await self.run(req, prompt, limit, top, None, client)
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": o.text},
-                                  "logprobs": None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-        if top is not None:
-            choice["logprobs"] = chat_logprobs(TokenText(self.tokenizer, req.return_tokens_as_token_ids),
-                                               o.generation.logprobs[: len(o.tokens)])
-        if req.return_token_ids:
-            choice["token_ids"] = o.tokens
-        self.extensions(o, choice)
+        outcomes = await self.run(req, prompt, limit, top, None, client)
+        choices = []
+        for j, o in enumerate(outcomes):
+            choice: dict[str, Any] = {"index": j, "message": {"role": "assistant", "content": o.text},
+                                      "logprobs": None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            if top is not None:
+                choice["logprobs"] = chat_logprobs(TokenText(self.tokenizer, req.return_tokens_as_token_ids),
+                                                   o.generation.logprobs[: len(o.tokens)])
+            if req.return_token_ids:
+                choice["token_ids"] = o.tokens
+            self.extensions(o, choice)
+            choices.append(choice)
         out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-               "model": self.name, "choices": [choice], "usage": self.usage(o)}
+               "model": self.name, "choices": choices, "usage": self.usage(outcomes)}
         if req.return_token_ids:
-            out["prompt_token_ids"] = list(o.prompt.reported)
-        return out
+            out["prompt_token_ids"] = list(outcomes[0].prompt.reported)
+        return self.respond(req, out, outcomes)
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -352,11 +390,13 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), served: Se
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        served.worker.start()
+        for w in served.workers:
+            w.start()
         try:
             yield
         finally:
-            await asyncio.to_thread(served.worker.close)
+            for w in served.workers:
+                await asyncio.to_thread(w.close)
 
     app = FastAPI(title="verinfer provider", lifespan=lifespan)
     app.state.served = served
@@ -377,10 +417,11 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), served: Se
 
     @app.get("/health")
     async def health():
-        w = served.worker
-        return {"status": "ok", "requests": w.requests, "batches": w.batches, "largest_batch": w.largest_batch,
-                "max_batch": w.max_batch, "decode_steps": w.decode_steps, "queued": w.queued,
-                "abandoned": w.abandoned, "expired": w.expired, "failed": w.failed}
+        ws = served.workers
+        total = {k: sum(getattr(w, k) for w in ws) for k in ("requests", "batches", "decode_steps", "queued",
+                                                              "abandoned", "expired", "failed")}
+        return {"status": "ok", **total, "largest_batch": max(w.largest_batch for w in ws),
+                "max_batch": served.worker.max_batch}
 
     @app.get("/v1/models")
     async def models():

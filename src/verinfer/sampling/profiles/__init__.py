@@ -1,0 +1,40 @@
+"""The registry of sampler profiles: one module per engine and version, selectable by name."""
+
+from __future__ import annotations
+
+from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.profiles.base import Profile, RowKeys
+from verinfer.sampling.profiles.greedy import GreedyProfile
+from verinfer.sampling.profiles.vllm import VllmProfile
+from verinfer.sampling.profiles.vllm_v1 import VllmV1Profile
+
+_CLASSES: tuple[type[Profile], ...] = (
+    GreedyProfile,
+    VllmProfile,
+    VllmV1Profile,
+)
+
+PROFILES: dict[str, type[Profile]] = {n: c for c in _CLASSES for n in (c.name, *c.aliases)}
+
+__all__ = ["PROFILES", "Profile", "RowKeys", "get_profile", "params_problems", "profile_names"]
+
+
+def profile_names() -> list[str]:
+    """Canonical names (no aliases), for help texts."""
+    return [c.name for c in _CLASSES]
+
+
+def get_profile(name: str) -> Profile:
+    """A fresh profile instance by name or alias, or a ValueError listing the known names."""
+    try:
+        return PROFILES[name]()
+    except KeyError:
+        raise ValueError(f"unknown sampler profile {name!r}; known: {', '.join(sorted(PROFILES))}") from None
+
+
+def params_problems(params: SamplingParams) -> list[str]:
+    """Everything wrong with ``params``: generic checks, the profile's name, then what it cannot replay."""
+    out = params.problems()
+    if params.profile not in PROFILES:
+        return [f"profile: unknown profile {params.profile!r} (known: {', '.join(sorted(PROFILES))})", *out]
+    return out + PROFILES[params.profile]().problems(params)

@@ -1,0 +1,71 @@
+"""What a sampler profile is: the noise a named engine adds before its argmax.
+
+A profile only decides the Gumbel noise ``G`` of (row, token) pairs and how the engine adds it to
+the scaled logits; filters and the argmax are shared (``sampling/sampler.py``), so generation and
+verification cannot drift apart. Each engine profile is one module in this package citing the
+source file and version it follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from verinfer.sampling.filters import KeptSet
+from verinfer.sampling.params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RowKeys:
+    """What identifies the noise of each row in a block of logits."""
+
+    requests: tuple[str, ...]  # request (trace) id per row
+    seeds: np.ndarray  # [N] object array of Python ints (seeds may exceed int64)
+    positions: np.ndarray  # [N] int64: 0-based position of the last input token (vLLM's `pos`)
+    steps: np.ndarray  # [N] int64: index k of the output token being sampled
+    params: tuple[SamplingParams, ...] = field(default=())  # per row, for profiles with per-request modes
+
+
+class Profile:
+    """Base class: a named noise source.
+
+    ``gumbel`` returns fp64 noise for (row, token) pairs; ``noised`` adds it to the scaled logits
+    as the engine does (fp64 here unless a profile says otherwise). ``noise_bound`` is an upper
+    bound on any G the profile can draw (per row): tokens whose logit plus that bound cannot
+    reach the best noised score found so far cannot win, so their noise is never computed.
+    """
+
+    name: str = ""
+    aliases: tuple[str, ...] = ()
+    seeded: bool = True
+    description: str = ""
+
+    def gumbel(self, keys: RowKeys, rows: torch.Tensor, cols: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def noised(self, keys: RowKeys, rows: torch.Tensor, cols: torch.Tensor, x: torch.Tensor,
+               vocab_size: int, kept: KeptSet | None = None) -> torch.Tensor:
+        """``x + G`` for the pairs (x: fp32 scaled logits of the pairs, given as fp64), as fp64.
+
+        ``kept`` is the rows' whole kept set, for engines whose noise depends on a token's place in
+        it (e.g. a sorted rank) rather than on its id alone.
+        """
+        return x.double() + self.gumbel(keys, rows, cols, vocab_size).to(x.device)
+
+    def noise_bound(self, keys: RowKeys) -> torch.Tensor:
+        """Per-row upper bound on G (fp64); +inf disables pruning."""
+        return torch.full((len(keys.requests),), float("inf"), dtype=torch.float64)
+
+    def problems(self, params: SamplingParams) -> list[str]:
+        """What this profile cannot replay in ``params`` (empty when it can)."""
+        out = []
+        if params.fp64_gumbel:
+            out.append(f"fp64_gumbel is a vLLM option; profile {self.name!r} has no fp64 mode")
+        if params.stream:
+            out.append(f"stream: profile {self.name!r} takes no stream fields, got {sorted(params.stream)}")
+        return out
+
+    def forget(self, request: str) -> None:
+        """Release any per-request state once a request is finished (stateless profiles keep none)."""
