@@ -26,6 +26,7 @@ import httpx
 
 from verinfer.auditing.secrets import redact, redact_text, remember, remember_url
 from verinfer.auditing.store import ResponseStore, request_key
+from verinfer.auditing.stream import StreamError, assemble, events
 
 RETRY_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 
@@ -246,7 +247,16 @@ class ProviderClient:
             attempt += 1
         meta = {**call.meta, "elapsed_s": round(elapsed, 4), "attempts": attempt + 1, "received_at": time.time()}
         try:  # redacted before anything is cut short, so no prefix of a key survives
-            payload = redact(resp.json())
+            if call.body.get("stream"):  # server-sent events, joined into one response (verinfer.auditing.stream)
+                chunks = events(resp.text)
+                payload = redact(assemble(chunks))
+                meta["stream_chunks"] = len(chunks)
+            else:
+                payload = redact(resp.json())
+        except StreamError as exc:
+            self.rejected.append(call.key, call.path, call.body, redact_text(resp.text)[:100_000], **meta)
+            raise ProviderError(f"{where}: request {call.key} ({_describe(call)}): the event stream is malformed: "
+                                f"{redact_text(str(exc))}; kept in {self.rejected.path}") from None
         except (json.JSONDecodeError, UnicodeDecodeError):
             text = redact_text(resp.text)
             self.rejected.append(call.key, call.path, call.body, text[:100_000], **meta)

@@ -1,8 +1,12 @@
-"""What an audit asks each provider: one request per prompt, greedy or seeded.
+"""What an audit asks each provider: one request per prompt, greedy, seeded or sampled without a seed.
 
 Greedy spot checks (temperature 0) need nothing from the provider but argmax decoding. Seeded
 mode asks for sampling with a per-prompt seed and replays it with the provider's sampler profile
 (``--sampler vllm``), so only engines whose sampler the project reproduces can be audited that way.
+The seedless modes ask for sampling at the claimed temperature and top-k/top-p without a seed, as
+customers do: ``rank`` one completion per prompt, ranked among ``samples`` reference draws (RUT,
+``verinfer.auditing.rank``); ``mmd`` ``samples`` completions per prompt in one request (``n``),
+compared with as many reference draws (Model Equality Testing, ``verinfer.auditing.mmd``).
 Chat requests are what customers send (the provider applies its chat template, which is part of
 what gets audited); completion requests send our rendering as token ids, fixing the prompt exactly.
 """
@@ -17,7 +21,8 @@ from verinfer.prompts import Prompt, render
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import get_profile
 
-MODES = ("greedy", "seeded")
+MODES = ("greedy", "seeded", "rank", "mmd")
+SEEDLESS = ("rank", "mmd")  # sampled without a seed, judged as draws (no bands or calibration)
 ENDPOINTS = {"chat": "chat/completions", "completions": "completions"}
 
 
@@ -35,6 +40,12 @@ class AuditSpec:
     max_tokens: int = 48
     endpoint: str = "chat"
     token_ids: bool = True  # ask for vLLM's return_token_ids (omit for providers that refuse unknown fields)
+    samples: int = 16  # rank: reference draws per prompt; mmd: completions per prompt from each side
+    stream: bool = False  # ask for server-sent events (stream: true), as chat clients do
+
+    @property
+    def seedless(self) -> bool:
+        return self.mode in SEEDLESS
 
     def problems(self) -> list[str]:
         out = []
@@ -44,6 +55,14 @@ class AuditSpec:
             out.append(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
         if self.max_tokens < 1:
             out.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.seedless:
+            if self.samples < (1 if self.mode == "rank" else 2):
+                out.append(f"--samples must be >= {1 if self.mode == 'rank' else 2} for --mode {self.mode}, "
+                           f"got {self.samples}")
+            out += self.params(0).with_(profile="vllm", seed=0).problems()
+            if self.temperature < 1e-5:
+                out.append(f"--mode {self.mode} audits sampled traffic and needs a temperature > 0 "
+                           "(use --mode greedy for argmax spot checks)")
         if self.mode == "seeded":
             try:
                 get_profile(self.sampler)
@@ -59,7 +78,7 @@ class AuditSpec:
         if self.mode == "greedy":
             return SamplingParams(profile="greedy", temperature=0.0)
         return SamplingParams(profile=self.sampler, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, min_p=self.min_p, seed=self.seed + index)
+                              top_p=self.top_p, min_p=self.min_p, seed=None if self.seedless else self.seed + index)
 
     def signature(self) -> dict:
         """The settings a calibration band must share with the audit (seeds excluded)."""
@@ -80,11 +99,17 @@ def generation_calls(spec: AuditSpec, prompts: Sequence[Prompt], tokenizer, mode
         else:
             body["prompt"] = ids
         if not params.is_greedy:
-            body.update(seed=params.seed, top_p=params.top_p)
+            body["top_p"] = params.top_p
+            if params.seed is not None:
+                body["seed"] = params.seed
             if params.top_k > 0:
                 body["top_k"] = params.top_k
             if params.min_p > 0:
                 body["min_p"] = params.min_p
+        if spec.mode == "mmd":
+            body["n"] = spec.samples
+        if spec.stream:
+            body["stream"] = True
         if spec.token_ids:
             body["return_token_ids"] = True
         calls.append(Call(ENDPOINTS[spec.endpoint], body,

@@ -30,7 +30,15 @@ TEMPLATE = Path(__file__).with_name("templates") / "report.html.j2"
 
 
 def prompt_rows(audit: ProviderAudit, tokenizer, clip: float) -> list[dict]:
-    """One row per verified sequence: scores and the output as tokens with their margins."""
+    """One row per verified sequence: scores and the output as tokens with their margins (seedless
+    modes: the per-prompt results and the first completion's text)."""
+    if audit.prompts is not None:
+        first = {}
+        for c in audit.claims:
+            first.setdefault(c.prompt_id, c)
+        return [{**r, "tokens_html": html.escape(tokenizer.decode(first[r["prompt_id"]].output_token_ids,
+                                                                  skip_special_tokens=True)).replace("\n", "⏎<br>")}
+                for r in audit.prompts]
     ids = np.asarray(audit.columns["trace_id"], dtype=object)
     margin = np.asarray(audit.columns["margin"], dtype=np.float64)
     rows = []
@@ -101,6 +109,8 @@ def histogram_plot(audit: ProviderAudit, honest_counts: list[int] | None) -> str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if audit.prompts is not None:
+        return rank_plot(audit)
     mine = np.asarray(histogram(audit.columns["margin"]), dtype=float)
     labels = ["0", f"<{HIST_EDGES[2]:g}"] + [f"{a:g}-{b:g}" for a, b in zip(HIST_EDGES[2:], HIST_EDGES[3:])] + [
         f">={HIST_EDGES[-1]:g}"]
@@ -117,6 +127,28 @@ def histogram_plot(audit: ProviderAudit, honest_counts: list[int] | None) -> str
     ax.set_xlabel("per-token margin (raw-logit units)")
     ax.set_ylabel("share of tokens")
     ax.legend(fontsize=8)
+    return _svg(fig)
+
+
+def rank_plot(audit: ProviderAudit) -> str:
+    """Seedless modes: the sorted per-prompt rank quantiles against the uniform diagonal (rank mode),
+    or a note that MMD has no per-prompt statistic."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 3.2))
+    u = np.sort([r["rank_quantile"] for r in audit.prompts if "rank_quantile" in r])
+    if u.size:
+        ax.plot((np.arange(u.size) + 0.5) / u.size, u, "o", color="#c0392b", ms=4, label=audit.endpoint.name)
+        ax.plot([0, 1], [0, 1], color="#3182bd", label="uniform (honest)")
+        ax.set_xlabel("expected quantile")
+        ax.set_ylabel("rank quantile among reference draws")
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "MMD: one statistic over all prompts", ha="center", va="center")
+        ax.set_axis_off()
     return _svg(fig)
 
 
@@ -140,6 +172,8 @@ def to_json(result: AuditResult, tokenizer) -> dict:
             "drift": a.drift, "requests_sent": a.requests_sent,
             "responses_stored": a.responses_stored, "damaged_lines": a.damaged_lines, "empty_outputs": a.empty_outputs,
             "prompts": [{k: v for k, v in r.items() if k != "tokens_html"} for r in prompt_rows(a, tokenizer, clip)],
+            **({"reference_draws": display_path(result.out_dir / "reference" / "draws.jsonl", result.out_dir)}
+               if a.prompts is not None else {}),
         } for a in result.providers],
     })
 

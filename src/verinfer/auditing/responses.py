@@ -69,10 +69,14 @@ def _ids(value: Any, where: str, name: str, vocab_size: int) -> list[int] | None
     return value
 
 
-def parse_generation(record: dict[str, Any], tokenizer, stop_ids: set[int], vocab_size: int, where: str) -> Claim:
-    """A stored generation record as a Claim; ProviderError naming the field on malformed content."""
+def parse_generation(record: dict[str, Any], tokenizer, stop_ids: set[int], vocab_size: int, where: str,
+                     index: int = 0) -> Claim:
+    """Choice ``index`` of a stored generation record as a Claim; ProviderError naming the field on
+    malformed content."""
     meta, response = record, record["response"]
-    choice = response["choices"][0]
+    choice = response["choices"][index]
+    if not isinstance(choice, dict):
+        raise ProviderError(f"{where}: choices[{index}] is not an object")
     message = choice.get("message")
     text = message.get("content") if isinstance(message, dict) else choice.get("text")
     if text is not None and not isinstance(text, str):
@@ -99,7 +103,7 @@ def parse_generation(record: dict[str, Any], tokenizer, stop_ids: set[int], voca
         drift["round_trip_mismatch"] = int(tokenizer.decode(output, skip_special_tokens=False) != text)
     return Claim(str(meta["prompt_id"]), int(meta["index"]), prompt_ids, output, source, text,
                  choice.get("finish_reason"), drift,
-                 served_claims(response, record.get("request") or {}, ids, reported_prompt))
+                 served_claims(response, record.get("request") or {}, ids, reported_prompt, index))
 
 
 def _count(value: Any) -> int | None:
@@ -107,8 +111,11 @@ def _count(value: Any) -> int | None:
 
 
 def served_claims(response: dict, request: dict, ids: list[int] | None,
-                  reported_prompt: list[int] | None) -> dict[str, Any]:
+                  reported_prompt: list[int] | None, index: int = 0) -> dict[str, Any]:
     """What one response says was served, and where that contradicts the request or the returned ids.
+
+    With several choices (``n``), ``usage`` covers them all: it is compared with the token ids of
+    every choice and counted with choice 0 only.
 
     ``problems`` maps a check to a short phrase: ``model`` (another model id than requested),
     ``max_tokens`` (more output tokens than asked for, by the returned ids or by usage),
@@ -130,12 +137,17 @@ def served_claims(response: dict, request: dict, ids: list[int] | None,
     if model is not None and requested is not None and model != requested:
         problems["model"] = f"served model {str(model)[:120]!r}, requested {requested!r}"
     returned = len(ids) if ids is not None else None
+    if index > 0:
+        prompt_tokens = completion_tokens = None
+    every = [c.get("token_ids") for c in response.get("choices", []) if isinstance(c, dict)]
+    returned_all = (sum(len(t) for t in every) if ids is not None and all(isinstance(t, list) for t in every)
+                    else returned)
     if max_tokens is not None:
         over = [n for n in (returned, completion_tokens) if n is not None and n > max_tokens]
         if over:
             problems["max_tokens"] = f"{max(over)} output tokens, max_tokens was {max_tokens}"
-    if completion_tokens is not None and returned is not None and completion_tokens != returned:
-        problems["completion_usage"] = f"usage.completion_tokens {completion_tokens}, {returned} token ids returned"
+    if completion_tokens is not None and returned_all is not None and completion_tokens != returned_all:
+        problems["completion_usage"] = f"usage.completion_tokens {completion_tokens}, {returned_all} token ids returned"
     if prompt_tokens is not None and reported_prompt is not None and prompt_tokens != len(reported_prompt):
         problems["prompt_usage"] = (f"usage.prompt_tokens {prompt_tokens}, {len(reported_prompt)} prompt token ids "
                                     "returned")

@@ -22,6 +22,7 @@ from verinfer.auditing.client import Endpoint, ProviderClient, ProviderError, Re
 from verinfer.auditing.plan import AuditSpec, generation_calls
 from verinfer.auditing.reference import claim_traces
 from verinfer.auditing.responses import Claim, parse_generation, summarize_drift, summarize_served
+from verinfer.auditing.seedless import judge_sampled
 from verinfer.auditing.store import ResponseStore
 from verinfer.prompts import Prompt
 from verinfer.stats.calibration import Calibrator, signature_mismatch
@@ -43,6 +44,7 @@ class ProviderAudit:
     damaged_lines: int
     empty_outputs: list[str] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # what the provider said it served, with warnings (summarize_served)
+    prompts: list[dict] | None = None  # seedless modes: per-prompt results (verinfer.auditing.seedless)
 
 
 @dataclass
@@ -87,10 +89,16 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
               policy: RetryPolicy = RetryPolicy(), on_stage: Callable[[str], None] | None = None) -> AuditResult:
     """Audit each endpoint with ``prompts`` as ``spec`` asks; verdicts from ``bands`` or ``calibrator``."""
     stage = on_stage or (lambda _: None)
-    if (bands is None) == (calibrator is None):
-        raise ValueError("give exactly one of bands or a calibration file for the verdict")
     if spec.problems():
         raise ValueError(spec.problems()[0])
+    if spec.seedless and getattr(reference, "backend", None) is None:
+        raise ValueError(f"--mode {spec.mode} draws reference samples with a local model; a reference API "
+                         "cannot be used (drop --reference-url)")
+    if spec.seedless and (bands is not None or calibrator is not None):
+        raise ValueError(f"--mode {spec.mode} is exact without bands or a calibration (its null is the "
+                         "reference's own sampling distribution); drop --bands / --calibration")
+    if not spec.seedless and (bands is None) == (calibrator is None):
+        raise ValueError("give exactly one of bands or a calibration file for the verdict")
     if calibrator is not None:  # refuse before any request is paid for
         problem = signature_mismatch(calibrator.signature, reference_signature(reference, spec))
         if problem:
@@ -115,6 +123,9 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     stops = stop_ids(tokenizer)
     audits = []
     for e, store, client, records in fetched:
+        if spec.seedless:
+            audits.append(_sampled_audit(e, store, client, records, spec, reference, out_dir, fpr, stops, stage))
+            continue
         claims = [parse_generation(r, tokenizer, stops, reference.vocab_size,
                                    f"provider {e.name!r}: {store.path} (prompt {r['prompt_id']})") for r in records]
         empty = [c.prompt_id for c in claims if not c.output_token_ids]
@@ -136,6 +147,24 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
                                      source=Path(bands.source).name, clip=bands.clip)
         audits.append(ProviderAudit(e, claims, columns, seq, verdict, summarize_drift(claims), client.sent,
                                     len(store), store.damaged_lines, empty, served))
-    adjust([a.verdict for a in audits])
+    adjust([a.verdict for a in audits])  # Holm over providers, whatever the mode
     return AuditResult(audits, spec, reference.describe(), calibrator.fpr if calibrator else fpr, out_dir, bands,
                        started, time.time() - started)
+
+
+def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, records: list[dict], spec: AuditSpec,
+                   reference, out_dir: Path, fpr: float, stops: set[int], stage) -> ProviderAudit:
+    """A provider judged on sampled completions without seeds (``--mode rank`` / ``mmd``)."""
+    want = spec.samples if spec.mode == "mmd" else 1
+    claims = []
+    for r in records:
+        where = f"provider {e.name!r}: {store.path} (prompt {r['prompt_id']})"
+        got = len(r["response"]["choices"])
+        if got < want:
+            raise ProviderError(f"{where}: asked for n={want} completions, got {got} (does the provider support n?)")
+        claims += [parse_generation(r, reference.tokenizer, stops, reference.vocab_size, where, i) for i in range(want)]
+    stage(f"{e.name}: judging {len(claims)} sampled completions ({spec.mode})")
+    judged = judge_sampled(claims, spec, reference.backend, out_dir, fpr, stage)
+    empty = sorted({c.prompt_id for c in claims if not c.output_token_ids})
+    return ProviderAudit(e, claims, {}, np.zeros((0, 3)), judged.verdict, summarize_drift(claims), client.sent,
+                         len(store), store.damaged_lines, empty, summarize_served(claims), judged.prompts)

@@ -109,8 +109,12 @@ def run(
     prompts: str = opt.prompts(),
     n: int = opt.n(),
     prompt_seed: int = opt.prompt_seed(),
-    mode: str = typer.Option("greedy", help="greedy (temperature 0 spot checks) or seeded"),
+    mode: str = typer.Option("greedy", help="greedy (temperature 0 spot checks), seeded (the provider honours "
+                             "seeds with a known sampler), rank or mmd (sampled traffic without seeds)"),
     sampler: str = typer.Option("vllm", help="seeded mode: the provider's sampler profile"),
+    samples: int = typer.Option(16, help="rank: reference draws per prompt; mmd: completions per prompt from the "
+                                "provider (one request with n) and from the reference"),
+    stream: bool = typer.Option(False, help="ask for streamed responses (stream: true, server-sent events)"),
     temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
     seed: int = opt.seed(),
     max_tokens: int = opt.max_tokens(48),
@@ -141,7 +145,7 @@ def run(
                        calibration=calibration, batch_size=batch_size, fpr=fpr, concurrency=concurrency,
                        timeout=timeout, retries=retries, reference_url=reference_url,
                        reference_api_model=reference_api_model, reference_api_key_env=reference_api_key_env,
-                       backend=backend, on_stage=lambda s: err.print(s))
+                       backend=backend, on_stage=lambda s: err.print(s), samples=samples, stream=stream)
     json_path, html_path = result.reports
     for a in result.providers:
         style = "green" if a.verdict.consistent else "red"

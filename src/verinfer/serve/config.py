@@ -15,6 +15,11 @@ serving-level deviations that only exist where prompts are rendered:
   ``prompt_token_ids`` are the ids the server really used, as vLLM reports them, so an auditor
   who compares them with its own rendering sees the drift; one who re-renders sees divergence.
 
+- ``greedy-honest:VARIANT``: the greedy-only cheat. Requests at temperature 0 are decoded by the
+  honest model, every sampled request by VARIANT (``greedy-honest:w4``: 4-bit weights whenever
+  the client samples), so greedy spot checks see an honest provider while the sampled traffic a
+  customer buys is not. Audits of sampled traffic (``verinfer audit run --mode rank``) catch it.
+
 Names are given comma-separated or repeated; ``system-prompt:TEXT`` takes the rest of its value
 (commas included), so give it last or on its own.
 """
@@ -23,10 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from verinfer.sampling.params import SamplingParams
 from verinfer.simulate.variants import Variant, compose, get_variant
 
 SYSTEM_PROMPT = "system-prompt:"
 OLD_TEMPLATE = "old-template"
+GREEDY_HONEST = "greedy-honest:"
 
 # A plain ChatML template as older ChatML deployments shipped it: no default system message.
 PLAIN_CHATML = (
@@ -100,11 +107,20 @@ class Misconfiguration:
     variant: Variant | None = None
     system_prompt: str | None = None
     old_template: bool = False
+    greedy_honest: bool = False  # the variant serves sampled requests only; greedy ones get the honest model
     settings: dict = field(default_factory=dict, compare=False, hash=False)
 
     @property
     def honest(self) -> bool:
         return not self.names
+
+    def deviates(self, claimed: SamplingParams) -> bool:
+        """Whether a request claiming ``claimed`` is served by the variant (else by the honest model)."""
+        return self.variant is not None and not (self.greedy_honest and claimed.is_greedy)
+
+    def actual_params(self, claimed: SamplingParams) -> SamplingParams:
+        """The sampling parameters a request claiming ``claimed`` is really decoded with."""
+        return self.variant.actual_params(claimed) if self.deviates(claimed) else claimed
 
 
 def split_names(values: list[str] | tuple[str, ...] | str) -> tuple[str, ...]:
@@ -130,8 +146,15 @@ def parse_misconfig(names: list[str] | tuple[str, ...] | str) -> Misconfiguratio
     names = split_names(names)
     variants: list[Variant] = []
     system_prompt = None
-    old_template = False
+    old_template = greedy_honest = False
     for name in names:
+        if name.startswith(GREEDY_HONEST):
+            inner = name[len(GREEDY_HONEST):]
+            if greedy_honest or not inner.strip():
+                raise ValueError(f"misconfig {name!r}: give 'greedy-honest:VARIANT' once, with a variant "
+                                 "(e.g. greedy-honest:w4)")
+            greedy_honest = True
+            name = inner.strip()
         if name.startswith(SYSTEM_PROMPT):
             text = name[len(SYSTEM_PROMPT):]
             if not text.strip():
@@ -153,4 +176,8 @@ def parse_misconfig(names: list[str] | tuple[str, ...] | str) -> Misconfiguratio
         settings["system_prompt"] = system_prompt
     if old_template:
         settings["chat_template"] = "plain-chatml"
-    return Misconfiguration(names, variant, system_prompt, old_template, settings)
+    if greedy_honest:
+        if variant is None:
+            raise ValueError("misconfig 'greedy-honest:VARIANT' needs a model or sampler variant, e.g. greedy-honest:w4")
+        settings["greedy_honest"] = True
+    return Misconfiguration(names, variant, system_prompt, old_template, greedy_honest, settings)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 INT64 = 2**63
 MAX_LOGPROBS = 20
+MAX_N = 16  # completions per request (Model Equality Testing uses about 10 per prompt)
 MAX_DEPTH = 32  # our bodies nest 4 deep (messages[i].content[j].text)
 MAX_INT_DIGITS = 40  # every integer field is bounded far below this
 
@@ -59,6 +60,12 @@ class CommitsRequest(_Strict):
         return self
 
 
+class StreamOptions(_Strict):
+    """``stream_options``: ``include_usage`` adds a last chunk with ``usage`` and no choices (OpenAI)."""
+
+    include_usage: bool = False
+
+
 class _Sampling(_Strict):
     """Fields shared by both endpoints."""
 
@@ -69,8 +76,9 @@ class _Sampling(_Strict):
     min_p: float = Field(0.0, ge=0, le=1)
     seed: int | None = Field(None, ge=-INT64, lt=INT64)
     stop: str | list[str] | None = None
-    n: int = Field(1, json_schema_extra={"minimum": 1, "maximum": 1})
+    n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
@@ -103,19 +111,11 @@ class _Sampling(_Strict):
             raise ValueError(f"must be -1 or 0 (disabled) or a positive integer, got {v}")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError(f"only n=1 is supported, got {v}; send one request per sample (seed + i for vLLM's n)")
-        return v
-
-    @field_validator("stream")
-    @classmethod
-    def _stream(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("streaming is not supported by this server; send stream: false")
-        return v
+    @model_validator(mode="after")
+    def _stream_options(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options needs stream: true")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -139,6 +139,12 @@ class CompletionRequest(_Sampling):
     max_tokens: int = Field(16, ge=0, lt=INT64)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
+
+    @model_validator(mode="after")
+    def _echo(self) -> "CompletionRequest":
+        if self.echo and self.stream:
+            raise ValueError("echo is not supported with stream: true; send stream: false to echo the prompt")
+        return self
 
     @field_validator("prompt")
     @classmethod

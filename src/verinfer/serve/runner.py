@@ -79,5 +79,6 @@ def serve_in_thread(backend: Backend, config: ServeConfig = ServeConfig(), start
     finally:
         server.should_exit = True
         thread.join(60)
-        served.worker.close()
+        for w in served.workers:
+            w.close()
         sock.close()

@@ -1,0 +1,158 @@
+"""Audits of sampled traffic without seeds: the rank-uniformity (RUT) and MMD (Model Equality
+Testing) modes, their statistics, and the greedy-only cheat that greedy spot checks cannot see.
+
+The statistical units check what makes the tests exact (uniform ranks under exchangeable draws,
+ties included; a permutation null) on synthetic data; the HTTP test runs real servers on loopback:
+an honest one and ``greedy-honest:w4`` (honest at temperature 0, 4-bit weights otherwise)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import kstest
+
+from tests.audit_servers import asgi_in_thread
+from verinfer.auditing.bands import find_bands
+from verinfer.auditing.client import Endpoint
+from verinfer.auditing.mmd import mmd_verdict
+from verinfer.auditing.plan import AuditSpec
+from verinfer.auditing.rank import rank_p_values, rank_verdict
+from verinfer.auditing.reference import LocalReference
+from verinfer.auditing.report import write_reports
+from verinfer.auditing.run import run_audit
+from verinfer.prompts import load_prompts
+from verinfer.serve import ServeConfig, serve_in_thread
+
+# --------------------------------------------------------------------------------------------------
+# Statistics on synthetic data
+
+
+def test_rank_quantiles_are_uniform_under_exchangeability_even_with_ties():
+    rng = np.random.default_rng(0)
+    m, n = 9, 4000
+    for draw in (lambda size: rng.normal(size=size), lambda size: rng.integers(0, 3, size=size).astype(float)):
+        obs, ref = draw(n), [draw(m) for _ in range(n)]
+        u = rank_p_values(obs, ref, rng)
+        assert kstest(u, "uniform").pvalue > 1e-3  # heavy ties (3 values) too: ties are randomized
+    shifted = rank_p_values(rng.normal(-0.5, 1, size=200), [rng.normal(size=m) for _ in range(200)], rng)
+    assert not rank_verdict(shifted, np.full(200, 10), m).consistent
+
+
+def test_rank_verdict_false_positive_rate_is_at_most_alpha():
+    rng = np.random.default_rng(1)
+    flagged = sum(not rank_verdict(rng.uniform(size=24), np.full(24, 8), 15, 0.1).consistent for _ in range(200))
+    assert flagged / 200 <= 0.1 + 3 * np.sqrt(0.1 * 0.9 / 200)
+
+
+def test_rank_verdict_reports_tokens_needed_and_refuses_one_prompt():
+    v = rank_verdict(np.full(16, 0.01), np.arange(1, 17), 15)
+    assert not v.consistent and v.tokens_needed is not None and v.tokens_needed <= v.tokens
+    with pytest.raises(ValueError, match="at least 2 prompts"):
+        rank_verdict(np.array([0.3]), np.array([5]), 15)
+
+
+def _sequences(rng, probs, n, length):
+    return [list(rng.choice(len(probs), size=length, p=probs)) for _ in range(n)]
+
+
+def test_mmd_detects_another_distribution_and_passes_the_same_one():
+    rng = np.random.default_rng(2)
+    a, b = np.array([0.6, 0.3, 0.1]), np.array([0.3, 0.3, 0.4])
+    same = mmd_verdict([_sequences(rng, a, 6, 8) for _ in range(6)], [_sequences(rng, a, 6, 8) for _ in range(6)], 8)
+    other = mmd_verdict([_sequences(rng, b, 6, 8) for _ in range(6)], [_sequences(rng, a, 6, 8) for _ in range(6)], 8)
+    assert same.consistent and not other.consistent
+    assert other.statistic > same.statistic
+
+
+# --------------------------------------------------------------------------------------------------
+# Over HTTP: the greedy-only cheat
+
+
+@pytest.fixture(scope="module")
+def servers(backend):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(serve_in_thread(backend, ServeConfig(misconfig=mis, max_batch=16)))
+               for name, mis in {"honest": (), "cheat": ("greedy-honest:w4",)}.items()}
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return load_prompts("chitchat", 12, seed=11)
+
+
+def _endpoints(servers, model):
+    return [Endpoint(name, url, model, None) for name, url in servers.items()]
+
+
+def test_greedy_spot_checks_pass_the_greedy_only_cheat(servers, prompts, backend, tmp_path):
+    spec = AuditSpec(mode="greedy", max_tokens=16)
+    bands = find_bands(backend.model_id, spec.signature())
+    result = run_audit(_endpoints(servers, backend.model_id), prompts[:6], spec, LocalReference(backend),
+                       tmp_path, bands=bands)
+    verdicts = {a.endpoint.name: a.verdict for a in result.providers}
+    assert verdicts["cheat"].consistent and verdicts["honest"].consistent
+    assert verdicts["cheat"].statistic == verdicts["honest"].statistic  # the very same greedy tokens
+
+
+def test_rank_audit_flags_the_greedy_only_cheat(servers, prompts, backend, tmp_path):
+    spec = AuditSpec(mode="rank", temperature=1.0, max_tokens=16, samples=7, seed=3, stream=True)
+    result = run_audit(_endpoints(servers, backend.model_id), prompts, spec, LocalReference(backend), tmp_path)
+    verdicts = {a.endpoint.name: a.verdict for a in result.providers}
+    assert verdicts["honest"].consistent, verdicts["honest"].text
+    assert not verdicts["cheat"].consistent, verdicts["cheat"].text
+    assert verdicts["cheat"].p_adjusted is not None  # Holm over the two providers
+    assert verdicts["cheat"].statistic < 0.5  # 4-bit outputs are less likely under the reference: low ranks
+    json_path, html_path = write_reports(result, backend.tokenizer)
+    doc = json.loads(json_path.read_text())
+    assert {p["name"] for p in doc["providers"]} == {"honest", "cheat"}
+    assert all(0 < r["rank_quantile"] < 1 for p in doc["providers"] for r in p["prompts"])
+    assert "rank quantile" in html_path.read_text()
+    # Resuming sends nothing and draws nothing again: the same verdicts from what is stored.
+    draws = (tmp_path / "reference" / "draws.jsonl").read_bytes()
+    again = run_audit(_endpoints(servers, backend.model_id), prompts, spec, LocalReference(backend), tmp_path)
+    assert [a.requests_sent for a in again.providers] == [0, 0]
+    assert (tmp_path / "reference" / "draws.jsonl").read_bytes() == draws
+    assert [a.verdict.p_value for a in again.providers] == [a.verdict.p_value for a in result.providers]
+
+
+def test_mmd_audit_asks_for_n_completions(servers, prompts, backend, tmp_path):
+    spec = AuditSpec(mode="mmd", temperature=1.0, max_tokens=8, samples=4, seed=3)
+    result = run_audit(_endpoints({"honest": servers["honest"]}, backend.model_id), prompts[:4], spec,
+                       LocalReference(backend), tmp_path)
+    (audit,) = result.providers
+    assert len(audit.claims) == 16 and audit.verdict.consistent, audit.verdict.text
+    assert audit.served["warnings"] == []  # usage covers all n choices
+    stored = [json.loads(line) for line in (tmp_path / "honest" / "responses.jsonl").read_text().splitlines()]
+    assert all(r["request"]["n"] == 4 and "seed" not in r["request"] for r in stored)
+
+
+def test_seedless_modes_refuse_what_they_cannot_use(backend, tmp_path):
+    bands = find_bands(backend.model_id, AuditSpec().signature())
+    with pytest.raises(ValueError, match="temperature > 0"):
+        run_audit([], [], AuditSpec(mode="rank", temperature=0.0), LocalReference(backend), tmp_path)
+    with pytest.raises(ValueError, match="drop --bands"):
+        run_audit([], [], AuditSpec(mode="rank"), LocalReference(backend), tmp_path, bands=bands)
+    with pytest.raises(ValueError, match="--samples must be >= 2"):
+        run_audit([], [], AuditSpec(mode="mmd", samples=1), LocalReference(backend), tmp_path)
+
+
+def test_a_provider_that_ignores_n_is_named(backend, tmp_path, prompts):
+    from fastapi import FastAPI
+
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def one():
+        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": "Hi"}, "finish_reason": "stop"}]}
+
+    with asgi_in_thread(app) as url:
+        with pytest.raises(ValueError, match="asked for n=3 completions, got 1"):
+            run_audit([Endpoint("one", url, backend.model_id, None)], prompts[:2],
+                      AuditSpec(mode="mmd", samples=3, max_tokens=4), LocalReference(backend), tmp_path)

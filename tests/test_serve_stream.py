@@ -1,0 +1,115 @@
+"""``verinfer serve`` with ``stream: true`` and ``n > 1``: server-sent events that join back into the
+non-streamed response, n completions per request (seed + j per choice), and the greedy-only cheat
+(``greedy-honest:w4``) serving greedy requests honestly and sampled ones from 4-bit weights."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from verinfer.auditing.stream import StreamError, assemble, events
+from verinfer.serve import ServeConfig, serve_in_thread
+from verinfer.serve.config import parse_misconfig
+from verinfer.serve.stream import text_pieces
+
+CHAT = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 10, "seed": 7,
+        "temperature": 1.0, "return_token_ids": True}
+
+
+@pytest.fixture(scope="module")
+def servers(backend):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with serve_in_thread(backend, ServeConfig(max_batch=8)) as honest, \
+            serve_in_thread(backend, ServeConfig(misconfig=("greedy-honest:w4",), max_batch=8)) as cheat:
+        yield {"honest": honest, "cheat": cheat}
+    torch.set_num_threads(threads)
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    r = httpx.post(f"{url}/{path}", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r
+
+
+@pytest.mark.parametrize("path,extra", [("chat/completions", {"logprobs": True, "top_logprobs": 2}),
+                                        ("completions", {"logprobs": 2})])
+def test_stream_joins_back_into_the_response(servers, path, extra):
+    body = {**CHAT, **extra}
+    if path == "completions":
+        body = {k: v for k, v in body.items() if k != "messages"} | {"prompt": "Name three colours:"}
+    plain = _post(servers["honest"], path, body).json()
+    streamed = _post(servers["honest"], path, {**body, "stream": True, "stream_options": {"include_usage": True}})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    chunks = events(streamed.text)
+    assert len(chunks) >= len(plain["choices"][0]["token_ids"])  # one chunk per token at least
+    joined = assemble(chunks)
+    for key in ("model", "usage"):
+        assert joined[key] == plain[key]
+    a, b = joined["choices"][0], plain["choices"][0]
+    assert a["token_ids"] == b["token_ids"]  # same seed, same tokens
+    assert (a.get("message") or {}).get("content", a.get("text")) == (b.get("message") or {}).get("content", b.get("text"))
+    assert a["finish_reason"] == b["finish_reason"]
+    assert a["verinfer_sampling"] == b["verinfer_sampling"]
+    key = "content" if path.startswith("chat") else "token_logprobs"
+    assert a["logprobs"][key] == b["logprobs"][key]
+
+
+def test_n_completions_use_seed_plus_j(servers):
+    several = _post(servers["honest"], "chat/completions", {**CHAT, "n": 3}).json()
+    assert [c["index"] for c in several["choices"]] == [0, 1, 2]
+    assert [c["verinfer_sampling"]["seed"] for c in several["choices"]] == [7, 8, 9]
+    assert several["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in several["choices"])
+    second = _post(servers["honest"], "chat/completions", {**CHAT, "seed": 8}).json()
+    assert second["choices"][0]["token_ids"] == several["choices"][1]["token_ids"]
+
+
+def test_stream_and_n_are_validated(servers):
+    for body, field in [({**CHAT, "n": 0}, "n"), ({**CHAT, "n": 17}, "n"),
+                        ({**CHAT, "stream_options": {"include_usage": True}}, None)]:
+        r = httpx.post(f"{servers['honest']}/chat/completions", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        if field:
+            assert r.json()["error"]["param"] == field
+    r = httpx.post(f"{servers['honest']}/completions", json={"prompt": "Hi", "echo": True, "stream": True}, timeout=60)
+    assert r.status_code == 400 and "echo" in r.json()["error"]["message"]
+
+
+def test_greedy_honest_cheat_is_honest_only_at_temperature_zero(servers):
+    greedy = {**CHAT, "temperature": 0.0, "max_tokens": 8}
+    assert (_post(servers["cheat"], "chat/completions", greedy).json()["choices"][0]["token_ids"]
+            == _post(servers["honest"], "chat/completions", greedy).json()["choices"][0]["token_ids"])
+    sampled = {**CHAT, "n": 2, "max_tokens": 8}  # same seeds: the honest model would give the same tokens
+    cheat = [c["token_ids"] for c in _post(servers["cheat"], "chat/completions", sampled).json()["choices"]]
+    honest = [c["token_ids"] for c in _post(servers["honest"], "chat/completions", sampled).json()["choices"]]
+    assert cheat != honest
+
+
+def test_greedy_honest_needs_a_variant():
+    with pytest.raises(ValueError, match="greedy-honest:VARIANT"):
+        parse_misconfig("greedy-honest:")
+    with pytest.raises(ValueError, match="unknown variant"):
+        parse_misconfig("greedy-honest:w3000")
+    assert parse_misconfig("greedy-honest:w4").greedy_honest
+
+
+def test_text_pieces_join_back(backend):
+    tok = backend.tokenizer
+    ids = tok.encode("Café ☕ déjà vu, naïve 🙂!", add_special_tokens=False)
+    text = tok.decode(ids, skip_special_tokens=True)
+    pieces = text_pieces(tok, ids, text)
+    assert len(pieces) == len(ids) and "".join(pieces) == text
+    cut = text[:7]  # a stop string cut the text short
+    assert "".join(text_pieces(tok, ids, cut)) == cut
+
+
+@pytest.mark.parametrize("stream,problem", [
+    ("data: {\"choices\": []}\n\n", "DONE"),
+    ("data: [DONE]\n\n", "no data"),
+    ("data: {not json}\n\ndata: [DONE]\n\n", "not JSON"),
+    ("data: {\"error\": {\"message\": \"overloaded\"}}\n\ndata: [DONE]\n\n", "overloaded"),
+])
+def test_malformed_streams_are_named(stream, problem):
+    with pytest.raises(StreamError, match=problem):
+        assemble(events(stream))
