@@ -114,7 +114,7 @@ def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -
     temp, top_k, top_p, min_p = _params_tensors(sub)
     raw = logits[s_idx]
     x = raw / temp[:, None]
-    kept = kept_set(x, top_k, top_p, min_p)
+    kept = getattr(profile, "kept_set", kept_set)(x, top_k, top_p, min_p)  # an engine's own filters (sglang)
     pick = s_idx.numpy()
     sub_keys = RowKeys(requests=tuple(keys.requests[i] for i in pick.tolist()), seeds=keys.seeds[pick],
                        positions=keys.positions[pick], steps=keys.steps[pick], params=tuple(sub))

@@ -1,0 +1,164 @@
+"""SGLang's seeded sampler (deterministic inference, ``sampling_seed``), SGLang 0.5.23.
+
+Facts read in the sglang 0.5.23 wheel (``sglang/srt/layers/sampler.py``, ``sglang/srt/sampling/
+sampling_batch_info.py`` and ``sampling_params.py``, ``sglang/kernels/ops/sampling/murmur_hash.py``,
+``sglang/srt/model_executor/model_runner.py``):
+
+- Seeds exist only with ``--enable-deterministic-inference``; a request without ``sampling_seed``
+  then gets **42** (``SamplingBatchInfo.from_schedule_batch``). Seeds are int64, hashed as
+  ``seed.to(uint64)`` (two's complement).
+- ``pos`` is the 0-based position of the last input token: ``seq_lens - 1`` at prefill, the decode
+  token's position after (``ModelRunner.sample``): output token k of a prompt of length L uses
+  ``L - 1 + k``, as in vLLM.
+- Hash (``murmur_hash32_kernel``): MurmurHash3_x86_32 of ``[seed_lo, seed_hi, pos, col]`` with hash
+  seed 0 and length 16: the same message as vLLM's V2 sampler (``murmur3.py``).
+- Noise (``multinomial_with_seed``): ``u = h / (2**32 - 1)`` in fp64 (so ``u`` is in [0, 1], both
+  ends reachable), ``L = clamp(log u, min=finfo(f64).min, max=-2**-32)``, ``G = -log(-L)``: G lies
+  in [-709.8, 22.18] (the cap turns ``h = 2**32 - 1`` into ``-log(2**-32)`` instead of +inf).
+  The token is ``argmax(logprobs_f64 + G)``, first index on ties.
+- Order (``Sampler.forward``, ``_sample_from_probs``): ``logits / T`` -> ``softmax`` (fp32) ->
+  * no top-k/top-p/min-p in the **whole batch** (``simple_sampling_case``;
+    ``need_top_k_sampling = any(top_k != TOP_K_ALL)`` etc. are batch-wide): ``sampling_from_probs_torch``
+    hashes **token ids** as ``col`` and scores ``log(probs)`` (fp32 log, then fp64).
+  * otherwise (``top_k_top_p_min_p_sampling_from_probs_torch``, sampling backend ``pytorch``; the
+    ``flashinfer`` backend asserts that no seed is set): probs sorted descending (full sort),
+    ``cumsum`` taken **before** top-k masking, rank ``>= top_k`` masked, then ``cumsum - p > top_p``
+    masked (top-p measured on the full, un-renormalized distribution), ``log`` in fp64 of the fp32
+    probs, and the hash column is the **sorted rank**, mapped back through the sort's indices.
+    In such a batch, a request without filters also gets rank columns: ``sampling.stream``
+    ``{"sorted": true|false}`` records which path the batch took (default: sorted iff this request
+    uses top-k or top-p).
+- ``min_p`` with a seed is refused by SGLang itself (an assertion in the torch path); T below 1e-6
+  becomes greedy (``top_k = 1``); T is not clamped.
+
+Replay: the kept set is SGLang's (``kept_set`` below: rank < top_k and full-vocabulary mass before
+the token <= top_p, in fp32), scores are ``x + G`` in fp64 (the engine's ``log(p)`` differs by a
+per-row constant and fp32 rounding), and the rank of a token is its place in a stable descending
+sort of the fp32 softmax (ties, which SGLang's GPU radix sort also orders by index, are rare).
+The filters need ``Profile.kept_set`` to be honoured by the sampler.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from verinfer.sampling import murmur3
+from verinfer.sampling.filters import kept_set as shared_kept_set
+from verinfer.sampling.params import MIN_TEMPERATURE
+from verinfer.sampling.profiles.base import Profile
+
+DEFAULT_SEED = 42
+UINT32_MAX = 2**32 - 1
+LOG_CAP = -(2.0**-32)
+MAX_GUMBEL = 22.19  # -log(2**-32) = 22.18, rounded up
+_RANKS = "_sglang_ranks"  # attribute carrying the rank map on a kept set built here
+
+
+def gumbel_from_hash(h: np.ndarray) -> np.ndarray:
+    """SGLang's fp64 noise from uint32 hashes: ``-log(-clamp(log(h / (2**32 - 1)), f64 min, -2**-32))``."""
+    u = np.asarray(h, dtype=np.float64) / UINT32_MAX
+    with np.errstate(divide="ignore"):
+        log_u = np.log(u)
+    log_u = np.clip(log_u, np.finfo(np.float64).min, LOG_CAP)
+    return -np.log(-log_u)
+
+
+def hashes(seeds, positions, rows: np.ndarray, cols: np.ndarray, vocab_size: int) -> np.ndarray:
+    """MurmurHash3 of ``[seed_lo, seed_hi, pos, col]`` for (row, col) pairs, as uint32 (``murmur3.py``)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if hasattr(murmur3, "prefix_ints"):
+        return murmur3.hash_pairs_np(murmur3.prefix_ints(seeds, positions), rows, cols, vocab_size)
+    prefix = murmur3.prefix(seeds, torch.as_tensor(positions))  # the torch-only murmur3 API
+    return murmur3.hash_tokens(prefix[torch.as_tensor(rows)], torch.as_tensor(cols)).numpy().astype(np.uint32)
+
+
+def uses_sorted_path(params) -> bool:
+    """Whether the request's batch took SGLang's sorted (rank-column) path."""
+    stream = params.stream or {}
+    if "sorted" in stream:
+        return bool(stream["sorted"])
+    return (0 < params.top_k) or params.top_p < 1
+
+
+def sglang_keep_counts(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
+    """SGLang's filters on scaled logits ``x`` [N, V]: (kept count per row, rank of every token [N, V]).
+
+    Stable descending sort of ``softmax(x)`` (fp32), cumulative sum before top-k masking, keep
+    rank < top_k and ``cumsum - p <= top_p``.
+    """
+    n, vocab = x.shape
+    probs = torch.softmax(x.float(), dim=-1)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+    rank = torch.arange(vocab)[None, :]
+    keep = (rank < k[:, None]) & ~(mass_before > top_p.float()[:, None])
+    keep[:, 0] = True
+    ranks = torch.empty((n, vocab), dtype=torch.int32)
+    ranks.scatter_(1, order, rank.expand(n, vocab).to(torch.int32).contiguous())
+    return keep.sum(-1), ranks
+
+
+class SglangProfile(Profile):
+    name = "sglang"
+    description = "SGLang 0.5.23 deterministic sampling: Murmur3 Gumbel, u = h/(2^32-1); sorted-rank columns with filters"
+
+    def kept_set(self, x, top_k, top_p, min_p, params=None):
+        """SGLang's kept set, as the shared threshold form (a prefix of the sorted row), with ranks.
+
+        ``params`` (per row) tells which rows took the sorted path; without it every row with a
+        filter is taken as sorted.
+        """
+        n_keep, ranks = sglang_keep_counts(x, top_k, top_p)
+        vocab = x.shape[1]
+        filtered = (top_k > 0) & (top_k < vocab) | (top_p < 1)
+        k_eff = torch.where(filtered, n_keep, torch.zeros_like(n_keep))  # top_k <= 0: no filter
+        kept = shared_kept_set(x, k_eff.to(torch.int64), torch.ones_like(top_p), torch.zeros_like(min_p))
+        object.__setattr__(kept, _RANKS, ranks)  # KeptSet is frozen; this adds a field it does not know
+        return kept
+
+    def gumbel_cols(self, keys, rows, cols, kept) -> torch.Tensor:
+        """The hashed column of each pair: the token id, or its sorted rank on the sorted path."""
+        sorted_rows = torch.tensor([uses_sorted_path(p) for p in keys.params], dtype=torch.bool)
+        out = cols.clone()
+        pick = sorted_rows[rows]
+        if bool(pick.any()):
+            ranks = getattr(kept, _RANKS, None)
+            if ranks is None:
+                raise RuntimeError("profile 'sglang' with top-k/top-p needs its own kept_set (ranks); "
+                                   "the sampler did not call Profile.kept_set")
+            out[pick] = ranks[rows[pick], cols[pick]].to(cols.dtype)
+        return out
+
+    def noised(self, keys, rows, cols, x, vocab_size, kept=None):
+        hcols = self.gumbel_cols(keys, rows.cpu(), cols.cpu(), kept)
+        h = hashes(keys.seeds, keys.positions, rows.cpu().numpy(), hcols.numpy(), vocab_size)
+        return x.double() + torch.from_numpy(gumbel_from_hash(h)).to(x.device)
+
+    def gumbel(self, keys, rows, cols, vocab_size):
+        """Noise by token id (the unfiltered path); rank columns need ``noised`` with a kept set."""
+        return torch.from_numpy(gumbel_from_hash(hashes(keys.seeds, keys.positions, rows.cpu().numpy(),
+                                                        cols.cpu().numpy(), vocab_size)))
+
+    def noise_bound(self, keys):
+        return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64)
+
+    def problems(self, params):
+        out = []
+        if params.fp64_gumbel:
+            out.append("fp64_gumbel is a vLLM option; profile 'sglang' has no fp64 mode")
+        if params.min_p > 0:
+            out.append("min_p: SGLang refuses min-p sampling with a sampling seed")
+        if 0 < params.temperature < MIN_TEMPERATURE and not params.is_greedy:
+            out.append(f"temperature {params.temperature} < {MIN_TEMPERATURE}: SGLang does not clamp it")
+        stream = params.stream
+        if stream is not None:
+            unknown = sorted(set(stream) - {"sorted"})
+            if unknown:
+                out.append(f"stream: unknown field(s) for profile 'sglang': {', '.join(unknown)}")
+            if "sorted" in stream and not isinstance(stream["sorted"], bool):
+                out.append(f"stream.sorted must be true or false, got {stream['sorted']!r}")
+            if stream.get("sorted") is False and ((0 < params.top_k) or params.top_p < 1):
+                out.append("stream.sorted is false but the request uses top-k/top-p (SGLang sorts then)")
+        return out

@@ -1,0 +1,155 @@
+"""Engine profiles proven against the engines: transformers, SGLang, llama.cpp.
+
+Fixtures under ``tests/fixtures/engines/`` come from the real engines (commands in
+``engines/README.md``); the fast tests here replay them with verinfer's sampler.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.profiles import RowKeys, get_profile, params_problems
+from verinfer.sampling.sampler import replay
+
+FIXTURES = Path(__file__).parent / "fixtures" / "engines"
+
+
+def _keys(n, seeds, positions=None, steps=None, params=()):
+    return RowKeys(requests=tuple(f"r{i}" for i in range(n)), seeds=np.array(seeds, dtype=object),
+                   positions=np.asarray(positions if positions is not None else np.zeros(n), dtype=np.int64),
+                   steps=np.asarray(steps if steps is not None else np.zeros(n), dtype=np.int64), params=tuple(params))
+
+
+# --------------------------------------------------------------------------------------------------
+# transformers
+
+
+def _hf_params(batch, row, vocab, seed, **kw):
+    return SamplingParams(profile="transformers", seed=seed, stream={"batch_size": batch, "row": row, "vocab": vocab},
+                          **kw)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (50, 0.95), (5, 1.0)])
+def test_transformers_replays_torch_multinomial_with_hf_warpers(top_k, top_p):
+    """HF's own warpers + torch.multinomial on the global generator vs the profile, step by step."""
+    from transformers.generation.logits_process import LogitsProcessorList, TopKLogitsWarper, TopPLogitsWarper
+
+    steps, batch, vocab, seed = 6, 3, 500, 1234
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(steps, batch, vocab, generator=g) * 3
+    warpers = LogitsProcessorList(([TopKLogitsWarper(top_k)] if top_k else []) +
+                                  ([TopPLogitsWarper(top_p)] if top_p < 1 else []))
+    torch.manual_seed(seed)
+    engine = torch.stack([torch.multinomial(torch.softmax(warpers(None, logits[k]), -1), 1).squeeze(1)
+                          for k in range(steps)])  # [steps, batch]
+    profile = get_profile("transformers")
+    rows = [(k, r) for k in range(steps) for r in range(batch)]
+    params = [_hf_params(batch, r, vocab, seed, temperature=1.0, top_k=top_k or -1, top_p=top_p) for k, r in rows]
+    keys = RowKeys(requests=tuple(f"row{r}" for _, r in rows), seeds=np.array([seed] * len(rows), dtype=object),
+                   positions=np.array([k for k, _ in rows]), steps=np.array([k for k, _ in rows]), params=tuple(params))
+    flat = torch.stack([logits[k, r] for k, r in rows])
+    out = replay(flat, params, profile, keys, claimed=engine.reshape(-1))
+    assert torch.equal(out.token, engine.reshape(-1))
+    assert bool((out.margin == 0).all())
+    # The row is part of the stream: swapping rows breaks it (a wrong stream must not pass).
+    wrong = [_hf_params(batch, (r + 1) % batch, vocab, seed, temperature=1.0, top_k=top_k or -1, top_p=top_p)
+             for _, r in rows]
+    swapped = replay(flat, wrong, get_profile("transformers"), RowKeys(**{**keys.__dict__, "params": tuple(wrong)}))
+    assert not torch.equal(swapped.token, engine.reshape(-1))
+
+
+def test_transformers_stream_is_validated():
+    ok = _hf_params(4, 1, 49152, 7)
+    assert params_problems(ok) == []
+    assert any("stream" in p for p in params_problems(SamplingParams(profile="transformers", seed=7)))
+    assert any("row" in p for p in params_problems(_hf_params(4, 4, 49152, 7)))
+    assert any("unknown" in p for p in params_problems(ok.with_(stream={**ok.stream, "extra": 1})))
+    assert any("min_p" in p for p in params_problems(ok.with_(min_p=0.1, top_p=0.9)))
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from verinfer.api import load_model
+
+    return load_model("smollm2-135m", "float32")
+
+
+def _read(path):
+    from verinfer.trace import read_traces
+
+    return list(read_traces(path))
+
+
+def test_transformers_generate_fixture_replays_exactly(backend):
+    """Traces of the real ``model.generate`` (left-padded batch of 4, greedy and two seeded configs)."""
+    from verinfer.api import verify
+
+    traces = _read(FIXTURES / "transformers" / "generate_b4_t16.jsonl")
+    assert {t.sampling.profile for t in traces} == {"greedy", "transformers"}
+    cols = verify(traces, backend=backend).columns
+    assert cols["exact_match"].all() and (cols["margin"] == 0).all()
+    # The same outputs under the wrong batch row or seed are caught.
+    sampled = [t for t in traces if t.sampling.profile == "transformers" and t.sampling.top_k <= 0]
+    for t in sampled:
+        t.sampling = t.sampling.with_(stream={**t.sampling.stream, "row": (t.sampling.stream["row"] + 1) % 4})
+    wrong = verify(sampled, backend=backend).columns
+    assert wrong["exact_match"].mean() < 0.9
+
+
+# --------------------------------------------------------------------------------------------------
+# SGLang
+
+
+def test_sglang_hash_matches_sglang_kernel():
+    from verinfer.sampling.profiles.sglang import hashes
+
+    golden = json.loads((FIXTURES / "sglang" / "golden.json").read_text())
+    for h in golden["hashes"]:
+        assert int(hashes([h["seed"]], [h["pos"]], np.array([0]), np.array([h["col"]]), 49152)[0]) == h["hash"]
+
+
+def test_sglang_noise_edges():
+    from verinfer.sampling.profiles.sglang import gumbel_from_hash
+
+    g = gumbel_from_hash(np.array([0, 1, 2**31, 2**32 - 2, 2**32 - 1], dtype=np.uint32))
+    assert g[0] == pytest.approx(-np.log(np.finfo(np.float64).max))  # u = 0: log clamped at the f64 minimum
+    assert g[-1] == pytest.approx(-np.log(2.0**-32))  # u = 1: capped, not +inf
+    assert np.all(np.diff(g) > 0) and np.isfinite(g).all()
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_sglang_replays_sglang_sampler(case):
+    """Tokens sampled by SGLang's own functions (Triton interpreter on CPU) replay exactly."""
+    golden = json.loads((FIXTURES / "sglang" / "golden.json").read_text())
+    c = golden["cases"][case]
+    logits = torch.tensor(c["logits"], dtype=torch.float32)
+    n = logits.shape[0]
+    params = [SamplingParams(profile="sglang", temperature=c["temperature"], top_k=c["top_k"], top_p=c["top_p"], seed=s)
+              for s in c["seeds"]]
+    assert all(params_problems(p) == [] for p in params)
+    keys = _keys(n, c["seeds"], positions=c["positions"], params=params)
+    out = replay(logits, params, get_profile("sglang"), keys, claimed=torch.tensor(c["tokens"]))
+    assert out.token.tolist() == c["tokens"]
+    if c["sorted"]:  # the noise column is the sorted rank: hashing token ids instead must not pass
+        from verinfer.sampling.profiles.sglang import SglangProfile
+
+        class IdColumns(SglangProfile):
+            def gumbel_cols(self, keys, rows, cols, kept):
+                return cols
+
+        as_ids = replay(logits, params, IdColumns(), keys)
+        assert as_ids.token.tolist() != c["tokens"]
+
+
+def test_sglang_problems():
+    p = SamplingParams(profile="sglang", seed=42, top_k=20)
+    assert params_problems(p) == []
+    assert any("min_p" in m for m in params_problems(p.with_(min_p=0.1)))
+    assert any("sorted" in m for m in params_problems(p.with_(stream={"sorted": False})))
+    assert params_problems(p.with_(top_k=-1, stream={"sorted": True})) == []
