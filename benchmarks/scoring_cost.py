@@ -8,7 +8,7 @@ human-eval prompt followed by code text, whose tokens are the claims) under vLLM
 
     verinfer      ``verinfer.scoring.token_difr.score_block`` on the whole block (all score columns)
     per-token     for each token: the full-vocabulary Gumbel noise of its position (one vectorized
-                  ``vllm_gumbel`` call per position), temperature, top-k and top-p by sorting the whole
+                  ``vllm`` profile ``gumbel`` call per position), temperature, top-k and top-p by sorting the whole
                   vocabulary, argmax of x + G over the kept tokens, and the margin
     Python loop   the same, but the noise hashed token id by token id in a Python loop with ``mmh3`` (the
                   way the ``token-difr`` package builds its noise, REFERENCE.md 5); it also checks
@@ -40,7 +40,8 @@ import torch  # noqa: E402
 
 from verinfer.machine import describe  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
-from verinfer.sampling.noise import vllm_gumbel  # noqa: E402
+from verinfer.sampling.profiles import RowKeys, get_profile  # noqa: E402
+from verinfer.sampling.profiles.vllm import gumbel32, uniform32  # noqa: E402
 from verinfer.sampling.params import SamplingParams  # noqa: E402
 from verinfer.trace import Trace  # noqa: E402
 from verinfer.scoring.token_difr import score_block  # noqa: E402
@@ -52,21 +53,21 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def noise_vectorized(seed: int, pos: int, vocab: int) -> np.ndarray:
     """Full-vocabulary Gumbel noise of one position: one vectorized call."""
-    return vllm_gumbel(np.array([seed], dtype=object), np.array([pos]), np.arange(vocab)[None])[0]
+    keys = RowKeys(("r",), np.array([seed], dtype=object), np.array([pos]), np.array([0]))
+    return get_profile("vllm").gumbel(keys, torch.zeros(vocab, dtype=torch.long), torch.arange(vocab), vocab).numpy()
 
 
 def noise_python_loop(seed: int, pos: int, vocab: int) -> np.ndarray:
     """Full-vocabulary Gumbel noise of one position, hashing token ids one by one in Python.
 
     Murmur3_x86_32 (hash seed 0) of the 16 bytes ``<QII`` = (seed mod 2**64, pos mod 2**32, token);
-    ``u = (h + 0.5) * 2**-32`` rounded to fp32; ``G = -log(-log(1 - u))`` in fp32, as vLLM computes it.
+    ``u = (h + 0.5) * 2**-32`` rounded to fp32; ``G = -log(-log(1 - u))`` in fp32 with vLLM's series
+    below 0.25 (the profile's ``gumbel32``).
     """
     prefix = struct.pack("<QI", seed % 2**64, pos % 2**32)
     hashes = np.fromiter((mmh3.hash(prefix + struct.pack("<I", j), 0, signed=False) for j in range(vocab)),
                          dtype=np.uint32, count=vocab)
-    u = ((hashes.astype(np.float64) + 0.5) * 2.0**-32).astype(np.float32)
-    with np.errstate(divide="ignore"):
-        return (-np.log(-np.log(np.float32(1.0) - u))).astype(np.float64)
+    return gumbel32(uniform32(hashes)).astype(np.float64)
 
 
 def score_one(raw: torch.Tensor, claimed: int, seed: int, pos: int, temperature: float, top_k: int, top_p: float,

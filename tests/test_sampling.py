@@ -92,8 +92,9 @@ def test_exponential_bulk_draw_equals_sequential_steps():
 
 
 def _kept(x, k=-1, p=1.0, m=0.0):
-    ks = kept_set(torch.tensor([x], dtype=torch.float32), torch.tensor([k]), torch.tensor([p]), torch.tensor([m]), width=2)
-    return sorted(ks.cols.tolist())
+    xt = torch.tensor([x], dtype=torch.float32)
+    ks = kept_set(xt, torch.tensor([k]), torch.tensor([p]), torch.tensor([m]), width=2)
+    return (xt[0] >= ks.threshold[0]).nonzero().squeeze(1).tolist()
 
 
 def test_top_k_keeps_ties_at_kth_value():

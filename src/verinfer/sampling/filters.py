@@ -26,22 +26,36 @@ NEG_INF = float("-inf")
 
 @dataclass(frozen=True)
 class KeptSet:
-    """The tokens a row's filters keep, as a threshold and as a flat candidate list."""
+    """The tokens a row's filters keep, as a threshold, with the row's largest logits at hand."""
 
     threshold: torch.Tensor  # [N] fp32: token j is kept iff x_j >= threshold (-inf: no filtering)
     log_norm: torch.Tensor  # [N] fp64: logsumexp of x over the kept tokens
-    rows: torch.Tensor  # [M] row of each kept token
-    cols: torch.Tensor  # [M] token id of each kept token
-    values: torch.Tensor  # [M] fp64 scaled logit of each kept token
     view: torch.Tensor  # [N, W] the row's W largest x, descending (for ranks without a full pass)
+    view_ids: torch.Tensor  # [N, W] their token ids
+    inside: torch.Tensor  # [N] bool: every kept token is in the view (else the row keeps more than W)
+
+    def in_view(self) -> torch.Tensor:
+        """[N, W] which view entries are kept."""
+        return self.view >= self.threshold[:, None]
 
 
-def _masked_logsumexp(x: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
-    return torch.logsumexp(x.double().masked_fill(x < threshold[:, None], NEG_INF), dim=-1)
+def _masked_logsumexp(x: torch.Tensor, threshold: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """logsumexp of the entries ``>= threshold`` from fp32 exponentials of ``x - max`` and torch's
+    fp32 cascade sum (relative error ~1e-7, as the engines' own fp32 softmax): an fp64 copy of the
+    whole row cost more than the rest of the scoring."""
+    e = torch.exp(x - row_max[:, None])
+    if bool(torch.isfinite(threshold).any()):
+        e = e.masked_fill(x < threshold[:, None], 0.0)
+    return row_max.double() + torch.log(e.sum(-1).double())
 
 
-def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, width: int):
-    """Thresholds for a block using a top-``width`` view; flags rows that need a wider view."""
+def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, width: int,
+                base_norm: torch.Tensor | None = None):
+    """Thresholds for a block using a top-``width`` view; flags rows that need a wider view.
+
+    ``base_norm`` is the rows' log-normalizer before top-p when a narrower view already computed it
+    (it does not depend on the view), so widening never repeats the full-row pass.
+    """
     n, vocab = x.shape
     k_on = (top_k > 0) & (top_k < vocab)
     width = min(vocab, max(width, int(top_k[k_on].max()) + 1 if bool(k_on.any()) else 0))
@@ -62,7 +76,9 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
     in_view = top_vals >= tau[:, None]
     log_norm[inside] = torch.logsumexp(top_vals[inside].double().masked_fill(~in_view[inside], NEG_INF), dim=-1)
     if bool((~inside).any()):
-        log_norm[~inside] = _masked_logsumexp(x[~inside], tau[~inside])
+        log_norm[~inside] = (base_norm[~inside] if base_norm is not None
+                             else _masked_logsumexp(x[~inside], tau[~inside], top_vals[~inside, 0]))
+    base_norm = log_norm.clone()
 
     needs_wider = torch.zeros(n, dtype=torch.bool)
     p_on = top_p < 1
@@ -83,7 +99,7 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
             log_norm[changed] = torch.logsumexp(
                 top_vals[changed].double().masked_fill(~in_view[changed], NEG_INF), dim=-1
             )
-    return tau, log_norm, inside, needs_wider, top_vals, top_ids
+    return tau, log_norm, inside, needs_wider, top_vals, top_ids, base_norm
 
 
 def kept_set(
@@ -93,30 +109,22 @@ def kept_set(
 
     Rows whose top-p set does not fit in a top-``width`` view are redone on a 16x wider view, and
     so on up to a full sort, so the result is exact whatever the parameters while the common cases
-    (top-k, peaked top-p) never sort the vocabulary.
+    (top-k, peaked top-p) never sort the vocabulary. The kept tokens are never listed: rows whose
+    kept set fits the view are read from it, wider rows from ``x >= threshold``.
     """
     n, vocab = x.shape
-    tau, log_norm, inside, wider, top_vals, top_ids = _block_kept(x, top_k, top_p, min_p, width)
+    tau, log_norm, inside, wider, top_vals, top_ids, base_norm = _block_kept(x, top_k, top_p, min_p, width)
     idx = wider.nonzero().squeeze(1)
     w = width
     while idx.numel():
         w = min(vocab, w * 16)
-        t2, l2, _, again, _, _ = _block_kept(x[idx], top_k[idx], top_p[idx], min_p[idx], w)
+        t2, l2, _, again, _, _, _ = _block_kept(x[idx], top_k[idx], top_p[idx], min_p[idx], w, base_norm[idx])
         done = idx[~again]
         tau[done], log_norm[done] = t2[~again], l2[~again]
         inside[done] = top_vals[done, -1] < tau[done]  # usually False: fall through to the full-row mask
         idx = idx[again]
 
-    view_mask = (top_vals >= tau[:, None]) & inside[:, None]
-    r_in, c_in = view_mask.nonzero(as_tuple=True)
-    rows, cols = [r_in], [top_ids[r_in, c_in]]
-    outside = (~inside).nonzero().squeeze(1)
-    if outside.numel():
-        r_out, c_out = (x[outside] >= tau[outside, None]).nonzero(as_tuple=True)
-        rows.append(outside[r_out])
-        cols.append(c_out)
-    rows_t, cols_t = torch.cat(rows), torch.cat(cols)
-    return KeptSet(tau, log_norm, rows_t, cols_t, x[rows_t, cols_t].double(), top_vals)
+    return KeptSet(tau, log_norm, top_vals, top_ids, inside)
 
 
 def rank_in_row(x: torch.Tensor, view: torch.Tensor, value: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,20 @@ class Profile:
         """
         return x.double() + self.gumbel(keys, rows, cols, vocab_size).to(x.device)
 
+    def noised_dense_above(self, keys: RowKeys, rows: torch.Tensor, x: torch.Tensor, threshold: torch.Tensor,
+                           floor: torch.Tensor, kept: KeptSet | None = None):
+        """Kept tokens of whole rows whose ``x + G`` can reach the row's ``floor``, and their scores.
+
+        ``rows`` index ``keys``; ``x`` [R, V] are those rows' scaled logits, ``threshold`` and
+        ``floor`` per row. Returns (local row, token id, score) of every kept token except ones
+        proven to score below the floor: here those whose logit plus ``noise_bound`` falls short.
+        """
+        bound = self.noise_bound(keys).to(x.device)[rows].to(x.dtype)
+        reach = x + bound[:, None]
+        reach = reach + 1e-6 * reach.abs() + 1e-6
+        r, cols = ((x >= threshold[:, None]) & (reach >= floor[:, None].to(x.dtype))).nonzero(as_tuple=True)
+        return r, cols, self.noised(keys, rows[r], cols, x[r, cols].double(), x.shape[1], kept)
+
     def noise_bound(self, keys: RowKeys) -> torch.Tensor:
         """Per-row upper bound on G (fp64); +inf disables pruning."""
         return torch.full((len(keys.requests),), float("inf"), dtype=torch.float64)

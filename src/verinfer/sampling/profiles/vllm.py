@@ -1,4 +1,4 @@
-"""vLLM's seeded sampler in the model runner V2 (the default from vLLM 0.32's GPU worker).
+"""vLLM's seeded sampler in the model runner V2 (the default of vLLM 0.32's GPU worker).
 
 Follows ``vllm/v1/worker/gpu/sample/gumbel.py`` of vLLM 0.32.0 (``gumbel_noised_argmax``,
 ``murmur3_uniform32``, ``murmur3_uniform64``, ``_log1p_neg_stable``; REFERENCE.md 1.2). Noise is a
@@ -16,11 +16,15 @@ caching cannot move it.
   0x9E3779B9 gives the high word; ``u = ((hi << 32 | lo) >> 11 + 0.5) * 2**-53`` in fp64 (1.0 maps
   to ``1 - 2**-53``), ``G = -log(-log u)``, added to the logits in fp64.
 
-Bit-exactness: on CPU the logarithms are numpy's fp32/fp64 ``log``, which is what vLLM's kernels
-compute when run in Triton's interpreter (checked on recorded kernel outputs in the tests). numpy
-and torch disagree in the last ulp of fp32 ``log`` on about 20% of inputs, and a CUDA build uses
-yet another ``log``; such ulp differences move a margin by ~1e-6 and flip a token only on
-near-exact ties. On a non-CPU device the noise is computed with torch on that device.
+Bit-exactness: on CPU the arithmetic is numpy's fp32/fp64, which is what vLLM's kernels compute
+when run in Triton's interpreter (checked against recorded kernel outputs in the tests). numpy and
+torch disagree in the last ulp of fp32 ``log`` on about 20% of inputs, and a CUDA build uses yet
+another ``log`` (and may fuse the series' multiply-adds): such ulp differences move a margin by
+~1e-6 and flip a token only on near-exact ties. On other devices the noise is computed with torch.
+
+Speed: a token can only win if ``x + G`` reaches the best score found so far (``floor``); since
+``G <= -log u``, that needs ``u <= exp(x - floor)``, so in fp32 mode the logarithms are computed
+only for the few hashes under that bound (``noised_above``): the result is identical.
 """
 
 from __future__ import annotations
@@ -36,41 +40,40 @@ FP64_HASH_SEED = 0x9E3779B9
 # Largest G each mode can draw (at the smallest / largest uniform), rounded up.
 MAX_GUMBEL_FP32 = 22.875
 MAX_GUMBEL_FP64 = 36.75
+_SLACK = 1e-3  # in logit units: covers fp32 rounding of u, of exp and of x + G in the bound test
+_F = np.float32
 
 
-def _log(x: torch.Tensor) -> torch.Tensor:
-    if x.device.type == "cpu":
-        return torch.from_numpy(np.log(x.numpy()))
-    return torch.log(x)
-
-
-def uniform32(h: torch.Tensor) -> torch.Tensor:
+def uniform32(h: np.ndarray) -> np.ndarray:
     """``(h + 0.5) * 2**-32`` as the fp32 sum of two exact halves (``murmur3_uniform32``)."""
-    hi16 = (h >> 16).to(torch.float32)
-    lo16 = (h & 0xFFFF).to(torch.float32)
-    return hi16 * 2.0**-16 + (lo16 + 0.5) * 2.0**-32
+    return (h >> np.uint32(16)).astype(_F) * _F(2.0**-16) + ((h & np.uint32(0xFFFF)).astype(_F) + _F(0.5)) * _F(2.0**-32)
 
 
-def gumbel32(u: torch.Tensor) -> torch.Tensor:
+def gumbel32(u: np.ndarray) -> np.ndarray:
     """fp32 ``-log(-log(1 - u))`` with the degree-8 series below 0.25 (``_log1p_neg_stable``)."""
-    poly = torch.full_like(u, 1.0 / 8.0)
+    poly = np.full_like(u, _F(1 / 8))
     for c in (1 / 7, 1 / 6, 1 / 5, 1 / 4, 1 / 3, 1 / 2, 1.0):
-        poly = np.float32(c) + u * poly
+        poly = _F(c) + u * poly
     series = -u * poly
-    direct = _log(torch.clamp_min(1.0 - u, 5.960464477539063e-08))
-    return -_log(-torch.where(u < 0.25, series, direct))
+    direct = np.log(np.maximum(_F(1) - u, _F(5.960464477539063e-08)))
+    return -np.log(-np.where(u < _F(0.25), series, direct))
 
 
-def uniform64(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+def uniform64(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """53-bit uniform from two 32-bit hashes (``murmur3_uniform64``), open at 1."""
-    random53 = (hi << 21) | (lo >> 11)  # ((hi << 32) | lo) >> 11 without leaving int64
-    u = (random53.to(torch.float64) + 0.5) * 2.0**-53
-    return torch.where(u == 1.0, u - 2.0**-53, u)
+    random53 = (hi.astype(np.uint64) << np.uint64(21)) | (lo.astype(np.uint64) >> np.uint64(11))
+    u = (random53.astype(np.float64) + 0.5) * 2.0**-53
+    return np.where(u == 1.0, u - 2.0**-53, u)
 
 
-def _fp64_rows(keys: RowKeys, device: torch.device) -> torch.Tensor:
-    return torch.tensor([p.fp64_gumbel for p in keys.params] if keys.params else [False] * len(keys.requests),
-                        dtype=torch.bool, device=device)
+def _torch_gumbel32(h: torch.Tensor) -> torch.Tensor:
+    """The fp32 mode with torch on any device (same formula; the device's own ``log``)."""
+    u = (h >> 16).float() * 2.0**-16 + ((h & 0xFFFF).float() + 0.5) * 2.0**-32
+    poly = torch.full_like(u, 1 / 8)
+    for c in (1 / 7, 1 / 6, 1 / 5, 1 / 4, 1 / 3, 1 / 2, 1.0):
+        poly = float(np.float32(c)) + u * poly
+    log1mu = torch.where(u < 0.25, -u * poly, torch.log(torch.clamp_min(1.0 - u, 5.960464477539063e-08)))
+    return -torch.log(-log1mu)
 
 
 class VllmProfile(Profile):
@@ -80,38 +83,73 @@ class VllmProfile(Profile):
     def __init__(self, draft: bool = False):
         self.draft = draft  # a speculative draft's noise: positions salted with 2**30
 
-    def _noise(self, keys: RowKeys, rows: torch.Tensor, cols: torch.Tensor):
-        """(fp32 G for fp32-mode pairs, fp64 G for fp64-mode pairs, fp64 flag per pair)."""
-        fp64 = _fp64_rows(keys, cols.device)
-        pos = torch.as_tensor(np.asarray(keys.positions, dtype=np.int64), device=cols.device)
-        pos = pos + DRAFT_NOISE_SALT * self.draft
-        lo = murmur3.hash_tokens(murmur3.prefix(keys.seeds, pos)[rows], cols)
-        wide = fp64[rows]
-        g32 = gumbel32(uniform32(lo[~wide]))
-        g64 = torch.empty(0, dtype=torch.float64, device=cols.device)
-        if bool(wide.any()):
-            hi_prefix = murmur3.prefix(keys.seeds, pos, domain=FP64_HASH_SEED)
-            hi = murmur3.hash_tokens(hi_prefix[rows[wide]], cols[wide])
-            g64 = -_log(-_log(uniform64(lo[wide], hi)))
-        return g32, g64, wide
+    def _rows(self, keys: RowKeys):
+        """(hash state per row, hash position per row, fp64 flag per row)."""
+        pos = np.asarray(keys.positions, dtype=np.int64) + DRAFT_NOISE_SALT * self.draft
+        fp64 = np.array([p.fp64_gumbel for p in keys.params] if keys.params else [False] * len(keys.requests), bool)
+        return murmur3.prefix_ints(keys.seeds, pos), pos, fp64
+
+    def _noised(self, keys, rows, cols, x, vocab_size, floor=None):
+        """(which pairs can reach ``floor``, their noised scores as fp64); every pair without a floor."""
+        state, pos, fp64 = self._rows(keys)
+        device = cols.device
+        if device.type != "cpu":
+            return self._noised_torch(keys, state, pos, fp64, rows, cols, x)
+        rows_np, cols_np, x_np = rows.numpy(), cols.numpy(), x.numpy()
+        vocab = max(vocab_size, int(cols_np.max()) + 1 if cols_np.size else 1)
+        h = murmur3.hash_pairs_np(state, rows_np, cols_np, vocab)
+        wide = fp64[rows_np]
+        keep = np.ones(rows_np.shape[0], dtype=bool)
+        if floor is not None:  # G <= -log u: only u <= exp(x - floor) can reach the floor
+            limit = np.exp(np.minimum(x_np - floor.numpy()[rows_np] + _SLACK, 0.0)) * 2.0**32
+            keep = wide | (h <= limit)
+        scores = np.empty(rows_np.shape[0], dtype=np.float64)
+        narrow = keep & ~wide
+        scores[narrow] = (x_np[narrow].astype(_F) + gumbel32(uniform32(h[narrow]))).astype(np.float64)
+        if wide.any():
+            hi = murmur3.hash_pairs_np(murmur3.prefix_ints(keys.seeds, pos, FP64_HASH_SEED), rows_np[wide],
+                                       cols_np[wide], vocab)
+            scores[wide] = x_np[wide] - np.log(-np.log(uniform64(h[wide], hi)))
+        return torch.from_numpy(keep), torch.from_numpy(scores[keep])
+
+    def _noised_torch(self, keys, state, pos, fp64, rows, cols, x):
+        if fp64.any():
+            raise NotImplementedError("vLLM's fp64 noise is computed on the CPU only; verify fp64 traces with --device cpu")
+        h = murmur3.hash_pairs_torch(state, rows, cols)
+        scores = (x.float() + _torch_gumbel32(h)).double()
+        return torch.ones(rows.shape[0], dtype=torch.bool, device=cols.device), scores
 
     def gumbel(self, keys, rows, cols, vocab_size):
-        g32, g64, wide = self._noise(keys, rows, cols)
-        out = torch.empty(rows.shape[0], dtype=torch.float64, device=cols.device)
-        out[~wide] = g32.double()
-        out[wide] = g64
-        return out
+        x = torch.zeros(rows.shape[0], dtype=torch.float64, device=cols.device)
+        return self._noised(keys, rows, cols, x, vocab_size)[1]
 
     def noised(self, keys, rows, cols, x, vocab_size, kept=None):
-        g32, g64, wide = self._noise(keys, rows, cols)
-        out = torch.empty(rows.shape[0], dtype=torch.float64, device=cols.device)
-        out[~wide] = (x[~wide].float() + g32).double()  # the engine's fp32 add
-        out[wide] = x[wide].double() + g64
-        return out
+        return self._noised(keys, rows, cols, x, vocab_size)[1]
+
+    def noised_above(self, keys, rows, cols, x, floor, vocab_size, kept=None):
+        return self._noised(keys, rows, cols, x, vocab_size, floor)
+
+    def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
+        """Whole rows on the CPU: hash every token (cheap integer work), then take logarithms only
+        where ``u <= exp(x - floor)`` lets the token reach the floor (``G <= -log u``)."""
+        state, _, fp64 = self._rows(keys)
+        if x.device.type != "cpu" or fp64[rows.numpy()].any():
+            return super().noised_dense_above(keys, rows, x, threshold, floor, kept)
+        words = murmur3.token_words(x.shape[1])
+        out_r, out_c, out_s = [], [], []
+        for i, r in enumerate(rows.tolist()):
+            xr = x[i].numpy()
+            h = murmur3.finish_np(state[r], words)
+            limit = np.exp(np.minimum(xr - _F(float(floor[i]) - _SLACK), _F(0))) * _F(2.0**32)
+            cols = np.flatnonzero((xr >= threshold[i].item()) & (h <= limit))
+            out_r.append(np.full(cols.size, i))
+            out_c.append(cols)
+            out_s.append((xr[cols] + gumbel32(uniform32(h[cols]))).astype(np.float64))
+        cat = lambda parts, dtype: torch.from_numpy(np.concatenate(parts).astype(dtype))  # noqa: E731
+        return cat(out_r, np.int64), cat(out_c, np.int64), cat(out_s, np.float64)
 
     def noise_bound(self, keys):
-        fp64 = _fp64_rows(keys, torch.device("cpu"))
-        return torch.where(fp64, MAX_GUMBEL_FP64, MAX_GUMBEL_FP32).double()
+        return torch.from_numpy(np.where(self._rows(keys)[2], MAX_GUMBEL_FP64, MAX_GUMBEL_FP32))
 
     def problems(self, params):
         return [f"stream: profile 'vllm' takes no stream fields, got {sorted(params.stream)}"] if params.stream else []
