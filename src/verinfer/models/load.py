@@ -129,7 +129,12 @@ def _convert_gguf(source: ModelSource, target: Path) -> None:
         (tmp / "verinfer.json").write_text(
             json.dumps({"model_id": source.model_id, "gguf": str(source.path)}, indent=1)
         )
-        tmp.rename(target)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "verinfer.json").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process converted it first: use theirs
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
