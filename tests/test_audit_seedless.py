@@ -77,7 +77,9 @@ def servers(backend):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with contextlib.ExitStack() as stack:
-        yield {name: stack.enter_context(serve_in_thread(backend, ServeConfig(misconfig=mis, max_batch=16)))
+        # The provider's sampler does not matter without seeds: the cheap one keeps the test fast.
+        yield {name: stack.enter_context(serve_in_thread(backend, ServeConfig(sampler="torch-exponential",
+                                                                              misconfig=mis, max_batch=16)))
                for name, mis in {"honest": (), "cheat": ("greedy-honest:w4",)}.items()}
     torch.set_num_threads(threads)
 
@@ -92,9 +94,9 @@ def _endpoints(servers, model):
 
 
 def test_greedy_spot_checks_pass_the_greedy_only_cheat(servers, prompts, backend, tmp_path):
-    spec = AuditSpec(mode="greedy", max_tokens=16)
+    spec = AuditSpec(mode="greedy", max_tokens=12)
     bands = find_bands(backend.model_id, spec.signature())
-    result = run_audit(_endpoints(servers, backend.model_id), prompts[:6], spec, LocalReference(backend),
+    result = run_audit(_endpoints(servers, backend.model_id), prompts[:4], spec, LocalReference(backend),
                        tmp_path, bands=bands)
     verdicts = {a.endpoint.name: a.verdict for a in result.providers}
     assert verdicts["cheat"].consistent and verdicts["honest"].consistent
@@ -102,7 +104,7 @@ def test_greedy_spot_checks_pass_the_greedy_only_cheat(servers, prompts, backend
 
 
 def test_rank_audit_flags_the_greedy_only_cheat(servers, prompts, backend, tmp_path):
-    spec = AuditSpec(mode="rank", temperature=1.0, max_tokens=16, samples=7, seed=3, stream=True)
+    spec = AuditSpec(mode="rank", temperature=1.0, max_tokens=12, samples=7, seed=3, stream=True)
     result = run_audit(_endpoints(servers, backend.model_id), prompts, spec, LocalReference(backend), tmp_path)
     verdicts = {a.endpoint.name: a.verdict for a in result.providers}
     assert verdicts["honest"].consistent, verdicts["honest"].text
@@ -114,23 +116,36 @@ def test_rank_audit_flags_the_greedy_only_cheat(servers, prompts, backend, tmp_p
     assert {p["name"] for p in doc["providers"]} == {"honest", "cheat"}
     assert all(0 < r["rank_quantile"] < 1 for p in doc["providers"] for r in p["prompts"])
     assert "rank quantile" in html_path.read_text()
-    # Resuming sends nothing and draws nothing again: the same verdicts from what is stored.
-    draws = (tmp_path / "reference" / "draws.jsonl").read_bytes()
-    again = run_audit(_endpoints(servers, backend.model_id), prompts, spec, LocalReference(backend), tmp_path)
-    assert [a.requests_sent for a in again.providers] == [0, 0]
-    assert (tmp_path / "reference" / "draws.jsonl").read_bytes() == draws
-    assert [a.verdict.p_value for a in again.providers] == [a.verdict.p_value for a in result.providers]
 
 
-def test_mmd_audit_asks_for_n_completions(servers, prompts, backend, tmp_path):
+def test_mmd_audit_asks_for_n_completions_and_resumes(servers, prompts, backend, tmp_path):
     spec = AuditSpec(mode="mmd", temperature=1.0, max_tokens=8, samples=4, seed=3)
-    result = run_audit(_endpoints({"honest": servers["honest"]}, backend.model_id), prompts[:4], spec,
-                       LocalReference(backend), tmp_path)
+    endpoints = _endpoints({"honest": servers["honest"]}, backend.model_id)
+    result = run_audit(endpoints, prompts[:4], spec, LocalReference(backend), tmp_path)
     (audit,) = result.providers
     assert len(audit.claims) == 16 and audit.verdict.consistent, audit.verdict.text
     assert audit.served["warnings"] == []  # usage covers all n choices
     stored = [json.loads(line) for line in (tmp_path / "honest" / "responses.jsonl").read_text().splitlines()]
     assert all(r["request"]["n"] == 4 and "seed" not in r["request"] for r in stored)
+    # Resuming sends nothing and draws nothing again: the same verdict from what is stored.
+    draws = (tmp_path / "reference" / "draws.jsonl").read_bytes()
+    again = run_audit(endpoints, prompts[:4], spec, LocalReference(backend), tmp_path)
+    assert again.providers[0].requests_sent == 0
+    assert (tmp_path / "reference" / "draws.jsonl").read_bytes() == draws
+    assert again.providers[0].verdict.p_value == audit.verdict.p_value
+
+
+def test_logprobs_audit_without_token_ids(servers, prompts, backend, tmp_path):
+    spec = AuditSpec(mode="logprobs", temperature=1.0, max_tokens=10, token_ids=False, seed=3)
+    result = run_audit(_endpoints(servers, backend.model_id), prompts[:6], spec, LocalReference(backend), tmp_path)
+    verdicts = {a.endpoint.name: a for a in result.providers}
+    honest, cheat = verdicts["honest"], verdicts["cheat"]
+    assert honest.verdict.consistent, honest.verdict.text
+    assert honest.verdict.statistic < 1e-3  # the same model returns the reference's logprobs
+    assert cheat.verdict.statistic > 10 * honest.verdict.statistic
+    assert all(r["unmapped_positions"] == 0 for r in honest.prompts)
+    stored = json.loads((tmp_path / "honest" / "responses.jsonl").read_text().splitlines()[0])
+    assert "return_token_ids" not in stored["request"] and stored["request"]["top_logprobs"] == 5
 
 
 def test_seedless_modes_refuse_what_they_cannot_use(backend, tmp_path):

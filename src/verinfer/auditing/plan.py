@@ -6,7 +6,9 @@ mode asks for sampling with a per-prompt seed and replays it with the provider's
 The seedless modes ask for sampling at the claimed temperature and top-k/top-p without a seed, as
 customers do: ``rank`` one completion per prompt, ranked among ``samples`` reference draws (RUT,
 ``verinfer.auditing.rank``); ``mmd`` ``samples`` completions per prompt in one request (``n``),
-compared with as many reference draws (Model Equality Testing, ``verinfer.auditing.mmd``).
+compared with as many reference draws (Model Equality Testing, ``verinfer.auditing.mmd``);
+``logprobs`` one completion per prompt with its top-k logprobs, compared with the reference's at
+the same positions (LOGIC, ``verinfer.auditing.logprobs``).
 Chat requests are what customers send (the provider applies its chat template, which is part of
 what gets audited); completion requests send our rendering as token ids, fixing the prompt exactly.
 """
@@ -21,8 +23,8 @@ from verinfer.prompts import Prompt, render
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import get_profile
 
-MODES = ("greedy", "seeded", "rank", "mmd")
-SEEDLESS = ("rank", "mmd")  # sampled without a seed, judged as draws (no bands or calibration)
+MODES = ("greedy", "seeded", "rank", "mmd", "logprobs")
+SEEDLESS = ("rank", "mmd", "logprobs")  # sampled without a seed (no bands or calibration)
 ENDPOINTS = {"chat": "chat/completions", "completions": "completions"}
 
 
@@ -42,6 +44,7 @@ class AuditSpec:
     token_ids: bool = True  # ask for vLLM's return_token_ids (omit for providers that refuse unknown fields)
     samples: int = 16  # rank: reference draws per prompt; mmd: completions per prompt from each side
     stream: bool = False  # ask for server-sent events (stream: true), as chat clients do
+    top_logprobs: int = 5  # logprobs mode: alternatives per position
 
     @property
     def seedless(self) -> bool:
@@ -56,8 +59,10 @@ class AuditSpec:
         if self.max_tokens < 1:
             out.append(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.seedless:
-            if self.samples < (1 if self.mode == "rank" else 2):
-                out.append(f"--samples must be >= {1 if self.mode == 'rank' else 2} for --mode {self.mode}, "
+            if self.mode == "logprobs" and not 0 <= self.top_logprobs <= 20:
+                out.append(f"top_logprobs must be in 0..20, got {self.top_logprobs}")
+            if self.samples < (2 if self.mode == "mmd" else 1):
+                out.append(f"--samples must be >= {2 if self.mode == 'mmd' else 1} for --mode {self.mode}, "
                            f"got {self.samples}")
             out += self.params(0).with_(profile="vllm", seed=0).problems()
             if self.temperature < 1e-5:
@@ -108,6 +113,9 @@ def generation_calls(spec: AuditSpec, prompts: Sequence[Prompt], tokenizer, mode
                 body["min_p"] = params.min_p
         if spec.mode == "mmd":
             body["n"] = spec.samples
+        if spec.mode == "logprobs":
+            body.update({"logprobs": True, "top_logprobs": spec.top_logprobs} if spec.endpoint == "chat"
+                        else {"logprobs": spec.top_logprobs})
         if spec.stream:
             body["stream"] = True
         if spec.token_ids:

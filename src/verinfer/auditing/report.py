@@ -132,7 +132,7 @@ def histogram_plot(audit: ProviderAudit, honest_counts: list[int] | None) -> str
 
 def rank_plot(audit: ProviderAudit) -> str:
     """Seedless modes: the sorted per-prompt rank quantiles against the uniform diagonal (rank mode),
-    or a note that MMD has no per-prompt statistic."""
+    or a note that the mode has no per-prompt statistic (mmd, logprobs)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -147,7 +147,7 @@ def rank_plot(audit: ProviderAudit) -> str:
         ax.set_ylabel("rank quantile among reference draws")
         ax.legend(fontsize=8)
     else:
-        ax.text(0.5, 0.5, "MMD: one statistic over all prompts", ha="center", va="center")
+        ax.text(0.5, 0.5, f"{audit.verdict.statistic_name}: one statistic over all prompts", ha="center", va="center")
         ax.set_axis_off()
     return _svg(fig)
 

@@ -143,9 +143,13 @@ def served_claims(response: dict, request: dict, ids: list[int] | None,
     returned_all = (sum(len(t) for t in every) if ids is not None and all(isinstance(t, list) for t in every)
                     else returned)
     if max_tokens is not None:
-        over = [n for n in (returned, completion_tokens) if n is not None and n > max_tokens]
+        choices = max(1, len(response.get("choices") or []))  # usage counts every choice (n)
+        over = [k for k, limit in ((returned, max_tokens), (completion_tokens, max_tokens * choices))
+                if k is not None and k > limit]
         if over:
-            problems["max_tokens"] = f"{max(over)} output tokens, max_tokens was {max_tokens}"
+            problems["max_tokens"] = (f"{max(over)} output tokens"
+                                      f"{f' over {choices} choices' if choices > 1 and max(over) == completion_tokens else ''}"
+                                      f", max_tokens was {max_tokens}")
     if completion_tokens is not None and returned_all is not None and completion_tokens != returned_all:
         problems["completion_usage"] = f"usage.completion_tokens {completion_tokens}, {returned_all} token ids returned"
     if prompt_tokens is not None and reported_prompt is not None and prompt_tokens != len(reported_prompt):

@@ -22,7 +22,7 @@ from verinfer.auditing.client import Endpoint, ProviderClient, ProviderError, Re
 from verinfer.auditing.plan import AuditSpec, generation_calls
 from verinfer.auditing.reference import claim_traces
 from verinfer.auditing.responses import Claim, parse_generation, summarize_drift, summarize_served
-from verinfer.auditing.seedless import judge_sampled
+from verinfer.auditing.seedless import judge_logprobs, judge_sampled
 from verinfer.auditing.store import ResponseStore
 from verinfer.prompts import Prompt
 from verinfer.stats.calibration import Calibrator, signature_mismatch
@@ -164,7 +164,10 @@ def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, re
             raise ProviderError(f"{where}: asked for n={want} completions, got {got} (does the provider support n?)")
         claims += [parse_generation(r, reference.tokenizer, stops, reference.vocab_size, where, i) for i in range(want)]
     stage(f"{e.name}: judging {len(claims)} sampled completions ({spec.mode})")
-    judged = judge_sampled(claims, spec, reference.backend, out_dir, fpr, stage)
+    if spec.mode == "logprobs":
+        judged = judge_logprobs(claims, records, spec, reference.backend, fpr, e.name, store)
+    else:
+        judged = judge_sampled(claims, spec, reference.backend, out_dir, fpr, stage)
     empty = sorted({c.prompt_id for c in claims if not c.output_token_ids})
     return ProviderAudit(e, claims, {}, np.zeros((0, 3)), judged.verdict, summarize_drift(claims), client.sent,
                          len(store), store.damaged_lines, empty, summarize_served(claims), judged.prompts)

@@ -1,4 +1,4 @@
-"""Judging a provider's sampled traffic without seeds: the ``rank`` and ``mmd`` audit modes.
+"""Judging a provider's sampled traffic without seeds: the ``rank``, ``mmd`` and ``logprobs`` modes.
 
 A provider that ignores seeds cannot be replayed token by token, but its completions are still
 draws from its sampling distribution, which an honest provider shares with the reference. Both
@@ -11,7 +11,8 @@ completions per prompt from each side (``verinfer.auditing.mmd``).
 Exchangeability is what makes both exact, so both sides are put in the same form first: when a
 provider returns only text, its completions are re-tokenized and so are the reference's draws
 (``draws.retokenize``: a stop token leaves no text on either side). Empty completions are kept:
-dropping them would select draws on one side only.
+dropping them would select draws on one side only. ``logprobs`` needs no draws: it compares the
+returned top-k logprobs with the reference's at the same positions (``verinfer.auditing.logprobs``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from verinfer.auditing.draws import reference_draws, retokenize, sequence_logprobs, store_path
+from verinfer.auditing.logprobs import logprob_verdict, parse_returned, provider_values, reference_values, token_table
 from verinfer.auditing.mmd import mmd_verdict
 from verinfer.auditing.plan import AuditSpec
 from verinfer.auditing.rank import rank_p_values, rank_verdict
@@ -69,3 +71,18 @@ def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fp
     else:
         verdict = mmd_verdict(outputs, ref, spec.max_tokens, fpr, seed=spec.seed)
     return SampledJudgement(verdict, rows)
+
+
+def judge_logprobs(claims: Sequence[Claim], records: Sequence[dict], spec: AuditSpec, backend, fpr: float,
+                   provider: str, store: ResponseStore) -> SampledJudgement:
+    """The ``logprobs`` verdict on each prompt's first completion and its returned top-k logprobs."""
+    table = token_table(backend.tokenizer)
+    returned = [parse_returned(r, 0, table, c.prompt_id, c.prompt_token_ids,
+                               f"provider {provider!r}: {store.path} (prompt {c.prompt_id})")
+                for r, c in zip(records, claims)]
+    theirs, ours = provider_values(returned), reference_values(backend, returned)
+    tokens = np.array([len(r.token_ids) for r in returned])
+    rows = [{"prompt_id": r.prompt_id, "tokens": len(r.token_ids), "completions": 1, "unmapped_positions": r.unmapped,
+             "mean_abs_logprob_diff": float(np.mean(np.abs(a - b))) if a.size else 0.0}
+            for r, a, b in zip(returned, theirs, ours)]
+    return SampledJudgement(logprob_verdict(theirs, ours, tokens, fpr), rows)

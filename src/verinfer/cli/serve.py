@@ -23,7 +23,8 @@ MISCONFIG_HELP = (
     "(a sampler bug: rate R of tokens uniform among the top K), batch-N; joined with '+' they compose. "
     "Serving-level: system-prompt:TEXT (a hidden system prompt; responses report the client's prompt ids; "
     "takes the rest of the value, commas included) and old-template (chat rendered with plain ChatML, "
-    "no default system message; reported prompt ids are the ones used). --list-misconfigs prints them all."
+    "no default system message; reported prompt ids are the ones used), greedy-honest:VARIANT (honest at "
+    "temperature 0, VARIANT for sampled requests: the greedy-only cheat). --list-misconfigs prints them all."
 )
 
 app = typer.Typer(add_completion=False, help="Serve a local model over an OpenAI-compatible HTTP API.")
@@ -38,6 +39,7 @@ def _list_misconfigs() -> None:
         typer.echo(f"{'':<20} family {doc}")
     typer.echo(f"{'system-prompt:TEXT':<20} inject TEXT as a system prompt the client never sees")
     typer.echo(f"{'old-template':<20} render chat with plain ChatML (no default system message)")
+    typer.echo(f"{'greedy-honest:VARIANT':<20} honest at temperature 0, VARIANT (e.g. w4) for sampled requests")
 
 
 @app.callback(invoke_without_command=True)

@@ -1,0 +1,129 @@
+"""Returned top-k logprobs against the reference's, for providers without seeds or token ids (LOGIC).
+
+A provider asked for ``logprobs`` returns, at each output position, the sampled token's logprob
+and its top-k alternatives, as token strings. The reference recomputes the log-softmax of its raw
+logits (vLLM's default, which is what OpenAI-compatible servers return) at the same positions, for
+the same tokens; the claimed token's own logprob is always among them, so every position has a
+value even when the provider's top-k and the reference's disagree. The two samples of values (the
+provider's, the reference's) are compared by SciPy's two-sample Kolmogorov-Smirnov test on
+doubling prefixes of prompts (``verinfer.stats.verdict``). An honest provider returns the
+reference's values up to numerical noise; another model returns its own, which for its own top
+tokens are systematically higher than the reference's.
+
+Token strings are mapped to ids with the reference tokenizer (``token_table``): a string that more
+than one id decodes to (an incomplete UTF-8 byte, say) or none does ends the sequence there, and
+the positions lost are counted. The KS p-value treats values as independent, which positions of
+one sequence are not; under the null the two samples are nearly identical, so the test is
+conservative there, but it is a comparison baseline rather than an exact test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from scipy.stats import ks_2samp
+
+from verinfer.auditing.client import ProviderError
+from verinfer.auditing.rank import rank_looks
+from verinfer.stats.verdict import Verdict, sequential
+
+
+@dataclass
+class ReturnedLogprobs:
+    """One completion's returned logprobs: the claimed ids and, per position, (ids, logprobs)."""
+
+    prompt_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    entries: list[tuple[list[int], list[float]]]  # per position: claimed token first, then the top-k
+    unmapped: int  # positions dropped because a token string did not map to one id
+
+
+def token_table(tokenizer) -> dict[str, int]:
+    """Token string -> id for strings exactly one id decodes to."""
+    seen: dict[str, int] = {}
+    twice: set[str] = set()
+    for i in range(len(tokenizer)):
+        s = tokenizer.decode([i], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if s in seen:
+            twice.add(s)
+        seen[s] = i
+    return {s: i for s, i in seen.items() if s not in twice}
+
+
+def _positions(logprobs: Any, where: str) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """(token, logprob, [(top token, logprob)]) per position, from the chat or the completions format."""
+    bad = ProviderError(f"{where}: 'logprobs' is missing or malformed (ask a provider that returns top logprobs)")
+    if not isinstance(logprobs, dict):
+        raise bad
+    out = []
+    try:
+        if isinstance(logprobs.get("content"), list):  # chat
+            for e in logprobs["content"]:
+                out.append((e["token"], float(e["logprob"]), [(t["token"], float(t["logprob"]))
+                                                              for t in e.get("top_logprobs") or []]))
+        else:  # completions
+            for tok, lp, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+                out.append((tok, float(lp), [(t, float(v)) for t, v in (top or {}).items()]))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise bad from None
+    return out
+
+
+def parse_returned(record: dict, choice: int, table: dict[str, int], prompt_id: str,
+                   prompt_token_ids: list[int], where: str) -> ReturnedLogprobs:
+    """A stored response's returned logprobs, mapped to reference token ids."""
+    c = record["response"]["choices"][choice]
+    positions = _positions(c.get("logprobs"), where)
+    ids, entries = [], []
+    for k, (tok, lp, top) in enumerate(positions):
+        if tok not in table or any(t not in table for t, _ in top):
+            return ReturnedLogprobs(prompt_id, prompt_token_ids, ids, entries, len(positions) - k)
+        ids.append(table[tok])
+        others = [(table[t], v) for t, v in top if table[t] != table[tok]]
+        entries.append(([table[tok]] + [i for i, _ in others], [lp] + [v for _, v in others]))
+    return ReturnedLogprobs(prompt_id, prompt_token_ids, ids, entries, 0)
+
+
+@torch.inference_mode()
+def reference_values(backend, returned: Sequence[ReturnedLogprobs]) -> list[np.ndarray]:
+    """The reference's raw log-softmax at each returned position for each returned token."""
+    sequences = [r.prompt_token_ids + r.token_ids for r in returned]
+    starts = [len(r.prompt_token_ids) for r in returned]
+    out = [[None] * len(r.token_ids) for r in returned]
+    keep = [i for i, r in enumerate(returned) if r.token_ids]
+    for block in backend.prefill([sequences[i] for i in keep], [starts[i] for i in keep]):
+        lp = torch.log_softmax(block.logits.float(), dim=-1)
+        for row, (item, step) in enumerate(zip(block.items.tolist(), block.steps.tolist())):
+            r = returned[keep[item]]
+            out[keep[item]][step] = lp[row, r.entries[step][0]].double().numpy()
+    return [np.concatenate(o) if o else np.zeros(0) for o in out]
+
+
+def provider_values(returned: Sequence[ReturnedLogprobs]) -> list[np.ndarray]:
+    return [np.array([v for _, lps in r.entries for v in lps], dtype=np.float64) for r in returned]
+
+
+def logprob_verdict(provider: Sequence[np.ndarray], reference: Sequence[np.ndarray], tokens: np.ndarray,
+                    alpha: float = 0.01) -> Verdict:
+    """Sequential two-sample KS verdict on per-prompt paired logprob values (LOGIC)."""
+    if len(provider) < 2:
+        raise ValueError(f"a logprobs audit needs at least 2 prompts, got {len(provider)}")
+    looks = rank_looks(len(provider))
+
+    def p_at(k: int) -> float:
+        a, b = np.concatenate(provider[:k]), np.concatenate(reference[:k])
+        return float(ks_2samp(a, b).pvalue) if a.size and b.size else 1.0
+
+    p, first = sequential(p_at, looks, alpha)
+    a, b = np.concatenate(provider), np.concatenate(reference)
+    diff = float(np.mean(np.abs(a - b))) if a.size else 0.0
+    method = (f"sequential two-sample Kolmogorov-Smirnov test ({len(looks)} doubling looks of prompts, Bonferroni) "
+              f"of the provider's returned logprobs against the reference's at the same positions and tokens "
+              f"({a.size} values; LOGIC)")
+    return Verdict(p >= alpha, p, alpha, int(tokens.sum()), len(provider), "sequence", diff,
+                   "mean |provider - reference| logprob", diff, diff, len(looks),
+                   None if first is None else int(tokens[:first].sum()), method, sequences=len(provider))
