@@ -78,8 +78,8 @@ def test_missing_file_and_bad_calibration(tmp_path):
 
 
 def test_generate_rejects_bad_params(tmp_path):
-    assert_one_line_error(run("generate", "-o", str(tmp_path / "o.jsonl"), "--profile", "sglang"),
-                          "unknown sampler profile 'sglang'")
+    assert_one_line_error(run("generate", "-o", str(tmp_path / "o.jsonl"), "--profile", "nope"),
+                          "unknown sampler profile 'nope'")
     assert_one_line_error(run("generate", "-o", str(tmp_path / "o.jsonl"), "--top-p", "0"),
                           "top_p must be in (0, 1]")
     assert_one_line_error(run("generate", "-o", str(tmp_path / "o.jsonl"), "--prompts", str(tmp_path / "none.jsonl")),

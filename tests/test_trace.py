@@ -63,7 +63,7 @@ def test_semantic_problems():
         output_token_ids=[4, 500]).problems(vocab_size=100)
     assert "empty output" in make(output_token_ids=[]).problems()[0]
     assert "seeded but no seed" in make(sampling=SamplingParams(seed=None)).problems()[0]
-    assert "unknown profile 'sglang'" in make(sampling=SamplingParams(profile="sglang", seed=1)).problems()[0]
+    assert "unknown profile 'nope'" in make(sampling=SamplingParams(profile="nope", seed=1)).problems()[0]
     assert "trace claims 'smollm2-135m' but the verifier runs 'other'" in make().problems(model_id="other")[0]
 
 
