@@ -228,3 +228,25 @@ def test_params_problems():
     assert "seeded but no seed" in SamplingParams(profile="vllm", seed=None).problems()[0]
     assert SamplingParams(profile="vllm", temperature=0.0).problems() == []
     assert SamplingParams(top_p=0.0, seed=1).problems()
+
+
+@pytest.mark.parametrize("fp64", [False, True])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_pruned_vllm_replay_equals_noising_every_token(fp64, temperature):
+    """The replay noises only tokens that can reach the best score; winner, margin and rank must
+    equal those of noising the whole vocabulary (in the engine's own fp32 or fp64 arithmetic)."""
+    torch.manual_seed(0)
+    n, vocab = 40, 5000
+    logits = torch.randn(n, vocab) * 4
+    p = SamplingParams(temperature=temperature, seed=7, fp64_gumbel=fp64)
+    keys = RowKeys(tuple(["r"] * n), np.array([7] * n, dtype=object), np.arange(n) + 3, np.arange(n), params=(p,) * n)
+    prof = get_profile("vllm")
+    g = prof.gumbel(keys, torch.arange(n).repeat_interleave(vocab), torch.arange(vocab).repeat(n), vocab).reshape(n, vocab)
+    x = logits / temperature if temperature != 1 else logits
+    s = x.double() + g if fp64 else (x + g.float()).double()
+    other = torch.randint(0, vocab, (n,))
+    r = replay(logits, [p] * n, prof, keys, claimed=other)
+    assert torch.equal(r.token, s.argmax(-1))
+    sc = s.gather(1, other[:, None]).squeeze(1)
+    assert torch.equal(r.margin, (s.max(-1).values - sc) * temperature)
+    assert torch.equal(r.gumbel_rank, (s > sc[:, None]).sum(-1))

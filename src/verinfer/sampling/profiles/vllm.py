@@ -131,20 +131,28 @@ class VllmProfile(Profile):
 
     def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
         """Whole rows on the CPU: hash every token (cheap integer work), then take logarithms only
-        where ``u <= exp(x - floor)`` lets the token reach the floor (``G <= -log u``)."""
-        state, _, fp64 = self._rows(keys)
-        if x.device.type != "cpu" or fp64[rows.numpy()].any():
+        for tokens whose uniform lets them reach the floor: fp32 mode needs ``u <= exp(x - floor)``
+        (``G <= -log u``), fp64 mode ``u >= 1 - exp(x - floor)`` (``G <= -log(1 - u)``)."""
+        if x.device.type != "cpu":
             return super().noised_dense_above(keys, rows, x, threshold, floor, kept)
+        state, pos, fp64 = self._rows(keys)
+        hi_state = murmur3.prefix_ints(keys.seeds, pos, FP64_HASH_SEED) if fp64.any() else None
         words = murmur3.token_words(x.shape[1])
         out_r, out_c, out_s = [], [], []
         for i, r in enumerate(rows.tolist()):
             xr = x[i].numpy()
             h = murmur3.finish_np(state[r], words)
-            limit = np.exp(np.minimum(xr - _F(float(floor[i]) - _SLACK), _F(0))) * _F(2.0**32)
-            cols = np.flatnonzero((xr >= threshold[i].item()) & (h <= limit))
+            reach = np.exp(np.minimum(xr.astype(np.float64) - (float(floor[i]) - _SLACK), 0.0))
+            if fp64[r]:
+                hi = murmur3.finish_np(hi_state[r], words)
+                cols = np.flatnonzero((xr >= threshold[i].item()) & (hi >= (1.0 - reach) * 2.0**32 - 1.0))
+                scores = xr[cols] - np.log(-np.log(uniform64(h[cols], hi[cols])))
+            else:
+                cols = np.flatnonzero((xr >= threshold[i].item()) & (h <= reach * 2.0**32))
+                scores = (xr[cols] + gumbel32(uniform32(h[cols]))).astype(np.float64)
             out_r.append(np.full(cols.size, i))
             out_c.append(cols)
-            out_s.append((xr[cols] + gumbel32(uniform32(h[cols]))).astype(np.float64))
+            out_s.append(scores)
         cat = lambda parts, dtype: torch.from_numpy(np.concatenate(parts).astype(dtype))  # noqa: E731
         return cat(out_r, np.int64), cat(out_c, np.int64), cat(out_s, np.float64)
 
