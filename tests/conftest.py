@@ -7,6 +7,13 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n 2` on two cores: one torch thread per worker instead of two threads spinning
+    # against each other (the same prefill measured 4x slower oversubscribed: benchmarks/verify_speed.py).
+    import torch
+
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def backend():
