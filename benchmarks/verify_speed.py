@@ -54,8 +54,12 @@ CASES = [
     ("vllm, top-k 50, top-p 0.95", SamplingParams("vllm", 1.0, 50, 0.95)),
     ("vllm, top-p 0.95", SamplingParams("vllm", 1.0, -1, 0.95)),
     ("vllm, no filters (T=1, full vocab)", SamplingParams("vllm", 1.0, -1, 1.0)),
+    ("vllm fp64, no filters", SamplingParams("vllm", 1.0, -1, 1.0, fp64_gumbel=True)),
     ("greedy", SamplingParams("greedy", 0.0)),
-    ("torch-exponential, top-k 50, top-p 0.95", SamplingParams("torch-exponential", 1.0, 50, 0.95)),
+    ("vllm-v1, top-k 50, top-p 0.95", SamplingParams("vllm-v1", 1.0, 50, 0.95)),
+    ("vllm-cpu, top-k 50, top-p 0.95", SamplingParams("vllm-cpu", 1.0, 50, 0.95)),
+    ("vllm-cpu, no filters", SamplingParams("vllm-cpu", 1.0, -1, 1.0)),
+    ("sglang, no filters", SamplingParams("sglang", 1.0, -1, 1.0)),
 ]
 GEN_CASE = 0  # the case whose generation is re-timed for (b)
 
