@@ -153,3 +153,68 @@ def test_sglang_problems():
     assert any("min_p" in m for m in params_problems(p.with_(min_p=0.1)))
     assert any("sorted" in m for m in params_problems(p.with_(stream={"sorted": False})))
     assert params_problems(p.with_(top_k=-1, stream={"sorted": True})) == []
+
+
+# --------------------------------------------------------------------------------------------------
+# llama.cpp (inverse CDF)
+
+
+def test_mt19937_and_canonical_double():
+    from verinfer.sampling.inverse_cdf import canonical_doubles, mt19937_outputs
+
+    assert int(mt19937_outputs(5489, 10000)[-1]) == 4123659995  # the C++ standard's check value for mt19937
+    o = np.array([0, 0, 2**32 - 1, 2**32 - 1, 123, 2**31], dtype=np.uint64)
+    u = canonical_doubles(o)
+    assert u[0] == 0.0 and u[1] == np.nextafter(1.0, 0.0) and u[2] == (123 + 2.0**63) / 2.0**64
+
+
+def _llama_dist_reference(x: np.ndarray, u: float, top_k: int, top_p: float) -> int:
+    """llama.cpp's chain at T = 1 written out from its documented behaviour (profile docstring)."""
+    ids = np.arange(x.size)
+    if top_k > 0 or top_p < 1:
+        ids = np.argsort(-x, kind="stable")
+        if top_k > 0:
+            ids = ids[:top_k]
+        if top_p < 1:
+            p = np.exp(x[ids] - x[ids].max())
+            cum = np.cumsum((p / p.sum()).astype(np.float32), dtype=np.float32)
+            ids = ids[:int(np.argmax(cum >= top_p)) + 1]
+    p = np.exp((x[ids] - x[ids].max()).astype(np.float32)).astype(np.float64)
+    return int(ids[int(np.searchsorted(np.cumsum(p), u * p.sum()))])
+
+
+@pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (40, 0.95), (-1, 0.9)])
+def test_llama_cpp_inverse_cdf_replay(top_k, top_p):
+    from verinfer.sampling.inverse_cdf import canonical_doubles, mt19937_outputs
+
+    n, vocab, seed = 12, 400, 77
+    logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    params = [SamplingParams(profile="llama.cpp", top_k=top_k, top_p=top_p, seed=seed) for _ in range(n)]
+    assert params_problems(params[0]) == []
+    keys = _keys(n, [seed] * n, positions=np.arange(n), steps=np.arange(n), params=params)
+    u = canonical_doubles(mt19937_outputs(seed, 2 * n))
+    expect = torch.tensor([_llama_dist_reference(logits[r].numpy(), u[r], top_k, top_p) for r in range(n)])
+    out = replay(logits, params, get_profile("llama.cpp"), keys, claimed=expect)
+    assert torch.equal(out.token, expect)
+    assert bool((out.margin == 0).all()) and bool((out.ipt_distance == 0).all())
+    wrong = expect.clone()
+    wrong[0] = out.token[0] + 1 if top_k < 0 and top_p == 1 else int(logits[0].argmin())
+    bad = replay(logits, params, get_profile("llama.cpp"), keys, claimed=wrong)
+    assert bad.margin[0] > 0 and bad.gumbel_rank[0] > 0
+
+
+def test_llama_cpp_problems_and_score_column():
+    from verinfer.scoring.token_difr import SCORE_COLUMNS, score_block
+    from verinfer.trace import Trace
+
+    p = SamplingParams(profile="llama.cpp", seed=5, top_k=40, top_p=0.95)
+    assert params_problems(p) == []
+    assert any("temperature" in m for m in params_problems(p.with_(temperature=0.8)))
+    assert any("uint32" in m for m in params_problems(p.with_(seed=2**32 - 1)))
+    assert "ipt_distance" in SCORE_COLUMNS
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1)) * 2
+    keys = _keys(2, [5, 5], steps=[0, 1], params=[p, p])
+    tokens = replay(logits[:2], [p, p], get_profile("llama.cpp"), keys).token.tolist()
+    traces = [Trace("a", "m", [1, 2], tokens, p), Trace("b", "m", [1, 2], [7, 8], SamplingParams(profile="vllm", seed=3))]
+    cols = score_block(logits, np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]), traces, {})
+    assert list(cols["ipt_distance"][:2]) == [0.0, 0.0] and np.isnan(cols["ipt_distance"][2:]).all()

@@ -23,8 +23,9 @@ SCORE_SCHEMA = pa.schema([
     ("trace_id", pa.string()), ("position", pa.int64()), ("claimed", pa.int64()), ("verifier_token", pa.int64()),
     ("exact_match", pa.bool_()), ("margin", pa.float64()), ("filter_distance", pa.float64()),
     ("filtered", pa.bool_()), ("cross_entropy", pa.float64()), ("logit_rank", pa.int64()),
-    ("gumbel_rank", pa.int64()),
+    ("gumbel_rank", pa.int64()), ("ipt_distance", pa.float64()),
 ])
+OPTIONAL_SCORE_COLUMNS = ("ipt_distance",)  # absent from files written before it existed
 COMMIT_SCHEMA = pa.schema([("trace_id", pa.string()), ("metric", pa.string()), ("index", pa.int64()),
                            ("score", pa.float64())])
 COMMIT_METRICS = {"fingerprint_l2": "Activation-DiFR L2 per logged token",
@@ -71,7 +72,7 @@ def _read(path: str | Path, schema: pa.Schema, what: str) -> pa.Table:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as exc:
         raise ValueError(f"{path}: cannot read {what} ({exc})") from None
-    missing = [n for n in schema.names if n not in table.column_names]
+    missing = [n for n in schema.names if n not in table.column_names and n not in OPTIONAL_SCORE_COLUMNS]
     if missing:
         hint = (" (this looks like a commit score file)" if what == "token scores" and "metric" in table.column_names
                 else " (this looks like a token score file)" if "margin" in table.column_names else "")

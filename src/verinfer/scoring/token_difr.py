@@ -8,6 +8,8 @@ Per-token scores (one row per output token, higher = more divergent unless noted
     cross_entropy   -log p(claim) under the verifier's processed (filtered, tempered) distribution
     logit_rank      the claim's rank among the raw logits (0 = top)
     gumbel_rank     the claim's rank among kept x + G (0 = the sampled token)
+    ipt_distance    inverse-CDF profiles (llama.cpp) only, else NaN: how far the replayed uniform lies
+                    outside the claim's CDF interval (DiFR appendix B; 0 = picked); ``margin`` equals it there
 The likelihood variant (DiFR appendix A) is derived from the margin by ``likelihood``.
 """
 
@@ -27,7 +29,7 @@ from verinfer.sampling.sampler import replay
 from verinfer.trace import Trace
 
 SCORE_COLUMNS = ("trace_id", "position", "claimed", "verifier_token", "exact_match", "margin",
-                 "filter_distance", "filtered", "cross_entropy", "logit_rank", "gumbel_rank")
+                 "filter_distance", "filtered", "cross_entropy", "logit_rank", "gumbel_rank", "ipt_distance")
 
 
 def likelihood(margin: np.ndarray, sigma: float = 1.0) -> np.ndarray:
@@ -66,6 +68,7 @@ def score_block(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, trac
     cols = {
         "verifier_token": np.empty(n, np.int64), "margin": np.empty(n), "filter_distance": np.empty(n),
         "cross_entropy": np.empty(n), "logit_rank": np.empty(n, np.int64), "gumbel_rank": np.empty(n, np.int64),
+        "ipt_distance": np.full(n, np.nan),
     }
     groups: dict[str, list[int]] = defaultdict(list)
     for r, i in enumerate(items):
@@ -81,6 +84,8 @@ def score_block(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, trac
         cols["cross_entropy"][idx] = -out.logprob.numpy()
         cols["logit_rank"][idx] = out.logit_rank.numpy()
         cols["gumbel_rank"][idx] = out.gumbel_rank.numpy()
+        if getattr(out, "ipt_distance", None) is not None:  # inverse-CDF profiles (sampling/inverse_cdf.py)
+            cols["ipt_distance"][idx] = out.ipt_distance.numpy()
     cols["claimed"] = claimed.numpy()
     cols["exact_match"] = cols["verifier_token"] == cols["claimed"]
     cols["filtered"] = np.isinf(cols["margin"]) & (cols["filter_distance"] > 0)

@@ -5,19 +5,19 @@ from __future__ import annotations
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles.base import Profile, RowKeys
 from verinfer.sampling.profiles.greedy import GreedyProfile
+from verinfer.sampling.profiles.llama_cpp import LlamaCppProfile
 from verinfer.sampling.profiles.sglang import SglangProfile
 from verinfer.sampling.profiles.transformers import TransformersProfile
 from verinfer.sampling.profiles.vllm import VllmProfile
 from verinfer.sampling.profiles.vllm_v1 import VllmV1Profile
-from verinfer.sampling.profiles.vllm_cpu import VllmCpuProfile
 
 _CLASSES: tuple[type[Profile], ...] = (
     GreedyProfile,
     VllmProfile,
     VllmV1Profile,
-    VllmCpuProfile,
     TransformersProfile,
     SglangProfile,
+    LlamaCppProfile,
 )
 
 PROFILES: dict[str, type[Profile]] = {n: c for c in _CLASSES for n in (c.name, *c.aliases)}

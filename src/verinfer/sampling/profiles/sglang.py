@@ -66,11 +66,8 @@ def gumbel_from_hash(h: np.ndarray) -> np.ndarray:
 
 def hashes(seeds, positions, rows: np.ndarray, cols: np.ndarray, vocab_size: int) -> np.ndarray:
     """MurmurHash3 of ``[seed_lo, seed_hi, pos, col]`` for (row, col) pairs, as uint32 (``murmur3.py``)."""
-    positions = np.asarray(positions, dtype=np.int64)
-    if hasattr(murmur3, "prefix_ints"):
-        return murmur3.hash_pairs_np(murmur3.prefix_ints(seeds, positions), rows, cols, vocab_size)
-    prefix = murmur3.prefix(seeds, torch.as_tensor(positions))  # the torch-only murmur3 API
-    return murmur3.hash_tokens(prefix[torch.as_tensor(rows)], torch.as_tensor(cols)).numpy().astype(np.uint32)
+    state = murmur3.prefix_ints(seeds, np.asarray(positions, dtype=np.int64))
+    return murmur3.hash_pairs_np(state, rows, cols, vocab_size)
 
 
 def uses_sorted_path(params) -> bool:
