@@ -78,41 +78,41 @@ def uses_sorted_path(params) -> bool:
     return (0 < params.top_k) or params.top_p < 1
 
 
-def sglang_keep_counts(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
-    """SGLang's filters on scaled logits ``x`` [N, V]: (kept count per row, rank of every token [N, V]).
+def sorted_ranks(x: torch.Tensor) -> torch.Tensor:
+    """Each token's place in SGLang's sort of ``softmax(x)`` (fp32, descending, ties by id), [N, V] int64."""
+    order = torch.softmax(x.float(), dim=-1).sort(dim=-1, descending=True, stable=True).indices
+    return torch.empty_like(order).scatter_(1, order, torch.arange(x.shape[1]).expand_as(order).contiguous())
+
+
+def sglang_keep_counts(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """How many tokens SGLang's filters keep per row of scaled logits ``x`` [N, V].
 
     Stable descending sort of ``softmax(x)`` (fp32), cumulative sum before top-k masking, keep
-    rank < top_k and ``cumsum - p <= top_p``.
+    rank < top_k and ``cumsum - p <= top_p`` (a prefix of the sorted row).
     """
-    n, vocab = x.shape
-    probs = torch.softmax(x.float(), dim=-1)
-    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    vocab = x.shape[1]
+    sorted_p = torch.softmax(x.float(), dim=-1).sort(dim=-1, descending=True, stable=True).values
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    rank = torch.arange(vocab)[None, :]
-    keep = (rank < k[:, None]) & ~(mass_before > top_p.float()[:, None])
+    keep = (torch.arange(vocab)[None, :] < k[:, None]) & ~(mass_before > top_p.float()[:, None])
     keep[:, 0] = True
-    ranks = torch.empty((n, vocab), dtype=torch.int32)
-    ranks.scatter_(1, order, rank.expand(n, vocab).to(torch.int32).contiguous())
-    return keep.sum(-1), ranks
+    return keep.sum(-1)
 
 
 class SglangProfile(Profile):
     name = "sglang"
     description = "SGLang 0.5.23 deterministic sampling: Murmur3 Gumbel, u = h/(2^32-1); sorted-rank columns with filters"
 
-    def kept_set(self, x, top_k, top_p, min_p, params=None):
-        """SGLang's kept set, as the shared threshold form (a prefix of the sorted row), with ranks.
-
-        ``params`` (per row) tells which rows took the sorted path; without it every row with a
-        filter is taken as sorted.
-        """
-        n_keep, ranks = sglang_keep_counts(x, top_k, top_p)
+    def kept_set(self, x, top_k, top_p, min_p):
+        """SGLang's kept set in the shared threshold form (a prefix of the sorted row: top-k = its size)."""
         vocab = x.shape[1]
-        filtered = (top_k > 0) & (top_k < vocab) | (top_p < 1)
-        k_eff = torch.where(filtered, n_keep, torch.zeros_like(n_keep))  # top_k <= 0: no filter
-        kept = shared_kept_set(x, k_eff.to(torch.int64), torch.ones_like(top_p), torch.zeros_like(min_p))
-        object.__setattr__(kept, _RANKS, ranks)  # KeptSet is frozen; this adds a field it does not know
+        filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
+        k_eff = torch.zeros_like(top_k)  # 0: no filter
+        idx = filtered.nonzero().squeeze(1)
+        if idx.numel():
+            k_eff[idx] = sglang_keep_counts(x[idx], top_k[idx], top_p[idx]).to(k_eff.dtype)
+        kept = shared_kept_set(x, k_eff, torch.ones_like(top_p), torch.zeros_like(min_p))
+        object.__setattr__(kept, _RANKS, {"x": x, "rows": {}})  # KeptSet is frozen; ranks come lazily
         return kept
 
     def gumbel_cols(self, keys, rows, cols, kept) -> torch.Tensor:
@@ -121,11 +121,17 @@ class SglangProfile(Profile):
         out = cols.clone()
         pick = sorted_rows[rows]
         if bool(pick.any()):
-            ranks = getattr(kept, _RANKS, None)
-            if ranks is None:
+            cache = getattr(kept, _RANKS, None)
+            if cache is None:
                 raise RuntimeError("profile 'sglang' with top-k/top-p needs its own kept_set (ranks); "
                                    "the sampler did not call Profile.kept_set")
-            out[pick] = ranks[rows[pick], cols[pick]].to(cols.dtype)
+            need = [r for r in torch.unique(rows[pick]).tolist() if r not in cache["rows"]]
+            if need:
+                for r, rank in zip(need, sorted_ranks(cache["x"][torch.tensor(need)])):
+                    cache["rows"][r] = rank
+            uniq = torch.unique(rows[pick])
+            table = torch.stack([cache["rows"][r] for r in uniq.tolist()])
+            out[pick] = table[torch.searchsorted(uniq, rows[pick]), cols[pick]]
         return out
 
     def noised(self, keys, rows, cols, x, vocab_size, kept=None):
