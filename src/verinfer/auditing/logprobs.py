@@ -10,9 +10,9 @@ doubling prefixes of prompts (``verinfer.stats.verdict``). An honest provider re
 reference's values up to numerical noise; another model returns its own, which for its own top
 tokens are systematically higher than the reference's.
 
-Token strings are mapped to ids with the reference tokenizer (``token_table``): a string that more
-than one id decodes to (an incomplete UTF-8 byte, say) or none does ends the sequence there, and
-the positions lost are counted. The KS p-value treats values as independent, which positions of
+Token strings are mapped to ids with the reference tokenizer (``token_table``): a claimed token
+whose string more than one id decodes to (an incomplete UTF-8 byte, say), or none does, ends the
+sequence there, and the positions lost are counted; such alternatives are skipped. The KS p-value treats values as independent, which positions of
 one sequence are not; under the null the two samples are nearly identical, so the test is
 conservative there, but it is a comparison baseline rather than an exact test.
 """
@@ -80,10 +80,10 @@ def parse_returned(record: dict, choice: int, table: dict[str, int], prompt_id: 
     positions = _positions(c.get("logprobs"), where)
     ids, entries = [], []
     for k, (tok, lp, top) in enumerate(positions):
-        if tok not in table or any(t not in table for t, _ in top):
+        if tok not in table:  # the claimed token is needed for every later position: stop here
             return ReturnedLogprobs(prompt_id, prompt_token_ids, ids, entries, len(positions) - k)
         ids.append(table[tok])
-        others = [(table[t], v) for t, v in top if table[t] != table[tok]]
+        others = [(table[t], v) for t, v in top if t in table and table[t] != table[tok]]  # ambiguous ones skipped
         entries.append(([table[tok]] + [i for i, _ in others], [lp] + [v for _, v in others]))
     return ReturnedLogprobs(prompt_id, prompt_token_ids, ids, entries, 0)
 

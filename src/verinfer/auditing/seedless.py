@@ -48,7 +48,7 @@ def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fp
     params = spec.params(0)
     store = ResponseStore(store_path(out_dir))
     draws = reference_draws(backend, [(cs[0].prompt_id, cs[0].prompt_token_ids) for cs in groups], params,
-                            spec.samples, spec.seed, spec.max_tokens, store, on_stage=on_stage)
+                            spec.samples, spec.seed, spec.max_tokens, store, batch_size=64, on_stage=on_stage)
     ref = [draws[cs[0].prompt_id] for cs in groups]
     ref = [retokenize(backend.tokenizer, d) if cs[0].source == "retokenized" else d for cs, d in zip(groups, ref)]
     outputs = [[c.output_token_ids for c in cs] for cs in groups]
