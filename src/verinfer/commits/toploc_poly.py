@@ -7,8 +7,9 @@ float64 lets the k x k sums run as BLAS matrix products (integers below 2**53 ad
 order), and ``_mod`` reduces with a multiply by 1/P instead of int64 division, which is ~4x slower.
 
 The interpolant through k points with distinct x is unique, so the coefficients equal those of the
-reference library's Newton interpolation; we compute them in the Lagrange form instead because it
-needs no Python loop over the k**2 divided differences:
+reference library's Newton interpolation (``toploc`` 0.1.6, ``compute_newton_coefficients`` in
+``toploc/C/csrc/ndd.cpp``, whatever order the points come in); we compute them in the Lagrange form
+instead because it needs no Python loop over the k**2 divided differences:
 
     M(x) = prod_i (x - x_i),  w_i = 1 / M'(x_i),  a_i = y_i * w_i,  S_t = sum_i a_i * x_i**t
     c_d  = sum_{t=0}^{k-1-d} m_{d+1+t} * S_t          (m_e: monomial coefficients of M)
@@ -125,7 +126,11 @@ def _injective_in(indices: np.ndarray, moduli: np.ndarray) -> np.ndarray:
 
 
 def injective_modulus(indices: np.ndarray) -> int | None:
-    """Largest m <= P with all ``indices mod m`` distinct, or None if no m >= len(indices) works."""
+    """Largest m <= P with all ``indices mod m`` distinct, or None if no m >= len(indices) works.
+
+    The reference's search (``ProofPoly.from_points`` in ``toploc/C/csrc/poly.cpp``) counts down from
+    P and takes the first injective m: the same m, since none below k can be injective on k indices.
+    """
     k = indices.shape[-1]
     if _injective_in(indices, np.array([P], dtype=np.int64))[0]:  # about 95% of 32x4096 chunks
         return P
