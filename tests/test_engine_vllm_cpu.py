@@ -8,6 +8,7 @@ several minutes); later runs reuse it.
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -35,19 +36,21 @@ def test_vllm_cpu_engine_generates_what_verinfer_replays(tmp_path, backend):
     directory = run.model_dir("smollm2-135m")
     prompts = run.rendered_prompts(directory, "chitchat", 8, seed=5)
     files, timing = run.generate(python, directory, prompts, ("greedy", "seeded"), "float32", 32, 777, tmp_path)
-    for mode, path in files.items():
-        traces = read_traces(path)
-        assert len(traces) == 8
-        assert {t.sampling.profile for t in traces} == ({"greedy"} if mode == "greedy" else {"vllm-cpu"})
-        cols = verify(traces, backend=backend).columns
-        exact = np.asarray(cols["exact_match"], dtype=bool)
-        margin0 = np.asarray(cols["margin"]) == 0
+    per_mode = {mode: read_traces(path) for mode, path in files.items()}
+    # A wrong seed must be caught: the seeded outputs claimed under another seed do not replay.
+    per_mode["wrong-seed"] = [replace(t, id=t.id + "-wrong-seed", sampling=t.sampling.with_(seed=t.sampling.seed + 1))
+                              for t in per_mode["seeded"]]
+    for mode in ("greedy", "seeded"):
+        assert len(per_mode[mode]) == 8
+        assert {t.sampling.profile for t in per_mode[mode]} == ({"greedy"} if mode == "greedy" else {"vllm-cpu"})
+    cols = verify([t for ts in per_mode.values() for t in ts], backend=backend).columns  # one prefill pass
+    mode_of = {t.id: m for m, ts in per_mode.items() for t in ts}
+    row_mode = np.array([mode_of[i] for i in cols["trace_id"]])
+    exact_all = np.asarray(cols["exact_match"], dtype=bool)
+    for mode in ("greedy", "seeded"):
+        exact = exact_all[row_mode == mode]
+        margin0 = np.asarray(cols["margin"])[row_mode == mode] == 0
         assert exact.size >= 100, f"{mode}: only {exact.size} tokens generated"
         assert exact.mean() >= EXACT_TARGET, f"{mode}: exact match {exact.mean():.4f} on {exact.size} tokens"
         assert margin0.mean() >= MARGIN0_TARGET, f"{mode}: margin 0 on {margin0.mean():.4f}"
-    # A wrong seed is caught: the same outputs claimed under another seed do not replay.
-    wrong = [t for t in read_traces(files["seeded"])]
-    for t in wrong:
-        t.sampling = t.sampling.with_(seed=t.sampling.seed + 1)
-    cols = verify(wrong, backend=backend).columns
-    assert np.asarray(cols["exact_match"]).mean() < 0.9
+    assert exact_all[row_mode == "wrong-seed"].mean() < 0.9

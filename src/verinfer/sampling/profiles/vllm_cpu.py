@@ -34,8 +34,11 @@ rounding at the boundary (min-p is not covered by the golden traces).
 
 Steps: output token k is generator step k. The one path in the model runner that spends a draw
 without emitting a token is a discarded sample (a partial chunked-prefill step), and there 0.32.0 rewinds
-with ``gen.set_offset(gen.get_offset() - 4)`` (``gpu_model_runner.py``), which a CPU generator
-rejects ("CPU Generator does not use offset"). Stream field ``step_offset`` (int >= 0, default 0)
+with ``gen.set_offset(gen.get_offset() - 4)`` (``gpu_model_runner.py`` ``_bookkeeping_sync``), which
+a CPU generator rejects: measured, a seeded request whose prompt is prefilled in chunks
+(``max_num_batched_tokens=32``, a 75-token prompt) kills the engine ("CPU Generator does not use
+offset", ``EngineDeadError``); unseeded requests run. So a seeded trace from this build never has
+shifted steps. Stream field ``step_offset`` (int >= 0, default 0)
 records a shift should a run show one: output token k then used step ``k + step_offset``.
 
 Not replayed: ``use_fp64_gumbel`` (``forward_cpu`` then falls back to an fp64 exponential race on
