@@ -154,6 +154,25 @@ def test_url_credentials_stay_out_of_errors(tmp_path):
     assert c.endpoint.display_url == f"http://{REDACTED}@127.0.0.1:{port}/v1"
 
 
+
+def test_query_string_credentials_stay_out_of_errors_and_echoes(tmp_path):
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    secret = "qs-secret-7f3a9c1e"
+    c = ProviderClient(Endpoint("prov", f"http://127.0.0.1:{port}/v1?api-key={secret}&region=eu", "m", None),
+                       ResponseStore(tmp_path / "r.jsonl"), policy=RetryPolicy(retries=0, timeout_s=5))
+    with pytest.raises(ProviderError) as exc:
+        c.fetch(one_call())
+    assert secret not in str(exc.value) and secret not in c.endpoint.display_url
+    assert "region=eu" in c.endpoint.display_url  # only credential-named parameters lose their value
+    # a provider echoing the value elsewhere (no parameter name around it) is caught by registration
+    assert redact_text(f"you sent {secret}") == f"you sent {REDACTED}"
+    assert redact_text("https://h/v1?token=abc&monkey=1") == f"https://h/v1?token={REDACTED}&monkey=1"
+
 # ---------------------------------------------------------------- what the provider says it served
 
 def record(response, max_tokens=4, model="m", prompt_ids=(5, 6, 7)):

@@ -12,7 +12,10 @@ Two kinds of secret are removed:
 - Credentials in URLs: ``scheme://user:password@host`` becomes ``scheme://[REDACTED]@host`` in any
   string, registered or not; an endpoint's URL password (and the ``user:password`` pair, plain and
   base64 as HTTP basic auth sends it, so an echoed ``Authorization`` header is caught too) is
-  registered like a key.
+  registered like a key. Query parameters that carry credentials by name (``api_key``, ``key``,
+  ``token``, ``access_token``, ``secret``, ``password``, ``sig``, ``signature``, ...; e.g.
+  ``?api-key=...`` as some gateways take it) keep their name and lose their value, in any string,
+  and an endpoint's own such values are registered like a key.
 
 The registry is process-wide on purpose: responses are redacted where they are written
 (``store.ResponseStore.append``), far from the endpoint that knows the key.
@@ -24,12 +27,15 @@ import base64
 import re
 import threading
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
 REDACTED = "[REDACTED]"
 MIN_SECRET_CHARS = 8
 
 _URL_CREDENTIALS = re.compile(r"(?<=://)[^/\s@:'\"<>]+:[^/\s@'\"<>]*@")
+_SECRET_PARAMS = ("api_key", "api-key", "apikey", "key", "token", "access_token", "auth", "secret",
+                  "password", "passwd", "sig", "signature", "x-api-key", "code")
+_QUERY_SECRET = re.compile(r"(?i)([?&](?:" + "|".join(re.escape(n) for n in _SECRET_PARAMS) + r")=)[^&#\s'\"<>]+")
 _lock = threading.Lock()
 _secrets: set[str] = set()  # replaced wherever they appear
 _bearer: set[str] = set()  # short keys: replaced only after "Bearer "
@@ -57,6 +63,10 @@ def remember_url(url: str) -> None:
         parts = urlsplit(url)
     except ValueError:
         return
+    for name, value in parse_qsl(parts.query, keep_blank_values=False):
+        if name.lower() in _SECRET_PARAMS:
+            remember(value)
+            remember(quote(value, safe=""))
     if parts.password:
         user, password = unquote(parts.username or ""), unquote(parts.password)
         remember(password)
@@ -69,6 +79,8 @@ def redact_text(text: str) -> str:
     """``text`` with every registered secret and every ``user:password@`` in a URL replaced."""
     if "://" in text:
         text = _URL_CREDENTIALS.sub(REDACTED + "@", text)
+    if "=" in text:
+        text = _QUERY_SECRET.sub(lambda m: m.group(1) + REDACTED, text)
     pattern = _pattern
     return pattern.sub(REDACTED, text) if pattern is not None else text
 
