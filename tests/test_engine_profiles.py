@@ -88,18 +88,20 @@ def _read(path):
 
 def test_transformers_generate_fixture_replays_exactly(backend):
     """Traces of the real ``model.generate`` (left-padded batch of 4, greedy and two seeded configs)."""
+    from dataclasses import replace
+
     from verinfer.api import verify
 
     traces = _read(FIXTURES / "transformers" / "generate_b4_t16.jsonl")
     assert {t.sampling.profile for t in traces} == {"greedy", "transformers"}
-    cols = verify(traces, backend=backend).columns
-    assert cols["exact_match"].all() and (cols["margin"] == 0).all()
-    # The same outputs under the wrong batch row or seed are caught.
-    sampled = [t for t in traces if t.sampling.profile == "transformers" and t.sampling.top_k <= 0]
-    for t in sampled:
-        t.sampling = t.sampling.with_(stream={**t.sampling.stream, "row": (t.sampling.stream["row"] + 1) % 4})
-    wrong = verify(sampled, backend=backend).columns
-    assert wrong["exact_match"].mean() < 0.9
+    # The same unfiltered outputs claimed under the wrong batch row must be caught (one prefill for all).
+    wrong = [replace(t, id=t.id + "-wrong-row", sampling=t.sampling.with_(
+                 stream={**t.sampling.stream, "row": (t.sampling.stream["row"] + 1) % 4}))
+             for t in traces if t.sampling.profile == "transformers" and t.sampling.top_k <= 0]
+    cols = verify(traces + wrong, backend=backend).columns
+    bad = np.array([i.endswith("-wrong-row") for i in cols["trace_id"]])
+    assert cols["exact_match"][~bad].all() and (cols["margin"][~bad] == 0).all()
+    assert cols["exact_match"][bad].mean() < 0.9
 
 
 # --------------------------------------------------------------------------------------------------
@@ -218,3 +220,59 @@ def test_llama_cpp_problems_and_score_column():
     traces = [Trace("a", "m", [1, 2], tokens, p), Trace("b", "m", [1, 2], [7, 8], SamplingParams(profile="vllm", seed=3))]
     cols = score_block(logits, np.array([0, 0, 1, 1]), np.array([0, 1, 0, 1]), traces, {})
     assert list(cols["ipt_distance"][:2]) == [0.0, 0.0] and np.isnan(cols["ipt_distance"][2:]).all()
+
+
+def test_llama_cpp_replays_the_engines_own_logits():
+    """Rows logged from real llama-cpp-python 0.3.36 (its logits and sampled token): exact replay.
+
+    Top-k 50 / top-p 0.95 rows keep their 64 largest logits (the rest cannot be kept); unfiltered
+    rows are whole (the CDF runs over the full vocabulary in id order).
+    """
+    data = np.load(FIXTURES / "llama_cpp" / "engine_logits.npz")
+    vocab = 49152
+    kinds = data["kind"].tolist()
+    rows, params = [], []
+    it, jf = 0, 0
+    for kind, seed in zip(kinds, data["seed"].tolist()):
+        if kind == "topk":
+            row = torch.full((vocab,), float("-inf"))
+            row[torch.from_numpy(data["top_ids"][it].astype(np.int64))] = torch.from_numpy(data["top_vals"][it])
+            params.append(SamplingParams(profile="llama.cpp", top_k=50, top_p=0.95, seed=int(seed)))
+            it += 1
+        else:
+            row = torch.from_numpy(data["full"][jf])
+            params.append(SamplingParams(profile="llama.cpp", seed=int(seed)))
+            jf += 1
+        rows.append(row)
+    n = len(rows)
+    keys = _keys(n, data["seed"].tolist(), steps=data["step"].tolist(), params=params)
+    claimed = torch.from_numpy(data["token"].astype(np.int64))
+    out = replay(torch.stack(rows), params, get_profile("llama.cpp"), keys, claimed=claimed)
+    assert n > 150 and kinds.count("full") >= 4
+    assert torch.equal(out.token, claimed) and bool((out.ipt_distance == 0).all())
+    shifted = _keys(n, data["seed"].tolist(), steps=(data["step"] + 1).tolist(), params=params)  # off by one draw
+    assert (replay(torch.stack(rows), params, get_profile("llama.cpp"), shifted).token != claimed).sum() > 10
+
+
+def test_llama_cpp_engine_traces_against_the_fp32_reference(backend, tmp_path):
+    """Real llama.cpp outputs (Q4_1 weights, quantized activations) scored on verinfer's fp32 model:
+    the right seed sits far closer to the replayed CDF than a wrong one (the IPT score separates)."""
+    from dataclasses import replace
+
+    import pyarrow.parquet as pq
+
+    from verinfer.api import verify
+
+    traces = _read(FIXTURES / "llama_cpp" / "generate_t24.jsonl")
+    wrong = [replace(t, id=t.id + "-wrong-seed", sampling=t.sampling.with_(seed=t.sampling.seed + 1000))
+             for t in traces if t.sampling.profile == "llama.cpp"]
+    verify(traces + wrong, backend=backend, scores=tmp_path / "s.parquet")
+    cols = {k: np.asarray(v) for k, v in pq.read_table(tmp_path / "s.parquet").to_pydict().items()}
+    ids = cols["trace_id"]
+    greedy = np.array(["greedy" in i for i in ids])
+    bad = np.array([i.endswith("-wrong-seed") for i in ids])
+    seeded = ~greedy & ~bad
+    assert cols["exact_match"][greedy].mean() > 0.9
+    assert np.isnan(cols["ipt_distance"][greedy]).all() and not np.isnan(cols["ipt_distance"][seeded]).any()
+    assert np.mean(cols["ipt_distance"][seeded]) * 5 < np.mean(cols["ipt_distance"][bad])
+    assert cols["exact_match"][seeded].mean() > cols["exact_match"][bad].mean() + 0.2

@@ -44,14 +44,15 @@ def cmd_prompts(args):
 
 
 def cmd_run(args):
-    import importlib.metadata
-
+    import llama_cpp
+    import numpy as np
     from llama_cpp import Llama
 
     spec = json.load(open(args.prompts))
     llm = Llama(model_path=spec["gguf"], n_ctx=1024, n_threads=args.threads, n_batch=512, verbose=False)
     stops = set(spec["stops"])
     rows = []
+    logits = []  # the engine's own logits of every sampled step (with --logits-out)
     for config in args.configs.split(","):
         temp, top_k, top_p = CONFIGS[config]
         for i, p in enumerate(spec["prompts"]):
@@ -63,13 +64,17 @@ def cmd_run(args):
             for tok in llm.generate(p["ids"], top_k=top_k, top_p=top_p, min_p=0.0, typical_p=1.0, temp=temp,
                                     repeat_penalty=1.0, frequency_penalty=0.0, presence_penalty=0.0, reset=True):
                 out.append(int(tok))
+                if args.logits_out:  # the context's last logits: the row the sampler just used
+                    logits.append(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),)).copy())
                 if tok in stops or len(out) >= args.max_tokens:
                     break
             rows.append({"config": config, "prompt": p["id"], "seed": seed, "temp": temp, "top_k": top_k,
                          "top_p": top_p, "output": out})
             print(f"{config} {p['id']}: {len(out)} tokens {time.time() - t0:.1f}s", flush=True)
-    json.dump({"engine": "llama-cpp-python " + importlib.metadata.version("llama_cpp_python"), "rows": rows},
+    json.dump({"engine": f"llama-cpp-python {llama_cpp.__version__}", "rows": rows},
               open(args.out, "w"))
+    if args.logits_out:
+        np.save(args.logits_out, np.stack(logits))
 
 
 def cmd_traces(args):
@@ -111,6 +116,7 @@ def main(argv=None) -> None:
     b.add_argument("--seed", type=int, default=4321, help="seed of the first prompt (+1 per prompt)")
     b.add_argument("--configs", default=",".join(CONFIGS))
     b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--logits-out", help="also save the engine's logits of every sampled step (.npy, rows in output order)")
     c = sub.add_parser("traces")
     c.add_argument("--raw", required=True)
     c.add_argument("--prompts", required=True)
