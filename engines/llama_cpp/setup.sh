@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # llama-cpp-python 0.3.36 in its own venv; it compiles llama.cpp from source (measured here: libllama
-# linked after 26 min, the whole package, with the multimodal tools, over 60 min at load ~11 on 2 cores).
+# linked after 26 min, the whole install, with the multimodal tools, 4,004 s at load ~11 on 2 cores).
 set -euo pipefail
 V=${VERINFER_CACHE:-$HOME/.cache/verinfer}/engines/llama-cpp-python-0.3.36
 python -m venv "$V"
