@@ -107,8 +107,8 @@ def test_greedy_spot_checks_pass_the_greedy_only_cheat(servers, prompts, backend
 def test_rank_audit_over_streams_keeps_the_honest_provider_and_reports(servers, prompts, backend, tmp_path):
     """Rank mode end to end (streamed responses, reference draws, Holm over two providers, reports).
     Whether it flags the cheat at this size is a matter of power (RESULTS.md section 9), not asserted."""
-    spec = AuditSpec(mode="rank", temperature=1.0, max_tokens=12, samples=6, seed=3, stream=True)
-    result = run_audit(_endpoints(servers, backend.model_id), prompts, spec, LocalReference(backend), tmp_path)
+    spec = AuditSpec(mode="rank", temperature=1.0, max_tokens=8, samples=3, seed=3, stream=True)
+    result = run_audit(_endpoints(servers, backend.model_id), prompts[:4], spec, LocalReference(backend), tmp_path)
     verdicts = {a.endpoint.name: a.verdict for a in result.providers}
     assert verdicts["honest"].consistent, verdicts["honest"].text
     assert all(v.p_adjusted is not None for v in verdicts.values())  # Holm over the two providers
