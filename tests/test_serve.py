@@ -326,3 +326,11 @@ def test_echo_with_generation_lists_prompt_then_output_tokens(honest, backend):
     assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
     for tok, top in zip(lp["tokens"][len(ids):], lp["top_logprobs"][len(ids):]):
         assert tok in top and 1 <= len(top) <= 2  # the top-1 plus the chosen token
+
+
+def test_samplers_that_need_per_request_stream_facts_are_refused_at_start():
+    from verinfer.serve.config import ServeConfig
+
+    assert ServeConfig(sampler="vllm-cpu").problems() == []
+    (problem,) = ServeConfig(sampler="transformers").problems()
+    assert "sampler 'transformers' cannot be served" in problem and "batch_size" in problem

@@ -14,6 +14,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import typer  # noqa: E402
 
 from verinfer.cli import options as opt  # noqa: E402
+from verinfer.sampling.profiles import profile_names  # noqa: E402
 
 MISCONFIG_HELP = (
     "Serve misconfigured while the API claims the honest configuration; comma-separated or repeated. "
@@ -47,7 +48,7 @@ def serve(
     model: str = opt.model(),
     host: str = typer.Option("127.0.0.1", help="interface to listen on"),
     port: int = typer.Option(8000, help="TCP port (0: a free one, printed at start)"),
-    sampler: str = typer.Option("vllm", help="sampler profile: vllm, torch-exponential, greedy"),
+    sampler: str = typer.Option("vllm", help="sampler profile: " + ", ".join(profile_names())),
     dtype: str = opt.dtype("float32", "compute dtype of the served (claimed) model"),
     device: str = opt.device(),
     batch_size: int = opt.batch_size(8, "most requests decoded together"),

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.profiles import PROFILES, params_problems
 from verinfer.simulate.variants import Variant, compose, get_variant
 
 SYSTEM_PROMPT = "system-prompt:"
@@ -96,6 +97,10 @@ class ServeConfig:
             out.append(f"disconnect_poll_s must be in (0, 10] seconds, got {self.disconnect_poll_s}")
         if not 0 <= self.port <= 65535:
             out.append(f"port must be in 0..65535, got {self.port}")
+        if self.sampler in PROFILES:  # unknown names are refused by name elsewhere
+            needs = params_problems(SamplingParams(profile=self.sampler, seed=0))
+            if needs:  # e.g. transformers: its noise depends on a generate call's batch, which a server has not
+                out.append(f"sampler {self.sampler!r} cannot be served: {needs[0]}")
         return out
 
 
