@@ -83,11 +83,14 @@ class VllmProfile(Profile):
     def __init__(self, draft: bool = False):
         self.draft = draft  # a speculative draft's noise: positions salted with 2**30
 
+    @staticmethod
+    def _fp64(keys: RowKeys) -> np.ndarray:
+        return np.array([p.fp64_gumbel for p in keys.params] if keys.params else [False] * len(keys.requests), bool)
+
     def _rows(self, keys: RowKeys):
         """(hash state per row, hash position per row, fp64 flag per row)."""
         pos = np.asarray(keys.positions, dtype=np.int64) + DRAFT_NOISE_SALT * self.draft
-        fp64 = np.array([p.fp64_gumbel for p in keys.params] if keys.params else [False] * len(keys.requests), bool)
-        return murmur3.prefix_ints(keys.seeds, pos), pos, fp64
+        return murmur3.prefix_ints(keys.seeds, pos), pos, self._fp64(keys)
 
     def _noised(self, keys, rows, cols, x, vocab_size, floor=None):
         """(which pairs can reach ``floor``, their noised scores as fp64); every pair without a floor."""
@@ -157,7 +160,7 @@ class VllmProfile(Profile):
         return cat(out_r, np.int64), cat(out_c, np.int64), cat(out_s, np.float64)
 
     def noise_bound(self, keys):
-        return torch.from_numpy(np.where(self._rows(keys)[2], MAX_GUMBEL_FP64, MAX_GUMBEL_FP32))
+        return torch.from_numpy(np.where(self._fp64(keys), MAX_GUMBEL_FP64, MAX_GUMBEL_FP32))  # no hashing needed
 
     def problems(self, params):
         return [f"stream: profile 'vllm' takes no stream fields, got {sorted(params.stream)}"] if params.stream else []
