@@ -8,11 +8,15 @@ with nested fields stored as JSON strings so the Parquet schema never depends on
     model             model id the provider claims (e.g. "smollm2-135m")
     prompt_token_ids  list of int, the exact prompt the model saw (chat template applied)
     output_token_ids  list of int, the generated tokens (a stop token, if emitted, included)
-    sampling          {profile, temperature, top_k, top_p, min_p, seed[, fp64_gumbel, stream]}
+    sampling          {profile, temperature, top_k, top_p, min_p, seed[, fp64_gumbel, stream, speculative]}
     messages          optional chat messages the prompt was rendered from
     prompt_text, output_text   optional text, informational only
     fingerprints      optional activation commits, by method name
     provider, meta    optional free-form provenance
+    spec_modes        optional, with sampling.speculative: one letter per output token saying how the
+                      speculative sampler produced it: "a" an accepted draft, "r" resampled after the
+                      draft at that position was rejected, "b" the bonus after all k drafts passed
+                      (so a step is at most k "a" then one "r" or "b"; the last step may be cut short)
 
 Reading never drops a record silently: a malformed record raises ``TraceError`` naming the file,
 line (or row) and field.
@@ -34,7 +38,7 @@ from verinfer.sampling.profiles import params_problems
 
 SCHEMA = "verinfer.trace/1"
 _JSON_FIELDS = ("sampling", "messages", "fingerprints", "meta")
-_OPTIONAL = ("messages", "prompt_text", "output_text", "fingerprints", "provider", "meta")
+_OPTIONAL = ("messages", "prompt_text", "output_text", "fingerprints", "provider", "meta", "spec_modes")
 
 
 class TraceError(ValueError):
@@ -54,6 +58,7 @@ class Trace:
     fingerprints: dict[str, Any] | None = None
     provider: str | None = None
     meta: dict[str, Any] | None = None
+    spec_modes: str | None = None
     schema: str = SCHEMA
 
     @classmethod
@@ -100,6 +105,8 @@ class Trace:
             params = SamplingParams.from_dict(sampling)
         except (TypeError, ValueError) as exc:
             raise TraceError(f"{here}: sampling: {exc}") from None
+        if d.get("spec_modes") is not None and not isinstance(d["spec_modes"], str):
+            raise TraceError(f"{here}: field 'spec_modes' must be a string of a/r/b letters")
         unknown = set(d) - {f for f in cls.__dataclass_fields__}
         if unknown:
             raise TraceError(f"{here}: unknown field(s) {', '.join(sorted(unknown))}")
@@ -118,6 +125,7 @@ class Trace:
         if not self.output_token_ids:
             out.append("output_token_ids: empty output")
         out += [f"sampling.{p}" if p.startswith("profile:") else f"sampling: {p}" for p in params_problems(self.sampling)]
+        out += [f"spec_modes: {p}" for p in spec_modes_problems(self)]
         if vocab_size is not None:
             for name in ("prompt_token_ids", "output_token_ids"):
                 bad = [(i, t) for i, t in enumerate(getattr(self, name)) if not 0 <= t < vocab_size]
@@ -128,6 +136,30 @@ class Trace:
         if model_id is not None and self.model != model_id:
             out.append(f"model: trace claims {self.model!r} but the verifier runs {model_id!r}")
         return out
+
+
+def spec_modes_problems(trace: Trace) -> list[str]:
+    """Whether ``spec_modes`` can be what the claimed speculative sampler produced."""
+    modes, spec = trace.spec_modes, trace.sampling.speculative
+    if modes is None:
+        return []
+    if not isinstance(spec, dict) or not isinstance(spec.get("k"), int):
+        return ["given, but sampling.speculative claims no speculative decoding"]
+    if len(modes) != len(trace.output_token_ids):
+        return [f"{len(modes)} letters for {len(trace.output_token_ids)} output tokens"]
+    run = 0
+    for i, m in enumerate(modes):
+        if m not in "arb":
+            return [f"letter {i} is {m!r}, expected a, r or b"]
+        if m == "a":
+            run += 1
+            if run > spec["k"]:
+                return [f"letter {i}: more than k={spec['k']} accepted drafts in one step"]
+            continue
+        if m == "b" and run != spec["k"]:
+            return [f"letter {i}: a bonus token after {run} accepted drafts (needs k={spec['k']})"]
+        run = 0
+    return []
 
 
 def _is_parquet(path: Path) -> bool:
@@ -188,7 +220,7 @@ def write_traces(traces: Iterable[Trace], path: str | Path) -> Path:
             ("prompt_token_ids", pa.list_(pa.int64())), ("output_token_ids", pa.list_(pa.int64())),
             ("sampling", pa.string()), ("messages", pa.string()), ("prompt_text", pa.string()),
             ("output_text", pa.string()), ("fingerprints", pa.string()), ("provider", pa.string()),
-            ("meta", pa.string()),
+            ("meta", pa.string()), ("spec_modes", pa.string()),
         ])
         pq.write_table(pa.Table.from_pydict(columns, schema=schema), tmp)
     else:

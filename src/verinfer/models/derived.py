@@ -112,3 +112,28 @@ def with_quantized_weights(backend: Backend, bits: int, group_size: int | None, 
         return quantize_rtn(w, bits, group_size, symmetric) if name in targets else w.clone()
 
     return _derive(backend, model=_clone_model(backend.model, weight))
+
+
+def with_layers(backend: Backend, n: int) -> Backend:
+    """The model's first ``n`` decoder layers with its own final norm and head (a cheap self-draft:
+    weights shared, nothing copied)."""
+    model = _clone_model(backend.model)
+    layers = model.model.layers
+    if not 1 <= n <= len(layers):
+        raise ValueError(f"draft layers:{n}: the model has {len(layers)} decoder layers")
+    model.model.layers = nn.ModuleList(list(layers)[:n])
+    model.config.num_hidden_layers = n
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:n]
+    return _derive(backend, model=model, model_id=f"{backend.model_id}+layers:{n}")
+
+
+def draft_backend(backend: Backend, spec: str) -> Backend:
+    """The draft model a speculative claim names, derived from the claimed model ``backend``:
+    ``layers:N`` (first N layers) or ``wN`` (N-bit round-to-nearest weights, groups of 128)."""
+    kind, _, arg = spec.partition(":")
+    if kind == "layers" and arg.isdigit():
+        return with_layers(backend, int(arg))
+    if kind.startswith("w") and kind[1:].isdigit() and not arg:
+        return with_quantized_weights(backend, int(kind[1:]), 128)
+    raise ValueError(f"unknown draft model {spec!r}: use layers:N (the first N layers) or wN (N-bit weights)")

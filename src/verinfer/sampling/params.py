@@ -18,7 +18,10 @@ class SamplingParams:
     vLLM's ``use_fp64_gumbel`` engine option (the V2 sampler's fp64 noise). ``stream`` holds what an
     engine profile needs to find the request's place in its random stream beyond seed and position
     (e.g. a batch row); each profile documents and validates its keys. Neither the seed nor
-    ``stream`` is part of the calibration signature.
+    ``stream`` is part of the calibration signature. ``speculative`` claims speculative decoding as
+    vLLM's model runner V2 does it (``sampling/speculative.py``): ``{"draft": <draft model>, "k": <drafts
+    per step>}``, the draft given as ``layers:N`` (the claimed model's first N layers) or ``wN``
+    (the claimed model with N-bit round-to-nearest weights); it is part of the signature.
     """
 
     profile: str = "vllm"
@@ -29,6 +32,7 @@ class SamplingParams:
     seed: int | None = None
     fp64_gumbel: bool = False
     stream: dict[str, Any] | None = None
+    speculative: dict[str, Any] | None = None
 
     @property
     def is_greedy(self) -> bool:
@@ -42,7 +46,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """The fields, leaving out engine options at their defaults (older readers stay compatible)."""
         d = asdict(self)
-        for name in ("fp64_gumbel", "stream"):
+        for name in ("fp64_gumbel", "stream", "speculative"):
             if not d[name]:
                 d.pop(name)
         return d
@@ -85,8 +89,30 @@ class SamplingParams:
             out.append(f"fp64_gumbel must be true or false, got {self.fp64_gumbel!r}")
         if self.stream is not None and not isinstance(self.stream, dict):
             out.append(f"stream must be an object, got {self.stream!r}")
+        out += speculative_problems(self.speculative)
         if isinstance(self.top_k, int) and not -(2**63) <= self.top_k < 2**63:
             out.append(f"top_k must fit in int64, got {self.top_k}")
         if not out and not self.is_greedy and self.seed is None:
             out.append(f"profile {self.profile!r} is seeded but no seed was given")
         return out
+
+
+MAX_DRAFT_TOKENS = 32
+
+
+def speculative_problems(spec: Any) -> list[str]:
+    """What is wrong with a ``speculative`` claim (None: plain decoding)."""
+    if spec is None:
+        return []
+    if not isinstance(spec, dict):
+        return [f"speculative must be an object {{draft, k}}, got {spec!r}"]
+    out = []
+    unknown = sorted(set(spec) - {"draft", "k"})
+    if unknown:
+        out.append(f"speculative: unknown field(s) {', '.join(unknown)} (known: draft, k)")
+    draft, k = spec.get("draft"), spec.get("k")
+    if not isinstance(draft, str) or not draft:
+        out.append(f"speculative.draft must name a draft model (layers:N or wN), got {draft!r}")
+    if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        out.append(f"speculative.k must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
+    return out

@@ -23,9 +23,10 @@ SCORE_SCHEMA = pa.schema([
     ("trace_id", pa.string()), ("position", pa.int64()), ("claimed", pa.int64()), ("verifier_token", pa.int64()),
     ("exact_match", pa.bool_()), ("margin", pa.float64()), ("filter_distance", pa.float64()),
     ("filtered", pa.bool_()), ("cross_entropy", pa.float64()), ("logit_rank", pa.int64()),
-    ("gumbel_rank", pa.int64()), ("ipt_distance", pa.float64()),
+    ("gumbel_rank", pa.int64()), ("ipt_distance", pa.float64()), ("spec_mode", pa.string()),
+    ("accept_slack", pa.float64()),
 ])
-OPTIONAL_SCORE_COLUMNS = ("ipt_distance",)  # absent from files written before it existed
+OPTIONAL_SCORE_COLUMNS = ("ipt_distance", "spec_mode", "accept_slack")  # absent from files written before them
 COMMIT_SCHEMA = pa.schema([("trace_id", pa.string()), ("metric", pa.string()), ("index", pa.int64()),
                            ("score", pa.float64())])
 COMMIT_METRICS = {"fingerprint_l2": "Activation-DiFR L2 per logged token",

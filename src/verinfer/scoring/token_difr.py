@@ -10,6 +10,10 @@ Per-token scores (one row per output token, higher = more divergent unless noted
     gumbel_rank     the claim's rank among kept x + G (0 = the sampled token)
     ipt_distance    inverse-CDF profiles (llama.cpp) only, else NaN: how far the replayed uniform lies
                     outside the claim's CDF interval (DiFR appendix B; 0 = picked); ``margin`` equals it there
+    spec_mode       speculative traces only (``scoring/speculative.py``), else null: a accepted draft,
+                    r resampled after a rejection, b bonus
+    accept_slack    speculative traces only, else NaN: ``log p - log u - log q`` of the acceptance test
+                    at the row (of the claim for ``a``, of the verifier's rejected proposal for ``r``)
 The likelihood variant (DiFR appendix A) is derived from the margin by ``likelihood``.
 """
 
@@ -26,10 +30,13 @@ from scipy.special import log_ndtr
 from verinfer.models.backend import Backend
 from verinfer.sampling.profiles import Profile, RowKeys, get_profile
 from verinfer.sampling.sampler import replay
+from verinfer.scoring import speculative
+from verinfer.scoring.speculative import is_speculative
 from verinfer.trace import Trace
 
 SCORE_COLUMNS = ("trace_id", "position", "claimed", "verifier_token", "exact_match", "margin",
-                 "filter_distance", "filtered", "cross_entropy", "logit_rank", "gumbel_rank", "ipt_distance")
+                 "filter_distance", "filtered", "cross_entropy", "logit_rank", "gumbel_rank", "ipt_distance",
+                 "spec_mode", "accept_slack")
 
 
 def likelihood(margin: np.ndarray, sigma: float = 1.0) -> np.ndarray:
@@ -68,7 +75,8 @@ def score_block(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, trac
     cols = {
         "verifier_token": np.empty(n, np.int64), "margin": np.empty(n), "filter_distance": np.empty(n),
         "cross_entropy": np.empty(n), "logit_rank": np.empty(n, np.int64), "gumbel_rank": np.empty(n, np.int64),
-        "ipt_distance": np.full(n, np.nan),
+        "ipt_distance": np.full(n, np.nan), "spec_mode": np.full(n, None, dtype=object),
+        "accept_slack": np.full(n, np.nan),
     }
     groups: dict[str, list[int]] = defaultdict(list)
     for r, i in enumerate(items):
@@ -107,12 +115,24 @@ def verify_traces(
     ``on_sequence_hidden(i, h)`` receives trace i's hidden states from the same prefill, for
     checking activation commits without a second forward pass.
     """
-    sequences = [t.prompt_token_ids + t.output_token_ids for t in traces]
-    starts = [len(t.prompt_token_ids) for t in traces]
+    spec = [i for i, t in enumerate(traces) if is_speculative(t.sampling)]
+    plain = np.array([i for i, t in enumerate(traces) if not is_speculative(t.sampling)], dtype=np.int64)
+    if plain.size:
+        yield from _verify_plain(backend, traces, plain, token_budget, row_block, on_rows, on_sequence_hidden)
+    if spec:
+        yield from _verify_speculative(backend, traces, spec, token_budget, row_block, on_rows, on_sequence_hidden)
+
+
+def _verify_plain(backend, traces, subset: np.ndarray, token_budget, row_block, on_rows,
+                  on_sequence_hidden) -> Iterator[ScoreBlock]:
+    """Traces replayed row by row with their profile (everything but speculative decoding)."""
+    sequences = [traces[i].prompt_token_ids + traces[i].output_token_ids for i in subset]
+    starts = [len(traces[i].prompt_token_ids) for i in subset]
     profiles: dict[str, Profile] = {}
+    hook = None if on_sequence_hidden is None else (lambda j, h: on_sequence_hidden(int(subset[j]), h))
     for block in backend.prefill(sequences, starts, token_budget=token_budget, row_block=row_block,
-                                 on_sequence_hidden=on_sequence_hidden):
-        items, steps = block.items.numpy(), block.steps.numpy()
+                                 on_sequence_hidden=hook):
+        items, steps = subset[block.items.numpy()], block.steps.numpy()
         cols = score_block(block.logits, items, steps, traces, profiles)
         for i in np.unique(items[steps == np.array([len(traces[j].output_token_ids) - 1 for j in items])]):
             for profile in profiles.values():
@@ -120,3 +140,29 @@ def verify_traces(
         if on_rows:
             on_rows(len(items))
         yield ScoreBlock(cols, items, block.hidden)
+
+
+def _rows(backend: Backend, trace: Trace, token_budget: int, row_block: int, hook=None):
+    """One trace's output rows from one prefill: (raw logits [n, V], hidden [n, D])."""
+    blocks = list(backend.prefill([trace.prompt_token_ids + trace.output_token_ids], [len(trace.prompt_token_ids)],
+                                  token_budget=token_budget, row_block=row_block, on_sequence_hidden=hook))
+    return torch.cat([b.logits for b in blocks]), torch.cat([b.hidden for b in blocks])
+
+
+def _verify_speculative(backend, traces, subset: list[int], token_budget, row_block, on_rows,
+                        on_sequence_hidden) -> Iterator[ScoreBlock]:
+    """Speculative traces: a target and a draft prefill per trace, scored by mode (DiFR appendix F)."""
+    from verinfer.models.derived import draft_backend
+
+    drafts: dict[str, Backend] = {}
+    for i in subset:
+        t = traces[i]
+        name = t.sampling.speculative["draft"]
+        draft = drafts.setdefault(name, draft_backend(backend, name))
+        hook = None if on_sequence_hidden is None else (lambda _, h, i=i: on_sequence_hidden(i, h))
+        target_logits, hidden = _rows(backend, t, token_budget, row_block, hook)
+        draft_logits, _ = _rows(draft, t, token_budget, row_block)
+        cols = speculative.score_columns(t, target_logits, draft_logits)
+        if on_rows:
+            on_rows(len(t.output_token_ids))
+        yield ScoreBlock({k: cols[k] for k in SCORE_COLUMNS}, np.full(len(t.output_token_ids), i), hidden)

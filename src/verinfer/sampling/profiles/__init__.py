@@ -45,4 +45,7 @@ def params_problems(params: SamplingParams) -> list[str]:
     out = params.problems()
     if params.profile not in PROFILES:
         return [f"profile: unknown profile {params.profile!r} (known: {', '.join(sorted(PROFILES))})", *out]
+    if params.speculative is not None and params.profile not in ("vllm", "greedy"):
+        out.append(f"speculative decoding is replayed for the 'vllm' profile (vLLM's V2 rejection sampler), "
+                   f"not {params.profile!r}")
     return out + PROFILES[params.profile]().problems(params)
