@@ -33,6 +33,9 @@ def experiment(
     n_boot: int = typer.Option(100, "--n-boot", help="bootstrap resamples per AUC"),
     smoke: bool = typer.Option(False, help="a tiny matrix (two configurations, 16 prompts x 20 tokens)"),
     threads: int = typer.Option(0, help="torch threads (0: torch's default)"),
+    speculative: Optional[str] = typer.Option(
+        None, "--speculative", help="DRAFT:K (e.g. layers:28:4): every configuration claims and runs vLLM's "
+        "speculative decoding; default configurations become the speculative matrix"),
 ) -> None:
     """Detection power: the honest/misconfigured matrix (cached, resumable), AUC-vs-tokens tables and plots."""
     import torch
@@ -48,8 +51,10 @@ def experiment(
     matrix = detection.smoke_matrix() if smoke else detection.Matrix(model=model, prompts=prompts,
                                                                       n_prompts=n_prompts, max_tokens=max_tokens,
                                                                       device=device)
-    if configs:
-        matrix = dataclasses.replace(matrix, configs=tuple(c.strip() for c in configs.split(",") if c.strip()))
+    if configs or speculative:
+        chosen = tuple(c.strip() for c in configs.split(",") if c.strip()) if configs else (
+            detection.SPECULATIVE_CONFIGS if not smoke else ("honest-fp32", "spec-draft-only"))
+        matrix = dataclasses.replace(matrix, configs=chosen, speculative=speculative)
     try:
         sizes = tuple(int(x) for x in batch_sizes.split(",")) if batch_sizes else \
             ((1, 5, 20, 50) if smoke else BATCH_SIZES)
@@ -66,6 +71,7 @@ def experiment(
                                        "--n", str(matrix.n_prompts), "--max-tokens", str(matrix.max_tokens)]
     args += ["--configs", ",".join(matrix.configs), "--batch-sizes", ",".join(map(str, sizes)),
              "--n-batches", str(n_batches), "--n-boot", str(n_boot), "--out", str(out)]
+    args += ["--speculative", speculative] if speculative else []
     command = "verinfer experiment " + " ".join(shlex.quote(a) for a in args)
     paths = write_report(result, out, describe(torch.get_num_threads()), command)
     table = Table("configuration", "target", "detector", "tokens for AUC >= 0.99", "met", title="Detection power")

@@ -36,7 +36,7 @@ from verinfer.stats.pooling import MARGIN_CLIP
 from verinfer.models.backend import Backend
 from verinfer.models.load import DEFAULT_MODEL
 from verinfer.prompts import load_prompts
-from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.params import SamplingParams, parse_speculative
 from verinfer.trace import read_traces, write_traces
 from verinfer.scoring.scores import read_scores
 from verinfer.scoring.traces import score_traces
@@ -75,14 +75,23 @@ MISCONFIGURED = (
     Config("w4+ce-attack", "w4", attack=True),
     Config("fp8-kv+ce-attack", "fp8-kv", attack=True),
 )
-CONFIGS = {c.name: c for c in HONEST + MISCONFIGURED}
+# With a speculative claim (``Matrix.speculative``) every configuration decodes speculatively (vLLM V2's
+# rejection sampler, ``simulate/speculative.py``); these cheat on the speculation itself.
+SPECULATIVE = (
+    Config("spec-draft-only", "spec-draft-only"),
+    Config("spec-top1", "spec-top1"),
+    Config("no-spec", "no-spec"),
+)
+CONFIGS = {c.name: c for c in HONEST + MISCONFIGURED + SPECULATIVE + (Config("spec-undeclared", "spec-undeclared"),)}
+DEFAULT_CONFIGS = tuple(c.name for c in HONEST + MISCONFIGURED)
+SPECULATIVE_CONFIGS = ("honest-fp32", "bf16", "w4", "wrong-seed", *(c.name for c in SPECULATIVE))
 
 
 @dataclass(frozen=True)
 class Matrix:
     """The settings of one run; every field that changes tokens is part of the cache key."""
 
-    configs: tuple[str, ...] = tuple(CONFIGS)
+    configs: tuple[str, ...] = DEFAULT_CONFIGS
     model: str = DEFAULT_MODEL
     prompts: str = "chitchat"
     n_prompts: int = 128
@@ -96,17 +105,30 @@ class Matrix:
     attack_rounds: int = 8
     split_seed: int = 0
     device: str = "cpu"  # where the reference generates and verifies (part of the cache key: it changes tokens)
+    speculative: str | None = None  # DRAFT:K: every configuration claims (and honestly runs) speculative decoding
 
     def __post_init__(self):
         unknown = [c for c in self.configs if c not in CONFIGS]
         if unknown:
             raise ValueError(f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(CONFIGS)}")
+        spec_only = {c.name for c in SPECULATIVE}
+        if self.speculative is None and spec_only & set(self.configs):
+            raise ValueError(f"{', '.join(sorted(spec_only & set(self.configs)))} need a speculative claim (--speculative)")
+        if self.speculative is not None:
+            parse_speculative(self.speculative)  # a malformed claim fails here, not after generation
+            if "spec-undeclared" in self.configs:
+                raise ValueError("spec-undeclared claims plain decoding: run it without --speculative")
         if not any(CONFIGS[c].honest for c in self.configs):
             raise ValueError("the matrix needs at least one honest configuration (the null)")
         for name, value in (("n_prompts", self.n_prompts), ("max_tokens", self.max_tokens),
                             ("batch_size", self.batch_size), ("chunk", self.chunk)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+
+    @property
+    def claimed(self) -> SamplingParams:
+        """What every configuration claims (seeds added per request)."""
+        return BASE_PARAMS.with_(speculative=parse_speculative(self.speculative)) if self.speculative else BASE_PARAMS
 
     def config_seed(self, name: str) -> int:
         return self.seed + (zlib.crc32(name.encode()) % 9973) * 100_000
@@ -115,9 +137,11 @@ class Matrix:
         analysis_only = {"configs", "split_seed"}
         if not config.attack:  # the adversary's search settings change only the attack's tokens
             analysis_only |= {k for k in asdict(self) if k.startswith("attack_")}
+        if self.speculative is None:  # keys of plain matrices stay as they were before speculative decoding
+            analysis_only.add("speculative")
         settings = {k: v for k, v in asdict(self).items() if k not in analysis_only}
         settings.update(config=asdict(config), model_id=model_id, seed=self.config_seed(config.name),
-                        base=BASE_PARAMS.to_dict(), verinfer=verinfer.__version__)
+                        base=self.claimed.to_dict(), verinfer=verinfer.__version__)
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -179,7 +203,7 @@ def run_config(matrix: Matrix, config: Config, reference: Backend, cache: Path, 
     (directory / "settings.json").write_text(json.dumps({"matrix": asdict(matrix), "config": asdict(config),
                                                          "model_id": reference.model_id}, indent=1))
     prompts = load_prompts(matrix.prompts, matrix.n_prompts, seed=0)
-    requests = build_requests(reference, prompts, BASE_PARAMS.with_(seed=matrix.config_seed(config.name)))
+    requests = build_requests(reference, prompts, matrix.claimed.with_(seed=matrix.config_seed(config.name)))
     variant = variants.get_variant(config.variant)
     built: Backend | None = None
     info: dict = {}
@@ -250,5 +274,5 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
-__all__ = ["BASE_PARAMS", "CONFIGS", "Config", "ConfigData", "HONEST", "MISCONFIGURED", "Matrix", "pool",
+__all__ = ["BASE_PARAMS", "CONFIGS", "DEFAULT_CONFIGS", "SPECULATIVE_CONFIGS", "Config", "ConfigData", "HONEST", "MISCONFIGURED", "Matrix", "pool",
            "run_config", "run_matrix", "set_threads", "smoke_matrix", "split", "split_ids"]

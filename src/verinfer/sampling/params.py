@@ -116,3 +116,13 @@ def speculative_problems(spec: Any) -> list[str]:
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
         out.append(f"speculative.k must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
     return out
+
+
+def parse_speculative(text: str) -> dict[str, Any]:
+    """``DRAFT:K`` (e.g. ``layers:28:4``, ``w4:4``) as a ``speculative`` claim; ValueError otherwise."""
+    draft, _, k = text.rpartition(":")
+    spec: dict[str, Any] = {"draft": draft, "k": int(k) if k.isdigit() else k}
+    problems = speculative_problems(spec) if draft else [f"expected DRAFT:K such as layers:28:4, got {text!r}"]
+    if problems:
+        raise ValueError(f"--speculative {text}: {problems[0]}")
+    return spec

@@ -123,6 +123,11 @@ def first_argmax(scores: np.ndarray) -> int:
     return int(np.argmax(scores))
 
 
+def is_speculative(params: SamplingParams) -> bool:
+    """Traces that need the speculative replay (greedy speculative decoding is plain greedy)."""
+    return bool(params.speculative) and not params.is_greedy
+
+
 def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The target's logits as vLLM's rejection sampler sees them: fp32, divided by the temperature,
     filtered tokens (min-p, top-k, top-p) set to ``-inf``; greedy rows stay raw."""

@@ -29,15 +29,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.speculative import (acceptance_slack, draft_scaled, first_argmax, noised_row,
                                            processed_logits, residual_logits)
 from verinfer.trace import Trace
-
-
-def is_speculative(params: SamplingParams) -> bool:
-    """Traces that need the speculative replay (greedy speculative decoding is plain greedy)."""
-    return bool(params.speculative) and not params.is_greedy
 
 
 def _margin(scores: np.ndarray, token: int, temperature: float) -> float:

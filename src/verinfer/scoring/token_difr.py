@@ -28,10 +28,11 @@ import torch
 from scipy.special import log_ndtr
 
 from verinfer.models.backend import Backend
+from verinfer.models.derived import draft_backend
 from verinfer.sampling.profiles import Profile, RowKeys, get_profile
 from verinfer.sampling.sampler import replay
 from verinfer.scoring import speculative
-from verinfer.scoring.speculative import is_speculative
+from verinfer.sampling.speculative import is_speculative
 from verinfer.trace import Trace
 
 SCORE_COLUMNS = ("trace_id", "position", "claimed", "verifier_token", "exact_match", "margin",
@@ -152,8 +153,6 @@ def _rows(backend: Backend, trace: Trace, token_budget: int, row_block: int, hoo
 def _verify_speculative(backend, traces, subset: list[int], token_budget, row_block, on_rows,
                         on_sequence_hidden) -> Iterator[ScoreBlock]:
     """Speculative traces: a target and a draft prefill per trace, scored by mode (DiFR appendix F)."""
-    from verinfer.models.derived import draft_backend
-
     drafts: dict[str, Backend] = {}
     for i in subset:
         t = traces[i]

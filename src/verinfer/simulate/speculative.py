@@ -20,11 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 from transformers import DynamicCache
 
 from verinfer.models.backend import Backend
+from verinfer.models.derived import draft_backend
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.speculative import (SpecBlock, draft_proposal, first_argmax, noised_row, processed_logits,
                                            rejection_sample)
@@ -95,8 +95,9 @@ def decode_speculative(target: Backend, draft: Backend, request: Request, max_ne
     k = int(params.speculative["k"])
     t_model, d_model = _Model(target), _Model(draft)
     context = list(request.prompt_token_ids)
-    t_model.feed(context[:-1], 1) if len(context) > 1 else None
-    d_model.feed(context[:-1], 1) if len(context) > 1 else None
+    if len(context) > 1:  # cache the prompt but its last token, which each step feeds
+        t_model.feed(context[:-1], 1)
+        d_model.feed(context[:-1], 1)
     out, modes = [], ""
     while True:
         block = _step(t_model, d_model, context, params, k, rule)
@@ -116,8 +117,6 @@ def generate_speculative(target: Backend, requests: Sequence[Request], max_new_t
                          on_request: Callable[[int], None] | None = None) -> list[Trace]:
     """A trace per request, decoded speculatively with the draft each request's params name
     (``draft`` overrides it, e.g. to simulate a provider using another draft than it claims)."""
-    from verinfer.models.derived import draft_backend
-
     stop_ids = target.stop_ids()
     drafts: dict[str, Backend] = {}
     traces = []

@@ -47,6 +47,12 @@ Semantics worth knowing:
   the top K raw logits (DiFR section 5.1). Independent of batching; the steps where it fired are
   recorded in ``meta["bug_steps"]``.
 - ``wrong-seed``: samples with ``seed + 1_000_003`` while claiming ``seed``.
+- Speculative decoding (``simulate/speculative.py``): a request whose actual parameters carry
+  ``speculative`` is decoded speculatively, with the draft derived from the claimed model (a
+  misconfigured target still drafts with the claimed draft). ``spec-draft-only`` returns the draft's
+  proposals unchecked (the cheap-model cheat), ``spec-top1`` accepts a draft iff it is the target's
+  top-1 token, ``no-spec`` decodes plainly while claiming speculative decoding, and
+  ``spec-undeclared`` speculates (``layers:28``, k = 4) while claiming plain decoding.
 """
 
 
@@ -62,13 +68,16 @@ import numpy as np
 import torch
 
 from verinfer.models.backend import Backend
-from verinfer.models.derived import with_attention, with_dtype, with_quantized_weights
+from verinfer.models.derived import draft_backend, with_attention, with_dtype, with_quantized_weights
 from verinfer.models.fp8_kv import Fp8KV, with_fp8_kv
 from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.speculative import is_speculative
 from verinfer.simulate.generate import Request, TokenHook, generate
+from verinfer.simulate.speculative import generate_speculative
 from verinfer.trace import Trace
 
 WRONG_SEED_OFFSET = 1_000_003
+UNDECLARED_SPEC = {"draft": "layers:28", "k": 4}
 
 # --------------------------------------------------------------------------------------------------
 # Sampler bug
@@ -133,6 +142,7 @@ class Variant:
     sampling: Callable[[SamplingParams], SamplingParams] | None = None
     batch_size: int | None = None
     hook: Callable[[], TokenHook] | None = None  # a factory: each run gets a fresh hook
+    spec_rule: str | None = None  # speculative decoding's rule (simulate.speculative.RULES); None: honest
     settings: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def build(self, reference: Backend) -> Backend:
@@ -154,9 +164,14 @@ class Variant:
         backend = backend if backend is not None else self.build(reference)
         actual = [replace(r, params=self.actual_params(r.params)) for r in requests]
         hook = self.hook() if self.hook else None
-        traces = generate(backend, actual, max_new_tokens, self.batch_size or batch_size, on_batch=on_batch,
-                          token_hook=hook, **generate_options)
+        if any(is_speculative(r.params) for r in actual):
+            traces = self._generate_speculative(reference, backend, actual, max_new_tokens, on_batch)
+        else:
+            traces = generate(backend, actual, max_new_tokens, self.batch_size or batch_size, on_batch=on_batch,
+                              token_hook=hook, **generate_options)
         for req, t in zip(requests, traces):
+            if not req.params.speculative:
+                t.spec_modes = None  # the claim is plain decoding: a provider hiding speculation records none
             t.sampling = req.params
             t.model = reference.model_id
             meta = {**(t.meta or {}), "dtype": reference.dtype_name, "variant": self.name}
@@ -165,6 +180,26 @@ class Variant:
             if hook is not None and hasattr(hook, "trace_meta"):
                 meta.update(hook.trace_meta(req.id))
             t.meta = meta
+        return traces
+
+
+    def _generate_speculative(self, reference: Backend, backend: Backend, actual: Sequence[Request],
+                              max_new_tokens: int, on_batch) -> list[Trace]:
+        if self.hook is not None:
+            raise ValueError(f"variant {self.name}: token hooks are not supported with speculative decoding")
+        drafts: dict[str, Backend] = {}
+        traces = []
+        for r in actual:
+            if is_speculative(r.params):
+                name = r.params.speculative["draft"]
+                if name not in drafts:  # honest noise (bf16) reaches the draft too; a cheat drafts as claimed
+                    drafts[name] = draft_backend(backend if self.honest else reference, name)
+                traces += generate_speculative(backend, [r], max_new_tokens, draft=drafts[name],
+                                               rule=self.spec_rule or "vllm")
+            else:
+                traces += generate(backend, [r], max_new_tokens, 1)
+            if on_batch:
+                on_batch(1)
         return traces
 
 
@@ -202,6 +237,7 @@ def compose(*variants: Variant) -> Variant:
         sampling=sampling if samplings else None,
         batch_size=sizes[-1] if sizes else None,
         hook=hook,
+        spec_rule=next((v.spec_rule for v in reversed(variants) if v.spec_rule), None),
         settings={k: v for var in variants for k, v in var.settings.items()},
     )
 
@@ -311,6 +347,15 @@ for _v in (
     Variant("wrong-seed", f"samples with seed + {WRONG_SEED_OFFSET} while claiming the requested seed",
             sampling=_wrong_seed, settings={"seed_offset": WRONG_SEED_OFFSET}),
     bug_variant(2), bug_variant(32),
+    Variant("spec-draft-only", "speculative cheat: the draft's proposals returned without the target's check",
+            spec_rule="draft-only", settings={"spec_rule": "draft-only"}),
+    Variant("spec-top1", "speculative with a wrong rule: accept a draft iff it is the target's top-1 token",
+            spec_rule="top1", settings={"spec_rule": "top1"}),
+    Variant("no-spec", "plain decoding while claiming speculative decoding",
+            sampling=lambda p: p.with_(speculative=None), settings={"speculative": None}),
+    Variant("spec-undeclared", f"speculative decoding ({UNDECLARED_SPEC['draft']}, k={UNDECLARED_SPEC['k']}) "
+            "while claiming plain decoding", sampling=lambda p: p.with_(speculative=dict(UNDECLARED_SPEC)),
+            settings={"speculative": UNDECLARED_SPEC}),
 ):
     register(_v)
 
