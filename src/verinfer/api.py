@@ -30,10 +30,11 @@ from verinfer.files import check_outputs, derived_path, write_atomic
 from verinfer.models.backend import Backend
 from verinfer.models.load import DEFAULT_MODEL
 from verinfer.prompts import Prompt, load_prompts
-from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.params import SamplingParams, parse_speculative
 from verinfer.sampling.profiles import get_profile, params_problems
 from verinfer.simulate.generate import build_requests
 from verinfer.simulate.generate import generate as simulate
+from verinfer.simulate.speculative import generate_speculative as simulate_speculative
 from verinfer.stats.calibration import Calibrator, signature_mismatch
 from verinfer.stats.summary import Summary, fit_calibrator, summarize
 from verinfer.stats.verdict import Verdict
@@ -67,9 +68,13 @@ def generate(prompts: str | Sequence[Prompt] = "chitchat", *, n: int = 16, model
              dtype: str = "float32", device: str = "cpu", profile: str = "vllm", temperature: float = 1.0,
              top_k: int = 50, top_p: float = 0.95, min_p: float = 0.0, seed: int | None = 1000,
              max_tokens: int = 64, batch_size: int = 8, commits=None, out: str | Path | None = None,
-             backend: Backend | None = None, on_batch: Progress = None) -> list[Trace]:
+             backend: Backend | None = None, on_batch: Progress = None,
+             speculative: str | dict | None = None) -> list[Trace]:
     """Generate traces with a sampler profile (the provider simulator); request i gets ``seed + i``.
 
+    ``speculative`` (``DRAFT:K`` such as ``layers:28:4``, or ``{"draft", "k"}``) decodes as vLLM's
+    speculative decoding does (``verinfer.simulate.speculative``; one request at a time, and without
+    activation commits).
     ``prompts`` is a built-in set name, a JSONL file, or a list of ``Prompt``; ``commits`` a
     ``verinfer.commits.trace_commits.CommitSpec`` to attach activation commits. With ``out`` the
     traces are also written (JSONL or Parquet, atomically).
@@ -77,14 +82,20 @@ def generate(prompts: str | Sequence[Prompt] = "chitchat", *, n: int = 16, model
     for name, value in (("n", n), ("max_tokens", max_tokens), ("batch_size", batch_size)):
         _positive(name, value)
     get_profile(profile)
+    spec = parse_speculative(speculative) if isinstance(speculative, str) else speculative
     params = SamplingParams(profile=profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                            seed=None if profile == "greedy" else seed)
+                            seed=None if profile == "greedy" else seed, speculative=spec)
     if params_problems(params):
         raise ValueError(f"sampling: {params_problems(params)[0]}")
+    if spec and commits is not None:
+        raise ValueError("activation commits are not built for speculative decoding; drop --speculative or the commits")
     backend = backend or load_model(model, dtype, device)
     prompt_list = load_prompts(prompts, n) if isinstance(prompts, str) else list(prompts)[:n]
-    traces = simulate(backend, build_requests(backend, prompt_list, params), max_tokens, batch_size,
-                      on_batch=on_batch, commits=commits)
+    requests = build_requests(backend, prompt_list, params)
+    if spec:
+        traces = simulate_speculative(backend, requests, max_tokens, on_request=on_batch)
+    else:
+        traces = simulate(backend, requests, max_tokens, batch_size, on_batch=on_batch, commits=commits)
     if out is not None:
         write_traces(traces, out)
     return traces

@@ -86,6 +86,9 @@ def generate(
     fingerprint_precision: str = typer.Option("fp32", help="fingerprint storage: fp32, fp16, bf16, int8"),
     fingerprint_stride: int = typer.Option(1, help="fingerprint 1 of every N output tokens"),
     toploc: bool = typer.Option(False, help="attach TOPLOC proofs (top-128 of the bf16 hidden state per 32 tokens)"),
+    speculative: Optional[str] = typer.Option(
+        None, "--speculative", help="DRAFT:K: decode as vLLM's speculative decoding with K drafts per step from "
+        "DRAFT = layers:N (the model's first N layers) or wN (N-bit weights), e.g. layers:28:4"),
 ):
     """Generate traces with a sampler profile (the provider simulator)."""
     from verinfer import api
@@ -108,7 +111,8 @@ def generate(
         task = bar.add_task("generating", total=n)
         traces = api.generate(prompts, n=n, profile=profile, temperature=temperature, top_k=top_k, top_p=top_p,
                               min_p=min_p, seed=seed, max_tokens=max_tokens, batch_size=batch_size, commits=commits,
-                              out=out, backend=backend, on_batch=lambda k: bar.advance(task, k))
+                              out=out, backend=backend, on_batch=lambda k: bar.advance(task, k),
+                              speculative=speculative)
     tokens = sum(len(t.output_token_ids) for t in traces)
     console.print(f"wrote {len(traces)} traces ({tokens} output tokens) to {out}")
 

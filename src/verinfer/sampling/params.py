@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
@@ -111,8 +112,9 @@ def speculative_problems(spec: Any) -> list[str]:
     if unknown:
         out.append(f"speculative: unknown field(s) {', '.join(unknown)} (known: draft, k)")
     draft, k = spec.get("draft"), spec.get("k")
-    if not isinstance(draft, str) or not draft:
-        out.append(f"speculative.draft must name a draft model (layers:N or wN), got {draft!r}")
+    if not isinstance(draft, str) or not re.fullmatch(r"layers:[1-9]\d*|w[2-8]", draft):
+        out.append(f"speculative.draft must name a draft model as layers:N (the claimed model's first N layers) "
+                   f"or wN (its N-bit weights), got {draft!r}")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
         out.append(f"speculative.k must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
     return out
