@@ -98,7 +98,7 @@ def test_speculative_claims_need_the_vllm_profile():
 def test_parse_speculative():
     assert parse_speculative("layers:28:4") == {"draft": "layers:28", "k": 4}
     assert parse_speculative("w4:2") == {"draft": "w4", "k": 2}
-    for bad in ("layers", "w4:x", "w4:0", ":3"):
+    for bad in ("layers", "layers:0:4", "w4:x", "w4:0", ":3"):
         with pytest.raises(ValueError, match="--speculative"):
             parse_speculative(bad)
 
@@ -171,3 +171,12 @@ def test_greedy_speculative_decoding_is_greedy_decoding(backend, requests_):
     plain = variants.get_variant("no-spec").generate(backend, greedy, 12)
     assert [t.output_token_ids for t in spec] == [t.output_token_ids for t in plain]
     assert _columns(backend, spec)["exact_match"].all()
+
+
+def test_draft_models_by_name(backend):
+    from verinfer.models.derived import draft_backend
+
+    assert len(draft_backend(backend, "layers:2").model.model.layers) == 2
+    assert draft_backend(backend, "smollm2-135m").vocab_size == backend.vocab_size  # a separate model
+    with pytest.raises(ValueError, match="decoder layers"):
+        draft_backend(backend, "layers:99")

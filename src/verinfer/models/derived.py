@@ -8,6 +8,7 @@ they do not. Semantics of the quantizer: ``verinfer.simulate.variants`` (``w4-*`
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Callable
 
 import torch
@@ -129,11 +130,17 @@ def with_layers(backend: Backend, n: int) -> Backend:
 
 
 def draft_backend(backend: Backend, spec: str) -> Backend:
-    """The draft model a speculative claim names, derived from the claimed model ``backend``:
-    ``layers:N`` (first N layers) or ``wN`` (N-bit round-to-nearest weights, groups of 128)."""
+    """The draft model a speculative claim names: derived from the claimed model ``backend`` as
+    ``layers:N`` (its first N layers) or ``wN`` (its N-bit round-to-nearest weights, groups of 128),
+    or any other model spec ``Backend.load`` accepts (alias, local directory, cached hub id), loaded
+    in the target's dtype and device, which must share the target's vocabulary."""
     kind, _, arg = spec.partition(":")
     if kind == "layers" and arg.isdigit():
         return with_layers(backend, int(arg))
-    if kind.startswith("w") and kind[1:].isdigit() and not arg:
+    if re.fullmatch(r"w[2-8]", spec):
         return with_quantized_weights(backend, int(kind[1:]), 128)
-    raise ValueError(f"unknown draft model {spec!r}: use layers:N (the first N layers) or wN (N-bit weights)")
+    draft = Backend.load(spec, backend.dtype, str(backend.device))
+    if draft.vocab_size != backend.vocab_size or len(draft.tokenizer) != len(backend.tokenizer):
+        raise ValueError(f"draft model {spec!r} does not share the target's vocabulary "
+                         f"({draft.vocab_size} vs {backend.vocab_size} logits)")
+    return draft

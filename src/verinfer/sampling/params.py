@@ -21,8 +21,9 @@ class SamplingParams:
     (e.g. a batch row); each profile documents and validates its keys. Neither the seed nor
     ``stream`` is part of the calibration signature. ``speculative`` claims speculative decoding as
     vLLM's model runner V2 does it (``sampling/speculative.py``): ``{"draft": <draft model>, "k": <drafts
-    per step>}``, the draft given as ``layers:N`` (the claimed model's first N layers) or ``wN``
-    (the claimed model with N-bit round-to-nearest weights); it is part of the signature.
+    per step>}``, the draft given as ``layers:N`` (the claimed model's first N layers), ``wN`` (the
+    claimed model with N-bit round-to-nearest weights) or a model spec (``models.derived.draft_backend``);
+    it is part of the signature.
     """
 
     profile: str = "vllm"
@@ -112,9 +113,9 @@ def speculative_problems(spec: Any) -> list[str]:
     if unknown:
         out.append(f"speculative: unknown field(s) {', '.join(unknown)} (known: draft, k)")
     draft, k = spec.get("draft"), spec.get("k")
-    if not isinstance(draft, str) or not re.fullmatch(r"layers:[1-9]\d*|w[2-8]", draft):
-        out.append(f"speculative.draft must name a draft model as layers:N (the claimed model's first N layers) "
-                   f"or wN (its N-bit weights), got {draft!r}")
+    if not isinstance(draft, str) or not draft or (draft.startswith("layers") and not re.fullmatch(r"layers:[1-9]\d*", draft)):
+        out.append(f"speculative.draft must name a draft model: layers:N (the claimed model's first N layers), "
+                   f"wN (its N-bit weights) or a model, got {draft!r}")
     if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_DRAFT_TOKENS:
         out.append(f"speculative.k must be an integer in [1, {MAX_DRAFT_TOKENS}], got {k!r}")
     return out

@@ -134,8 +134,8 @@ def processed_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tens
     x = logits.float()
     if params.is_greedy:
         return x
-    x = x / params.effective_temperature
     n = x.shape[0]
+    x = x / torch.full((n, 1), params.effective_temperature)  # elementwise fp32 division, as the sampler does
     kept = kept_set(x, torch.full((n,), params.top_k), torch.full((n,), params.top_p, dtype=torch.float32),
                     torch.full((n,), params.min_p, dtype=torch.float32))
     if bool(torch.isfinite(kept.threshold).any()):
