@@ -34,10 +34,13 @@ Columns = dict[str, np.ndarray]
 
 def claim_traces(claims: Sequence[Claim], provider: str, model_id: str,
                  params: Callable[[int], SamplingParams]) -> list[Trace]:
-    """Traces claiming the reference model and the audit's sampling parameters."""
+    """Traces claiming the reference model and the audit's sampling parameters, plus the speculative
+    decoding (draft, k and per-token modes) the provider reported, which the verifier replays."""
     return [Trace.of_output(f"{provider}/{c.prompt_id}", model_id, c.prompt_token_ids, c.output_token_ids,
-                            params(c.index), output_text=c.text, provider=provider,
-                            meta={"token_source": c.source, "finish_reason": c.finish_reason})
+                            params(c.index).with_(speculative=c.speculative) if c.speculative else params(c.index),
+                            output_text=c.text, provider=provider,
+                            meta={"token_source": c.source, "finish_reason": c.finish_reason},
+                            spec_modes=c.spec_modes if c.speculative else None)
             for c in claims]
 
 

@@ -18,6 +18,13 @@ ids (``summarize_served``): another model id than requested, more output tokens 
 ``max_tokens``, usage counts that disagree with the returned token ids. Such contradictions are
 warnings listed in every report; they do not change the statistical verdict, which rests on the
 tokens alone.
+
+A provider that decodes speculatively (``verinfer serve --speculative``) says so in
+``verinfer_sampling.speculative`` (``{"draft", "k"}``) and gives each output token's mode in
+``verinfer_spec_modes`` (``a``/``r``/``b``, one letter per returned token id); the claim keeps both
+(``Claim.speculative``, ``Claim.spec_modes``) so its trace claims them and replays speculatively.
+They are taken only with returned token ids (retokenized text has no per-token modes) and refused
+(ProviderError naming the field) when malformed.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from verinfer.auditing.client import ProviderError
+from verinfer.sampling.params import speculative_problems
 
 
 @dataclass
@@ -42,6 +50,8 @@ class Claim:
     finish_reason: str | None
     drift: dict[str, Any] = field(default_factory=dict)
     served: dict[str, Any] = field(default_factory=dict)  # what the provider says it served (served_claims)
+    speculative: dict[str, Any] | None = None  # verinfer_sampling.speculative, as the provider reported it
+    spec_modes: str | None = None  # verinfer_spec_modes: a / r / b per output token
 
 
 def _token_diff(a: list[int], b: list[int]) -> int:
@@ -101,9 +111,34 @@ def parse_generation(record: dict[str, Any], tokenizer, stop_ids: set[int], voca
     else:
         source, output = "retokenized", tokenizer.encode(text, add_special_tokens=False)
         drift["round_trip_mismatch"] = int(tokenizer.decode(output, skip_special_tokens=False) != text)
+    speculative, modes = _speculation(choice, where, ids)
     return Claim(str(meta["prompt_id"]), int(meta["index"]), prompt_ids, output, source, text,
                  choice.get("finish_reason"), drift,
-                 served_claims(response, record.get("request") or {}, ids, reported_prompt, index))
+                 served_claims(response, record.get("request") or {}, ids, reported_prompt, index),
+                 speculative, modes)
+
+
+def _speculation(choice: dict, where: str, ids: list[int] | None) -> tuple[dict | None, str | None]:
+    """The speculative claim and per-token modes a choice reports (module docstring), checked."""
+    sampling = choice.get("verinfer_sampling")
+    spec = sampling.get("speculative") if isinstance(sampling, dict) else None
+    modes = choice.get("verinfer_spec_modes")
+    if spec is None and modes is None:
+        return None, None
+    problems = speculative_problems(spec) if spec is not None else \
+        ["verinfer_spec_modes given, but verinfer_sampling.speculative claims no speculative decoding"]
+    if problems:
+        raise ProviderError(f"{where}: {problems[0]}")
+    if ids is None:  # modes index returned token ids; without them the text's tokens have none
+        return spec, None
+    if modes is not None:
+        if not isinstance(modes, str) or set(modes) - set("arb"):
+            raise ProviderError(f"{where}: field 'verinfer_spec_modes' must be a string of a/r/b letters, "
+                                f"got {str(modes)[:60]!r}")
+        if len(modes) != len(ids):
+            raise ProviderError(f"{where}: field 'verinfer_spec_modes' has {len(modes)} letters for "
+                                f"{len(ids)} returned token ids")
+    return dict(spec), modes
 
 
 def _count(value: Any) -> int | None:

@@ -83,7 +83,7 @@ def assemble(chunks: list[dict[str, Any]]) -> dict[str, Any]:
                 _extend_logprobs(slot["logprobs"], c["logprobs"])
             if c.get("finish_reason") is not None:
                 slot["finish_reason"] = c["finish_reason"]
-            for key in ("prompt_token_ids", "stop_reason", "verinfer_sampling"):
+            for key in ("prompt_token_ids", "stop_reason", "verinfer_sampling", "verinfer_spec_modes"):
                 if c.get(key) is not None:
                     slot["extra"][key] = c[key]
     if not choices:

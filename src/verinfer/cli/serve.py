@@ -28,6 +28,15 @@ MISCONFIG_HELP = (
     "temperature 0, VARIANT for sampled requests: the greedy-only cheat). --list-misconfigs prints them all."
 )
 
+SPECULATIVE_HELP = (
+    "DRAFT:K: decode every sampled request (T > 0) with vLLM 0.32's speculative decoding (model runner V2), "
+    "a draft model proposing K tokens per step (1-32), and claim it in verinfer_sampling.speculative. "
+    "DRAFT is layers:N (the served model's first N decoder layers) or wN (its N-bit RTN weights): "
+    "layers:28:4, w4:2. Sampled requests then decode one at a time; greedy ones still batch (same tokens). "
+    "Each choice reports verinfer_spec_modes (a accepted draft, r resampled, b bonus per token). "
+    "Needs --sampler vllm."
+)
+
 app = typer.Typer(add_completion=False, help="Serve a local model over an OpenAI-compatible HTTP API.")
 
 
@@ -65,6 +74,7 @@ def serve(
         60.0, help="seconds a request may wait in the queue before it gets 503 (0: no limit)"),
     max_request_bytes: int = typer.Option(1 << 20, help="largest request body in bytes; larger: 413"),
     misconfig: list[str] = typer.Option([], help=MISCONFIG_HELP),
+    speculative: Optional[str] = typer.Option(None, "--speculative", metavar="DRAFT:K", help=SPECULATIVE_HELP),
     served_model_name: Optional[str] = typer.Option(None, help="model id the API reports (default: the model's id)"),
     threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
     list_misconfigs: bool = typer.Option(False, "--list-misconfigs", help="print every misconfiguration and exit"),
@@ -81,7 +91,7 @@ def serve(
         _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
                misconfig, served_model_name, threads, max_prompt_tokens=max_prompt_tokens,
                max_batch_prompt_tokens=max_batch_prompt_tokens, queue_timeout_s=queue_timeout,
-               max_request_bytes=max_request_bytes)
+               max_request_bytes=max_request_bytes, speculative=speculative)
     except (ValueError, OSError) as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
@@ -111,10 +121,13 @@ def _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait
             backend = Backend.load(model, dtype, device=device)
     except ModelNotAvailable as exc:
         raise ValueError(str(exc)) from None
-    with err.status("building the served model" + (f" ({', '.join(config.misconfig)})" if config.misconfig else "")):
+    building = [*config.misconfig, *([f"draft {config.speculative}"] if config.speculative else [])]
+    with err.status("building the served model" + (f" ({', '.join(building)})" if building else "")):
         served = ServedModel(backend, config)
     sock = bind(host, port)
     state = "honest" if served.mis.honest else f"MISCONFIGURED: {', '.join(served.mis.names)}"
+    if served.speculative:
+        state += f"; speculative: draft {served.speculative['draft']}, k={served.speculative['k']}"
     err.print(f"serving {served.name} ({state}; sampler {sampler}, {dtype}, batches of up to "
               f"{served.worker.max_batch}) at {base_url(sock)}", highlight=False)
     uvicorn.Server(uvicorn.Config(create_app(backend, config, served), log_level="info")).run(sockets=[sock])

@@ -25,6 +25,17 @@ each choice. ``token_ids`` are the output tokens only (a stop token, if emitted,
 Misconfigured servers (``ServeConfig.misconfig``, see ``verinfer.serve.config``) claim the honest
 configuration in every field: model id, ``verinfer_sampling``, ``/v1/models``.
 
+Speculative decoding (``ServeConfig.speculative``, ``--speculative DRAFT:K``). Every request claims
+``verinfer_sampling.speculative = {"draft", "k"}``; sampled ones are decoded speculatively one at a
+time (``verinfer.serve.worker``), greedy ones by the batched decoder (identical tokens: vLLM
+accepts a draft iff it is the target's argmax). A speculatively decoded choice also carries
+``verinfer_spec_modes``: one letter per returned token id, ``a`` (accepted draft), ``r`` (resampled
+after a rejection) or ``b`` (bonus after all k drafts passed), cut with the tokens at a stop string;
+it becomes the trace's ``spec_modes``, so ``Trace(..., spec_modes=choice.get("verinfer_spec_modes"))``
+replays with ``verinfer verify``. Streamed responses send it on each choice's last chunk, beside
+``verinfer_sampling`` (the request is decoded whole first, as without speculation). ``/health``
+counts ``spec_requests``, ``spec_tokens`` and ``spec_accepted`` (accepted drafts among those tokens).
+
 Limits and errors. Every error is ``{"error": {"message", "type", "param", "code"}}``. A request the
 server cannot take is refused before it reaches a batch: 400 naming the field (``param``) for any
 value out of range, a lone surrogate, an integer of over 40 digits, a prompt longer than
@@ -54,6 +65,8 @@ from starlette.requests import ClientDisconnect
 
 from verinfer.simulate.generate import Request as GenRequest
 from verinfer.models.backend import Backend
+from verinfer.models.derived import draft_backend
+from verinfer.models.load import ModelNotAvailable
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import get_profile
 from verinfer.serve.config import Misconfiguration, ServeConfig, parse_misconfig
@@ -94,6 +107,18 @@ def cut_at_stop(tokenizer, tokens: list[int], stops: list[str] | None) -> tuple[
     return len(tokens), text, None  # pragma: no cover - the full text contained a stop string
 
 
+class _Drafts:
+    """Draft models derived from ``source`` by name (``models.derived.draft_backend``), each built once."""
+
+    def __init__(self, source: Backend):
+        self.source, self.built = source, {}
+
+    def __call__(self, name: str) -> Backend:
+        if name not in self.built:
+            self.built[name] = draft_backend(self.source, name)
+        return self.built[name]
+
+
 class ServedModel:
     """The model behind the API: reference backend, misconfiguration, worker, limits."""
 
@@ -106,7 +131,24 @@ class ServedModel:
         self.config = config
         self.mis: Misconfiguration = parse_misconfig(config.misconfig)
         variant = self.mis.variant
+        self.speculative = config.speculative_claim
+        if self.speculative is not None and variant is not None and variant.hook is not None:
+            raise ValueError(f"--speculative cannot serve misconfig {variant.name!r}: its sampler bug is a per-step "
+                             "token hook of the batched decoder, which speculative decoding does not use")
         self.generator = variant.build(backend) if variant is not None else backend
+        # Drafts derive from the claimed model, so a misconfigured target still drafts as claimed; honest
+        # noise (bf16, ...) reaches the draft too, as in ``Variant.generate``. The claimed draft is built
+        # now, so a draft that cannot be built fails at start.
+        honest_drafts = drafts = _Drafts(backend)
+        if variant is not None and variant.honest and self.generator is not backend:
+            drafts = _Drafts(self.generator)
+        if self.speculative is not None:
+            try:
+                drafts(self.speculative["draft"])
+                honest_drafts(self.speculative["draft"])
+            except (ValueError, ModelNotAvailable) as exc:
+                raise ValueError(f"--speculative {config.speculative}: {exc}") from None
+        spec_rule = getattr(variant, "spec_rule", None) or "vllm"  # a speculative cheat, when the variant has one
         self.name = config.served_model_name or backend.model_id
         context = int(getattr(backend.model.config.get_text_config(), "max_position_embeddings", 0) or 2048)
         self.max_model_len = min(config.max_model_len or context, context)
@@ -114,12 +156,12 @@ class ServedModel:
         max_batch = variant.batch_size if variant is not None and variant.batch_size else config.max_batch
         self.worker = BatchWorker(self.generator, variant, max_batch, config.batch_wait_s,
                                   max_batch_prompt_tokens=config.max_batch_prompt_tokens,
-                                  queue_timeout_s=config.queue_timeout_s)
+                                  queue_timeout_s=config.queue_timeout_s, drafts=drafts, spec_rule=spec_rule)
         self.honest_worker = self.worker  # the greedy-only cheat decodes greedy requests honestly, on its own thread
         if self.mis.greedy_honest:
             self.honest_worker = BatchWorker(backend, None, config.max_batch, config.batch_wait_s,
                                              max_batch_prompt_tokens=config.max_batch_prompt_tokens,
-                                             queue_timeout_s=config.queue_timeout_s)
+                                             queue_timeout_s=config.queue_timeout_s, drafts=honest_drafts)
         self.created = int(time.time())
 
     @property
@@ -139,7 +181,8 @@ class ServedModel:
             "root": self.reference.model_id, "max_model_len": self.max_model_len,
             "verinfer": {"sampler_profile": self.config.sampler, "vocab_size": self.reference.vocab_size,
                          "model_id": self.reference.model_id,
-                         "dtype": str(self.reference.dtype).replace("torch.", "")},
+                         "dtype": str(self.reference.dtype).replace("torch.", ""),
+                         **({"speculative": dict(self.speculative)} if self.speculative else {})},
         }
 
     # -- request handling ----------------------------------------------------------------------
@@ -174,7 +217,8 @@ class ServedModel:
     def claimed_params(self, req) -> SamplingParams:
         seed = req.seed if req.seed is not None else secrets.randbelow(2**63)
         params = SamplingParams(profile=self.config.sampler, temperature=req.temperature, top_k=req.top_k,
-                                top_p=req.top_p, min_p=req.min_p, seed=seed)
+                                top_p=req.top_p, min_p=req.min_p, seed=seed,
+                                speculative=dict(self.speculative) if self.speculative else None)
         problems = params.problems()
         if problems:  # the request model's ranges make this unreachable; keep the check honest anyway
             raise APIError(f"sampling: {problems[0]}")
@@ -262,6 +306,9 @@ class ServedModel:
 
     def extensions(self, o: Outcome, choice: dict) -> None:
         choice["verinfer_sampling"] = o.claimed.to_dict()
+        modes = o.generation.spec_modes
+        if modes is not None and o.claimed.speculative:  # a provider hiding its speculation reports none
+            choice["verinfer_spec_modes"] = modes[: len(o.tokens)]
         if o.commits is not None:
             choice["verinfer_commits"] = o.commits
 
@@ -419,7 +466,8 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), served: Se
     async def health():
         ws = served.workers
         total = {k: sum(getattr(w, k) for w in ws) for k in ("requests", "batches", "decode_steps", "queued",
-                                                              "abandoned", "expired", "failed")}
+                                                              "abandoned", "expired", "failed", "spec_requests",
+                                                              "spec_tokens", "spec_accepted")}
         return {"status": "ok", **total, "largest_batch": max(w.largest_batch for w in ws),
                 "max_batch": served.worker.max_batch}
 

@@ -22,13 +22,21 @@ serving-level deviations that only exist where prompts are rendered:
 
 Names are given comma-separated or repeated; ``system-prompt:TEXT`` takes the rest of its value
 (commas included), so give it last or on its own.
+
+Speculative decoding (``speculative``, ``verinfer serve --speculative DRAFT:K``): every sampled
+request is decoded as vLLM 0.32's model runner V2 decodes with a draft model proposing ``K`` tokens
+per step (``verinfer.simulate.speculative``), and claims it in ``verinfer_sampling.speculative``.
+``DRAFT`` is ``layers:N`` (the served model's first N decoder layers) or ``wN`` (its N-bit RTN
+weights): ``layers:28:4``, ``w4:2``. The draft is always derived from the *claimed* (reference)
+model, so a misconfigured server still drafts as it claims; only honest noise variants (e.g.
+``bf16``) reach the draft too, as in ``Variant.generate``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.params import SamplingParams, parse_speculative
 from verinfer.sampling.profiles import PROFILES, params_problems
 from verinfer.simulate.variants import Variant, compose, get_variant
 
@@ -74,9 +82,25 @@ class ServeConfig:
     disconnect_poll_s: float = 0.1
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
+    speculative: str | None = None  # DRAFT:K (module docstring); None: plain decoding
+
+    @property
+    def speculative_claim(self) -> dict | None:
+        """``speculative`` as the ``SamplingParams.speculative`` claim (ValueError when malformed)."""
+        return None if self.speculative is None else parse_speculative(self.speculative)
 
     def problems(self) -> list[str]:
         out = []
+        if self.speculative is not None:
+            try:
+                spec = self.speculative_claim
+            except ValueError as exc:
+                out.append(str(exc))
+            else:
+                needs = params_problems(SamplingParams(profile=self.sampler, seed=0, speculative=spec)) \
+                    if self.sampler in PROFILES else []
+                if needs:
+                    out.append(f"--speculative {self.speculative}: {needs[0]}")
         if self.max_batch < 1:
             out.append(f"max_batch must be >= 1, got {self.max_batch}")
         if self.max_tokens_limit < 1:

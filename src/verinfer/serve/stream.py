@@ -3,7 +3,8 @@
 The server decodes a request whole (batching is unchanged) and then sends it as vLLM does: one
 ``chat.completion.chunk`` / ``text_completion`` chunk per output token and choice, carrying the
 token's text piece (``delta.content`` or ``text``), its ``token_ids`` entry and logprobs when asked
-for, then a last chunk per choice with ``finish_reason`` (and ``verinfer_sampling``), an optional
+for, then a last chunk per choice with ``finish_reason`` (and ``verinfer_sampling``, and
+``verinfer_spec_modes`` for a speculatively decoded choice: the whole string), an optional
 usage chunk with no choices (``stream_options.include_usage``), and ``data: [DONE]``. Chat puts
 ``prompt_token_ids`` on the first chunk, completions on each choice's first chunk. Joining the
 pieces gives back the non-streamed response (``verinfer.auditing.stream.assemble`` does).
@@ -72,8 +73,9 @@ def stream_chunks(body: dict[str, Any], pieces: list[list[str]], include_usage: 
             last["text"] = ""
         if not parts and not chat and "prompt_token_ids" in choice:
             last["prompt_token_ids"] = choice["prompt_token_ids"]
-        if "verinfer_commits" in choice:
-            last["verinfer_commits"] = choice["verinfer_commits"]
+        for key in ("verinfer_commits", "verinfer_spec_modes"):
+            if key in choice:
+                last[key] = choice[key]
         yield {**head, "choices": [last]}
     if include_usage:
         yield {**head, "choices": [], "usage": body["usage"]}

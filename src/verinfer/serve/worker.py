@@ -23,6 +23,19 @@ One request never costs another its answer or much of its time:
 - Prefill budget. A batch takes companions only while rows times its longest prompt stays within
   ``max_batch_prompt_tokens`` (left padding makes every row as long as the longest); a job over
   the budget on its own runs alone.
+
+Speculative decoding (``verinfer serve --speculative``). A job whose actual parameters claim
+``speculative`` and sample (T > 0) is decoded on its own by
+``verinfer.simulate.speculative.decode_speculative``, the sampler the verifier replays, with the
+draft model it names (``drafts``) proposing ``k`` tokens per step. Such jobs do not batch with the
+left-padded decoder: each step accepts a different number of drafts per request, so the rows of a
+batch would drift apart, and the KV caches are cut back per request after each step. The other
+jobs of the same batch (greedy ones: speculative decoding leaves them unchanged, since vLLM accepts
+a draft iff it is the target's argmax) still decode together through ``decode_batch``. Logprobs,
+prompt logprobs and the hidden rows of activation commits of a speculative job come from one extra
+prefill of prompt + output on the generating model, made only when the job asks for them;
+``Generation.spec_modes`` says how each token was produced (``a`` accepted draft, ``r``
+resampled, ``b`` bonus). An abandoned speculative job stops at its next emitted token.
 """
 
 from __future__ import annotations
@@ -38,6 +51,7 @@ from typing import Callable
 import torch
 
 from verinfer.simulate.generate import Request, TokenHook, decode_batch
+from verinfer.simulate.speculative import decode_speculative
 from verinfer.models.backend import Backend
 from verinfer.simulate.variants import Variant
 from verinfer.sampling.profiles import Profile
@@ -99,6 +113,7 @@ class Generation:
     rows: torch.Tensor | None  # committed hidden rows [L + n - 1, D] (verify/commits.py)
     logprobs: list[TokenLogprobs] | None  # per output token
     prompt_logprobs: list[TokenLogprobs] | None  # per actual prompt position 1 .. L-1
+    spec_modes: str | None = None  # speculative jobs: a / r / b per output token (see the module docstring)
 
 
 def _top(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprobs]:
@@ -189,16 +204,40 @@ def prompt_logprobs(backend: Backend, rows: torch.Tensor, prompt: tuple[int, ...
     return out
 
 
+class _WatchedStops(frozenset):
+    """The stop ids given to ``decode_speculative``, which tests each emitted token against them:
+    that test also ends the decoding (``_StopBatch``) once the job's client is gone."""
+
+    def __new__(cls, ids, gone: threading.Event):
+        self = super().__new__(cls, ids)
+        self.gone = gone
+        return self
+
+    def __contains__(self, token) -> bool:
+        if self.gone.is_set():
+            raise _StopBatch
+        return super().__contains__(token)
+
+
+def is_speculative_job(job: Job) -> bool:
+    """A job the speculative decoder serves: it claims speculative decoding and samples."""
+    params = job.request.params
+    return bool(params.speculative) and not params.is_greedy
+
+
 class BatchWorker:
     """The model-owning thread. ``submit`` is safe from any thread; results arrive on job futures.
 
     ``max_batch_prompt_tokens``: prefill budget of a batch (rows x longest prompt; None: no budget).
     ``queue_timeout_s``: a job queued longer fails with ``QueueTimeout`` (0: no limit).
+    ``drafts``: the draft model a speculative job's ``speculative.draft`` names, by name (None: a
+    speculative job fails alone); ``spec_rule``: ``decode_speculative``'s rule (``vllm``: honest).
     """
 
     def __init__(self, backend: Backend, variant: Variant | None = None, max_batch: int = 8,
                  batch_wait_s: float = 0.005, max_batch_prompt_tokens: int | None = None,
-                 queue_timeout_s: float = 0.0):
+                 queue_timeout_s: float = 0.0, drafts: Callable[[str], Backend] | None = None,
+                 spec_rule: str = "vllm"):
         self.backend = backend  # the backend that generates (the variant's, when misconfigured)
         self.variant = variant
         self.max_batch = max_batch
@@ -206,6 +245,7 @@ class BatchWorker:
         self.max_batch_prompt_tokens = max_batch_prompt_tokens
         self.queue_timeout_s = queue_timeout_s
         self.stop_ids = backend.stop_ids()
+        self.drafts, self.spec_rule = drafts, spec_rule
         # Counters reported by /health.
         self.batches = 0  # decoded batches
         self.requests = 0  # jobs decoded (each once, whatever retries it took)
@@ -214,6 +254,9 @@ class BatchWorker:
         self.abandoned = 0  # jobs whose client left: dropped from the queue or stopped mid-batch
         self.expired = 0  # jobs that waited longer than queue_timeout_s
         self.failed = 0  # jobs that failed with an internal error
+        self.spec_requests = 0  # jobs decoded speculatively (each also counts in ``requests``)
+        self.spec_tokens = 0  # their output tokens
+        self.spec_accepted = 0  # of which accepted drafts (spec_accepted / spec_tokens: the draft's share)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._held: Job | None = None  # the job that did not fit the last batch's budget: next batch's first
         self._profiles: dict[str, Profile] = {}
@@ -319,6 +362,8 @@ class BatchWorker:
             return problems[0]
         if not -INT64 <= r.params.top_k < INT64:
             return f"top_k {r.params.top_k} does not fit int64"
+        if is_speculative_job(job) and self.drafts is None:
+            return "speculative decoding was asked for, but this server has no draft model"
         return None
 
     def _serve(self, jobs: list[Job]) -> None:
@@ -362,7 +407,55 @@ class BatchWorker:
                 job.future.set_result(res)
 
     def _decode(self, jobs: list[Job]) -> list[Generation | Exception]:
-        """One batch: a Generation per job, or ``Abandoned`` for a job whose client left."""
+        """One batch: a Generation per job, or ``Abandoned`` for a job whose client left.
+
+        Speculative jobs are decoded one by one (module docstring), the others together."""
+        spec = [is_speculative_job(j) for j in jobs]
+        if not any(spec):
+            return self._decode_batch(jobs)
+        plain = [j for j, s in zip(jobs, spec) if not s]
+        plain_out = iter(self._decode_batch(plain) if plain else [])
+        return [self._decode_speculative(j) if s else next(plain_out) for j, s in zip(jobs, spec)]
+
+    def _decode_speculative(self, job: Job) -> Generation | Exception:
+        """One speculative job, alone (``decode_speculative``): its Generation, ``Abandoned`` when its
+        client left, or the exception that failed it (this job only)."""
+        if job.gone.is_set():
+            return Abandoned()
+        tokens, modes, finish = [], "", "length"
+        try:
+            if job.max_tokens > 0:
+                draft = self.drafts(job.request.params.speculative["draft"])
+                res = decode_speculative(self.backend, draft, job.request, job.max_tokens,
+                                         _WatchedStops(self.stop_ids, job.gone), self.spec_rule)
+                tokens, modes, finish = res.tokens, res.modes, res.finish_reason
+            rows = lps = plp = None
+            if job.needs_rows or job.logprobs is not None:
+                prompt, length = job.request.prompt_token_ids, job.prompt_len
+                rows = self._prefill_rows(prompt, tokens)
+                if job.logprobs is not None:  # output token i is predicted by row L - 1 + i
+                    lps = prompt_logprobs(self.backend, rows[length - 1:], (prompt[-1], *tokens), job.logprobs)
+                if job.prompt_logprobs is not None:
+                    plp = prompt_logprobs(self.backend, rows[:length - 1], prompt, job.prompt_logprobs)
+        except _StopBatch:
+            return Abandoned()
+        except Exception as exc:
+            return exc
+        self.spec_requests += 1
+        self.spec_tokens += len(tokens)
+        self.spec_accepted += modes.count("a")
+        self.decode_steps += len(tokens)
+        return Generation(tokens, finish, rows if job.capture else None, lps, plp, modes)
+
+    def _prefill_rows(self, prompt: tuple[int, ...], tokens: list[int]) -> torch.Tensor:
+        """Final hidden rows [L + n - 1, D] of prompt + output, from one prefill on the generating model
+        (the last output token is never fed back; L rows when there is no output)."""
+        ids = torch.tensor([list(prompt) + list(tokens[:-1])])
+        h, _ = self.backend.hidden(ids, None, torch.arange(ids.shape[1])[None], None)
+        return h[0].float().cpu()
+
+    def _decode_batch(self, jobs: list[Job]) -> list[Generation | Exception]:
+        """Jobs decoded together by ``decode_batch`` (left padding, one sampling step per token)."""
         if all(j.gone.is_set() for j in jobs):
             return [Abandoned() for _ in jobs]
         batch = [j.request for j in jobs]
