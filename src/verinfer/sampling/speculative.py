@@ -8,7 +8,9 @@ standard rejection rule of Leviathan et al. (2023) / Chen et al. (2023):
   divided by the temperature (no top-k/top-p/min-p: vLLM's drafter ignores them), with the Murmur3
   noise of the ``vllm`` profile at ``pos + 2**30`` (``_DRAFT_NOISE_SALT``). The logits row that
   proposes draft ``j`` is the one at position ``pos0 + j`` (``pos0``: position of the block's first
-  input token, i.e. the last accepted token).
+  input token, i.e. the last accepted token): a draw is keyed by the position of the input token
+  whose logits it samples (``spec_decode/standalone_ar/speculator.py``, the draft-model speculator:
+  ``positions`` of the last token, then ``+ 1`` per step).
 - **Acceptance.** Target row ``j`` (processed: temperature, min-p, top-k/top-p applied, filtered
   tokens ``-inf``) accepts draft ``d_j`` iff ``log p(d_j) > log u_j + log q(d_j)`` in fp32, with
   ``u_j = tl_rand32(seed, pos0 + j)`` (Triton Philox, ``sampling/philox.py``), ``p`` the target's and
