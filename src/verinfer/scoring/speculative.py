@@ -12,7 +12,10 @@ reconstructed when the provider recorded none):
   from accepting it.
 - ``r`` (resampled): the verifier's own proposal ``d`` must be rejected, and the claim must be the
   Gumbel argmax of the residual ``max(p - q, 0)`` at ``pos``. ``margin`` = the residual's Gumbel
-  margin for the claim + ``T * max(0, slack_d)`` (``accept_slack`` is ``slack_d``).
+  margin for the claim + ``T * max(0, slack_d)`` (``accept_slack`` is ``slack_d``), minimised over
+  the draft's two best proposals, the runner-up paying the draft margin that separates them (benign
+  noise can change which token the draft proposed, and the residual of the wrong one has no mass at
+  the provider's proposal).
 - ``b`` (bonus): plain vLLM sampling from the target; ``margin`` is the ordinary Gumbel margin.
 
 Margins are in raw-logit units like the plain scores (Gumbel margins of tempered logits times T),
@@ -41,6 +44,34 @@ def _margin(scores: np.ndarray, token: int, temperature: float) -> float:
 
 def _rank(scores: np.ndarray, token: int) -> int:
     return int((scores > scores[token]).sum()) if np.isfinite(scores[token]) else int(np.isfinite(scores).sum())
+
+
+def _resample_margin(trow, drow, dscores, claim, seed, pos, T, fp64, first, hypotheses: int = 2):
+    """Margin of a resampled claim: the cheapest explanation over the draft's top proposals.
+
+    The provider rejected *its* proposal; benign noise can move the draft's Gumbel argmax, so the
+    runner-up proposal is also tried, at the cost of the draft margin that separates it from the
+    verifier's proposal (a claim equal to the verifier's proposal is otherwise impossible: the
+    residual of a rejected draft has no mass there). Returns (margin, slack of the rejected
+    proposal, the claim's rank in that residual).
+    """
+    top = np.argpartition(-dscores, hypotheses)[:hypotheses]
+    top = top[np.argsort(-dscores[top], kind="stable")]
+    best = (np.inf, first[1], int(np.isfinite(trow).sum()))  # stays when the claim is filtered by the target
+    for d in top.tolist():
+        flip = float((dscores[top[0]] - dscores[d]) * T)
+        if flip >= best[0]:
+            break
+        if d == first[0]:
+            slack, residual = first[1], first[2]
+        else:
+            slack, residual = acceptance_slack(trow, drow, d, seed, pos, T), None
+        if residual is None:
+            residual = noised_row(residual_logits(trow, drow, d, T), seed, pos, fp64)
+        margin = flip + _margin(residual, claim, T) + T * max(0.0, slack)
+        if margin < best[0]:
+            best = (margin, slack, _rank(residual, claim))
+    return best
 
 
 def score_trace(trace: Trace, target_logits: torch.Tensor, draft_logits: torch.Tensor,
@@ -91,11 +122,9 @@ def score_trace(trace: Trace, target_logits: torch.Tensor, draft_logits: torch.T
             cols["gumbel_rank"][t] = _rank(dscores, claim)
             run += 1
         else:
-            if residual is None:
-                residual = noised_row(residual_logits(trow, drow, proposal, T), seed, pos, fp64)
-            cols["margin"][t] = _margin(residual, claim, T) + T * max(0.0, slack_d)
-            cols["accept_slack"][t] = slack_d
-            cols["gumbel_rank"][t] = _rank(residual, claim)
+            margin, slack, rank = _resample_margin(trow, drow, dscores, claim, seed, pos, T, fp64,
+                                                   (proposal, slack_d, residual))
+            cols["margin"][t], cols["accept_slack"][t], cols["gumbel_rank"][t] = margin, slack, rank
             run = 0
         cols["spec_mode"][t] = mode
     return cols
