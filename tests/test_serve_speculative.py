@@ -93,16 +93,25 @@ def test_seeded_outputs_verify_exactly_and_repeat(server, backend):
 
 def test_streamed_seeded_audit_yields_traces_that_replay(server, backend, tmp_path):
     """``verinfer audit run --mode seeded --stream`` against the speculative server: the audit's
-    traces claim the draft and carry the modes, and the verifier replays them exactly."""
+    traces claim the draft and carry the modes, the verifier replays them exactly, and only a
+    calibration of the same speculative claim judges them (as ``verinfer verify`` would)."""
     spec = AuditSpec(mode="seeded", sampler="vllm", seed=500, max_tokens=10, stream=True, **SAMPLING)
     rng = np.random.default_rng(0)  # a stand-in calibration: this test checks the traces, not the verdict
     columns = {"margin": rng.exponential(0.01, 400), "cross_entropy": rng.exponential(1.0, 400),
                "exact_match": np.ones(400, dtype=bool)}
-    calibrator = fit_calibrator(columns, (1,), signature={"model": backend.model_id, "dtype": "float32",
-                                                          "sampling": [spec.signature()]})
+    claimed = {"model": backend.model_id, "dtype": "float32", "sampling": [{**spec.signature(), "speculative": CLAIM}]}
+    plain = {**claimed, "sampling": [spec.signature()]}
     prompts = load_prompts("chitchat", 2, seed=5)
-    result = run_audit([Endpoint("spec", server, backend.model_id, None)], prompts, spec, LocalReference(backend),
-                       tmp_path, calibrator=calibrator, concurrency=2)
+    endpoint = Endpoint("spec", server, backend.model_id, None)
+    # A calibration of plain decoding cannot judge the speculative traces: refused once they claim it
+    # (the responses are kept, so the audit below sends nothing again).
+    with pytest.raises(ValueError, match="the calibration does not match its traces"):
+        run_audit([endpoint], prompts, spec, LocalReference(backend), tmp_path,
+                  calibrator=fit_calibrator(columns, (1,), signature=plain), concurrency=2)
+    calibrator = fit_calibrator(columns, (1,), signature=claimed)
+    result = run_audit([endpoint], prompts, spec, LocalReference(backend), tmp_path, calibrator=calibrator,
+                       concurrency=2)
+    assert result.providers[0].requests_sent == 0
     assert all(r["request"]["stream"] for r in ResponseStore(tmp_path / "spec" / "responses.jsonl").records())
     traces = read_traces(tmp_path / "spec" / "traces.jsonl")
     assert len(traces) == 2

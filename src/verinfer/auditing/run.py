@@ -5,6 +5,11 @@ while scoring never costs a paid request; re-running the same audit directory re
 is stored. Files per provider: ``responses.jsonl`` (raw, as received), ``rejected.jsonl`` (raw
 responses that were malformed), ``traces.jsonl`` (what was verified), ``scores.parquet`` (local
 reference) and, for a reference API, its own ``reference/responses.jsonl``.
+
+A calibration is checked against the audit's sampling settings before any request, and again
+against the traces once the responses are parsed: a provider that reports speculative decoding
+(``verinfer_sampling.speculative``) gets traces that claim it, which only a calibration fitted on
+the same speculative claim may judge (as ``verinfer verify`` requires of the same traces).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from verinfer.auditing.responses import Claim, parse_generation, summarize_drift
 from verinfer.auditing.seedless import judge_logprobs, judge_sampled
 from verinfer.auditing.store import ResponseStore
 from verinfer.prompts import Prompt
+from verinfer.scoring.scores import signature
 from verinfer.stats.calibration import Calibrator, signature_mismatch
 from verinfer.stats.pooling import MARGIN_CLIP, sequence_stats
 from verinfer.stats.verdict import Verdict, adjust, calibrated_verdict, pooled_verdict
@@ -83,6 +89,13 @@ def reference_signature(reference, spec: AuditSpec) -> dict | None:
             "sampling": [spec.signature()]}
 
 
+def _unspeculative(sig: dict | None) -> dict | None:
+    """A calibration signature without the speculative claims its sampling settings may carry."""
+    if sig is None:
+        return None
+    return {**sig, "sampling": [{k: v for k, v in s.items() if k != "speculative"} for s in sig.get("sampling", [])]}
+
+
 def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: AuditSpec, reference,
               out_dir: Path, bands: Bands | None = None, calibrator: Calibrator | None = None,
               batch_size: int | None = None, fpr: float = 0.01, concurrency: int = 4,
@@ -99,8 +112,9 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
                          "reference's own sampling distribution); drop --bands / --calibration")
     if not spec.seedless and (bands is None) == (calibrator is None):
         raise ValueError("give exactly one of bands or a calibration file for the verdict")
-    if calibrator is not None:  # refuse before any request is paid for
-        problem = signature_mismatch(calibrator.signature, reference_signature(reference, spec))
+    if calibrator is not None:  # refuse before any request is paid for (speculation is only known from
+        # the responses, which claim it in verinfer_sampling: checked against the traces below)
+        problem = signature_mismatch(_unspeculative(calibrator.signature), reference_signature(reference, spec))
         if problem:
             raise ValueError(f"calibration does not match this audit: {problem}")
     names = [safe_name(e.name) for e in endpoints]
@@ -136,6 +150,12 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         model_id = getattr(getattr(reference, "backend", None), "model_id", e.model)
         traces = claim_traces(claims, e.name, model_id, spec.params)
         write_traces(traces, out_dir / e.name / "traces.jsonl")
+        if calibrator is not None:  # the traces may claim speculative decoding: judged only by its calibration
+            problem = signature_mismatch(calibrator.signature, signature(traces, model_id, reference.backend.dtype_name)
+                                         if getattr(reference, "backend", None) is not None else None)
+            if problem:
+                raise ValueError(f"provider {e.name!r}: the calibration does not match its traces "
+                                 f"({out_dir / e.name / 'traces.jsonl'}; responses kept): {problem}")
         stage(f"{e.name}: scoring {sum(len(c.output_token_ids) for c in claims)} tokens with the reference")
         columns = reference.score(traces, out_dir / e.name)
         seq = sequence_stats(columns, bands.clip if bands is not None else MARGIN_CLIP)
