@@ -22,6 +22,17 @@ def backend():
     return Backend.load("smollm2-135m")
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module whose server decodes in its own thread beside the test's."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def chat_prompts():
     from verinfer.prompts import load_prompts

@@ -19,12 +19,7 @@ from verinfer.trace import Trace  # noqa: E402
 SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 0.95}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

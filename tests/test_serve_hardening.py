@@ -19,7 +19,6 @@ import threading
 import time
 
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 schemathesis = pytest.importorskip("schemathesis")
@@ -34,12 +33,7 @@ POISON_SEED = 666_000
 HANG_GUARD_S = 120  # only stops a broken server from hanging the run; no assertion depends on it
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _root(url: str) -> str:

@@ -10,7 +10,6 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 httpx = pytest.importorskip("httpx")
 
@@ -33,12 +32,7 @@ CLAIM = {"draft": "layers:24", "k": 2}
 SAMPLING = {"temperature": 0.7, "top_p": 0.95}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
