@@ -77,34 +77,43 @@ def draft_scaled(draft_row: np.ndarray, temperature: float) -> np.ndarray:
     return np.asarray(draft_row, dtype=_F) / _F(temperature)
 
 
+def row_normalizers(target_row: np.ndarray, draft_row: np.ndarray | None, temperature: float):
+    """(target, tempered draft) log-normalizers of one row, computed once for every test at the row."""
+    return (block_logsumexp(target_row),
+            None if draft_row is None else block_logsumexp(draft_scaled(draft_row, temperature)))
+
+
 def acceptance_slack(target_row: np.ndarray, draft_row: np.ndarray | None, token: int, seed: int, pos: int,
-                     temperature: float) -> float:
+                     temperature: float, norms=None) -> float:
     """``log p(d) - (log u + log q(d))`` in fp32: the draft ``d`` is accepted iff this is > 0.
 
-    ``target_row``: processed target logits; ``draft_row``: raw draft logits (None: one-hot draft).
+    ``target_row``: processed target logits; ``draft_row``: raw draft logits (None: one-hot draft);
+    ``norms``: the row's ``row_normalizers`` when the caller has them.
     """
+    t_lse, d_lse = norms or row_normalizers(target_row, draft_row, temperature)
     t = np.asarray(target_row, dtype=_F)
-    target_lp = t[token] - block_logsumexp(t)
+    target_lp = t[token] - t_lse
     if draft_row is None:
         draft_lp = _F(0)
     else:
         d = draft_scaled(draft_row, temperature)
-        draft_lp = d[token] - block_logsumexp(d)
+        draft_lp = d[token] - d_lse
     u = philox.tl_rand32([seed], np.array([pos], dtype=np.int64))[0]
     return float(_F(target_lp) - (np.log(u) + _F(draft_lp)))
 
 
 def residual_logits(target_row: np.ndarray, draft_row: np.ndarray | None, rejected: int,
-                    temperature: float) -> np.ndarray:
+                    temperature: float, norms=None) -> np.ndarray:
     """fp32 logits of the residual ``max(p - q, 0)`` the rejected row resamples from."""
     t = np.asarray(target_row, dtype=_F)
     if draft_row is None:  # one-hot draft: the target without the rejected token
         out = t.copy()
         out[rejected] = -np.inf
         return out
+    t_lse, d_lse = norms or row_normalizers(target_row, draft_row, temperature)
     d = draft_scaled(draft_row, temperature)
-    t_lp = t - block_logsumexp(t)
-    d_lp = d - block_logsumexp(d)
+    t_lp = t - t_lse
+    d_lp = d - d_lse
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         ratio = np.exp(d_lp - t_lp)
         return np.where(ratio < 1, t_lp + np.log1p(-ratio), -np.inf).astype(_F)

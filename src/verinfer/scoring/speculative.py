@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from verinfer.sampling.speculative import (acceptance_slack, draft_scaled, first_argmax, noised_row,
-                                           processed_logits, residual_logits)
+                                           processed_logits, residual_logits, row_normalizers)
 from verinfer.trace import Trace
 
 
@@ -46,7 +46,7 @@ def _rank(scores: np.ndarray, token: int) -> int:
     return int((scores > scores[token]).sum()) if np.isfinite(scores[token]) else int(np.isfinite(scores).sum())
 
 
-def _resample_margin(trow, drow, dscores, claim, seed, pos, T, fp64, first, hypotheses: int = 2):
+def _resample_margin(trow, drow, dscores, claim, seed, pos, T, fp64, first, norms, hypotheses: int = 2):
     """Margin of a resampled claim: the cheapest explanation over the draft's top proposals.
 
     The provider rejected *its* proposal; benign noise can move the draft's Gumbel argmax, so the
@@ -65,9 +65,9 @@ def _resample_margin(trow, drow, dscores, claim, seed, pos, T, fp64, first, hypo
         if d == first[0]:
             slack, residual = first[1], first[2]
         else:
-            slack, residual = acceptance_slack(trow, drow, d, seed, pos, T), None
+            slack, residual = acceptance_slack(trow, drow, d, seed, pos, T, norms), None
         if residual is None:
-            residual = noised_row(residual_logits(trow, drow, d, T), seed, pos, fp64)
+            residual = noised_row(residual_logits(trow, drow, d, T, norms), seed, pos, fp64)
         margin = flip + _margin(residual, claim, T) + T * max(0.0, slack)
         if margin < best[0]:
             best = (margin, slack, _rank(residual, claim))
@@ -104,26 +104,27 @@ def score_trace(trace: Trace, target_logits: torch.Tensor, draft_logits: torch.T
             run = 0
             continue
         drow = draft_logits[t].numpy()
+        norms = row_normalizers(trow, drow, T)  # shared by every acceptance test and residual at the row
         dscores = noised_row(draft_scaled(drow, T), seed, pos, fp64, draft=True)
         proposal = first_argmax(dscores)
         if mode is None:
             mode = "a" if claim == proposal else "r"
-        slack_d = acceptance_slack(trow, drow, proposal, seed, pos, T)
+        slack_d = acceptance_slack(trow, drow, proposal, seed, pos, T, norms)
         residual = None
         if slack_d > 0:
             cols["verifier_token"][t] = proposal
         else:
-            residual = noised_row(residual_logits(trow, drow, proposal, T), seed, pos, fp64)
+            residual = noised_row(residual_logits(trow, drow, proposal, T, norms), seed, pos, fp64)
             cols["verifier_token"][t] = first_argmax(residual)
         if mode == "a":
-            slack = slack_d if claim == proposal else acceptance_slack(trow, drow, claim, seed, pos, T)
+            slack = slack_d if claim == proposal else acceptance_slack(trow, drow, claim, seed, pos, T, norms)
             cols["margin"][t] = _margin(dscores, claim, T) + T * max(0.0, -slack)
             cols["accept_slack"][t] = slack
             cols["gumbel_rank"][t] = _rank(dscores, claim)
             run += 1
         else:
             margin, slack, rank = _resample_margin(trow, drow, dscores, claim, seed, pos, T, fp64,
-                                                   (proposal, slack_d, residual))
+                                                   (proposal, slack_d, residual), norms)
             cols["margin"][t], cols["accept_slack"][t], cols["gumbel_rank"][t] = margin, slack, rank
             run = 0
         cols["spec_mode"][t] = mode
