@@ -19,6 +19,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 httpx = pytest.importorskip("httpx")
 schemathesis = pytest.importorskip("schemathesis")
@@ -82,7 +83,7 @@ class Gate:
     def seeds(self) -> list[list[int]]:
         return [[s for s, _ in b] for b in self.batches]
 
-    def __call__(self, backend, batch, steps, stop_ids, profiles, hook=None, capture=False):
+    def __call__(self, backend, batch, steps, stop_ids, profiles, hook=None, capture=False, **chunking):
         self.batches.append([(r.params.seed, len(r.prompt_token_ids)) for r in batch])
         if any(r.params.seed == GATE_SEED for r in batch):
             assert self.opened.wait(HANG_GUARD_S)
@@ -92,7 +93,7 @@ class Gate:
                 raise RuntimeError("poisoned row")
             return hook(logits, tokens, requests, step) if hook is not None else tokens
 
-        return self.real(backend, batch, steps, stop_ids, profiles, poisoned, capture)
+        return self.real(backend, batch, steps, stop_ids, profiles, poisoned, capture, **chunking)
 
 
 def _open_request(url: str, path: str, body: dict) -> socket.socket:
@@ -239,6 +240,94 @@ def test_a_disconnected_client_stops_costing_the_worker(backend, monkeypatch):
         after = _health(client)
     assert spent < asked  # the worker stopped decoding the abandoned row long before its max_tokens
     assert after["requests"] == 1 and after["decode_steps"] == spent + 3
+
+
+def test_a_client_leaving_during_a_long_prefill_stops_it_between_chunks(backend, monkeypatch):
+    """A long prompt is prefilled in chunks; once its client is gone, the next chunk never runs."""
+    chunk = 128
+    ids = backend.tokenizer.encode("A long story about the sea, the wind and the ships. " * 50)[:5 * chunk]
+    first_chunk, abandoned = threading.Event(), threading.Event()
+    widths: list[int] = []
+    real_hidden, real_abandon = type(backend).hidden, worker_module.Job.abandon
+
+    def hidden(self, input_ids, attention_mask, position_ids=None, cache=None):
+        widths.append(input_ids.shape[1])
+        out = real_hidden(self, input_ids, attention_mask, position_ids, cache)
+        if len(widths) == 1:  # hold the prefill after its first chunk until the handler gives up
+            first_chunk.set()
+            assert abandoned.wait(HANG_GUARD_S)
+        return out
+
+    def abandon(job):
+        dropped = real_abandon(job)
+        abandoned.set()
+        return dropped
+
+    monkeypatch.setattr(type(backend), "hidden", hidden)  # on the class: copies of the backend keep theirs
+    monkeypatch.setattr(worker_module.Job, "abandon", abandon)
+    config = ServeConfig(batch_wait_s=0.0, prefill_chunk_tokens=chunk)
+    with serve_in_thread(backend, config) as url, httpx.Client(base_url=url, timeout=HANG_GUARD_S) as client:
+        sock = _open_request(url, "/completions", _body(ids, 8, seed=5))
+        assert first_chunk.wait(HANG_GUARD_S)
+        sock.close()
+        h = _until(client, lambda h: h["abandoned"] == 1 and h["queued"] == 0, "the prefill was abandoned")
+        prefill_calls = len(widths)
+        r = client.post("/completions", json=_body(backend.tokenizer.encode("Next please"), 3, seed=6))
+        assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 3
+    assert len(ids) == 5 * chunk and widths[0] == chunk
+    assert prefill_calls == 1  # chunks 2 to 5 never ran
+    assert h["decode_steps"] == 0 and h["requests"] == 0
+
+
+def test_chunked_prefill_decodes_as_one_pass_does(backend):
+    """Chunked prefill (left padding across chunk edges) gives the one-pass tokens and hidden rows
+    up to fp32 summation order; ``between_chunks`` runs once per chunk edge."""
+    from verinfer.sampling.params import SamplingParams
+    from verinfer.sampling.profiles import get_profile
+    from verinfer.simulate.generate import Request, decode_batch
+
+    texts = ["The harbour at dawn was quiet, and the fishermen " * 6, "Tell me a joke.", "Rain again " * 9]
+    batch = [Request(f"r{i}", tuple(backend.tokenizer.encode(t)), SamplingParams(profile="greedy", temperature=0.0))
+             for i, t in enumerate(texts)]
+    profiles = {"greedy": get_profile("greedy")}
+    width = max(len(r.prompt_token_ids) for r in batch)
+    edges = []
+    one = decode_batch(backend, batch, 6, set(), profiles, capture=True)
+    chunked = decode_batch(backend, batch, 6, set(), profiles, capture=True, prefill_chunk=16,
+                           between_chunks=lambda: edges.append(1))
+    assert len(edges) == -(-width // 16) - 1
+    for a, b in zip(one, chunked):
+        assert a.tokens == b.tokens
+        assert a.rows.shape == b.rows.shape
+        assert torch.allclose(a.rows, b.rows, atol=1e-3, rtol=0)
+
+
+def test_an_abandoned_row_leaves_the_batch_and_the_others_decode_as_alone(backend, monkeypatch):
+    """``decode_batch(gone=)``: a row whose client left is dropped from the KV cache at the next
+    step (the model then runs on the remaining rows only); the rows that stay emit the tokens they
+    emit alone, and the abandoned one keeps the tokens it had."""
+    from verinfer.sampling.params import SamplingParams
+    from verinfer.simulate.generate import Request, decode_batch
+
+    texts = {"a": "The harbour at dawn was quiet, and", "b": "Tell me a joke about", "c": "Rain again, said the"}
+    batch = [Request(k, tuple(backend.tokenizer.encode(t)), SamplingParams(profile="vllm", seed=7 + i, top_k=0,
+                                                                           top_p=1.0))
+             for i, (k, t) in enumerate(texts.items())]
+    real_hidden = type(backend).hidden
+    rows_per_call: list[int] = []
+
+    def hidden(self, input_ids, attention_mask, position_ids=None, cache=None):
+        rows_per_call.append(input_ids.shape[0])
+        return real_hidden(self, input_ids, attention_mask, position_ids, cache)
+
+    steps = []
+    monkeypatch.setattr(type(backend), "hidden", hidden)
+    out = decode_batch(backend, batch, 10, set(), {}, token_hook=lambda lg, t, rq, step: steps.append(step) or t,
+                       gone=lambda rid: rid == "b" and len(steps) >= 4)
+    assert rows_per_call == [3] * 4 + [2] * 6  # prefill and 3 decode steps with b, then 6 without it
+    alone = {r.id: decode_batch(backend, [r], 10, set(), {})[0].tokens for r in batch}
+    assert out[0].tokens == alone["a"] and out[2].tokens == alone["c"] and len(alone["a"]) == 10
+    assert out[1].tokens == alone["b"][:4]
 
 
 def test_a_queued_request_whose_client_left_is_dropped(backend, monkeypatch):

@@ -70,6 +70,9 @@ def serve(
     max_batch_prompt_tokens: int = typer.Option(
         8192, help="prefill budget of one batch: rows x longest prompt (left padding); a request over it "
                    "on its own runs alone"),
+    prefill_chunk: int = typer.Option(
+        512, help="prompt tokens prefilled per chunk; a batch whose clients all left stops between chunks "
+                  "(0: one pass)"),
     queue_timeout: float = typer.Option(
         60.0, help="seconds a request may wait in the queue before it gets 503 (0: no limit)"),
     max_request_bytes: int = typer.Option(1 << 20, help="largest request body in bytes; larger: 413"),
@@ -90,7 +93,8 @@ def serve(
     try:
         _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
                misconfig, served_model_name, threads, max_prompt_tokens=max_prompt_tokens,
-               max_batch_prompt_tokens=max_batch_prompt_tokens, queue_timeout_s=queue_timeout,
+               max_batch_prompt_tokens=max_batch_prompt_tokens, prefill_chunk_tokens=prefill_chunk,
+               queue_timeout_s=queue_timeout,
                max_request_bytes=max_request_bytes, speculative=speculative)
     except (ValueError, OSError) as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)

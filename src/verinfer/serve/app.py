@@ -156,12 +156,14 @@ class ServedModel:
         max_batch = variant.batch_size if variant is not None and variant.batch_size else config.max_batch
         self.worker = BatchWorker(self.generator, variant, max_batch, config.batch_wait_s,
                                   max_batch_prompt_tokens=config.max_batch_prompt_tokens,
-                                  queue_timeout_s=config.queue_timeout_s, drafts=drafts, spec_rule=spec_rule)
+                                  queue_timeout_s=config.queue_timeout_s, drafts=drafts, spec_rule=spec_rule,
+                                  prefill_chunk=config.prefill_chunk_tokens)
         self.honest_worker = self.worker  # the greedy-only cheat decodes greedy requests honestly, on its own thread
         if self.mis.greedy_honest:
             self.honest_worker = BatchWorker(backend, None, config.max_batch, config.batch_wait_s,
                                              max_batch_prompt_tokens=config.max_batch_prompt_tokens,
-                                             queue_timeout_s=config.queue_timeout_s, drafts=honest_drafts)
+                                             queue_timeout_s=config.queue_timeout_s, drafts=honest_drafts,
+                                             prefill_chunk=config.prefill_chunk_tokens)
         self.created = int(time.time())
 
     @property

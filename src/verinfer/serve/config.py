@@ -64,6 +64,8 @@ class ServeConfig:
     ``max_batch_prompt_tokens``: prefill budget of one batch, counted as rows times the longest
     prompt (left padding); a request over it on its own still runs, alone;
     ``queue_timeout_s``: a request still queued after this long gets 503 (0: wait forever);
+    ``prefill_chunk_tokens``: prompt tokens prefilled per chunk; a batch whose clients all left
+    stops between chunks (0: one-pass prefill, not interruptible);
     ``max_request_bytes``: largest request body (413 above it);
     ``disconnect_poll_s``: how often a waiting handler checks whether its client is gone.
     """
@@ -77,6 +79,7 @@ class ServeConfig:
     batch_wait_s: float = 0.005  # how long the worker waits for companions before decoding a batch
     max_prompt_tokens: int | None = None  # default: the context length
     max_batch_prompt_tokens: int = 8192
+    prefill_chunk_tokens: int = 512
     queue_timeout_s: float = 60.0
     max_request_bytes: int = 1 << 20
     disconnect_poll_s: float = 0.1
@@ -113,6 +116,8 @@ class ServeConfig:
             out.append(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
         if self.max_batch_prompt_tokens < 1:
             out.append(f"max_batch_prompt_tokens must be >= 1, got {self.max_batch_prompt_tokens}")
+        if self.prefill_chunk_tokens < 0:
+            out.append(f"prefill_chunk_tokens must be >= 0 (0: one pass), got {self.prefill_chunk_tokens}")
         if not self.queue_timeout_s >= 0:
             out.append(f"queue_timeout_s must be >= 0 seconds (0: no timeout), got {self.queue_timeout_s}")
         if self.max_request_bytes < 1024:

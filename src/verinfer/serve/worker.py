@@ -16,9 +16,12 @@ One request never costs another its answer or much of its time:
 - Isolation. A job whose parameters the sampler cannot take fails alone, before batching; if
   decoding a batch raises anyway, each of its jobs is decoded again on its own, so only the one
   that fails gets the error and the others get the tokens they get alone.
-- Cancellation. ``Job.abandon`` (the handler's client disconnected) drops a queued job, and a
-  decoding batch stops as soon as the only rows it still decodes are abandoned: checked at every
-  decode step (the prefill itself is not interrupted).
+- Cancellation. ``Job.abandon`` (the handler's client disconnected) drops a queued job; in a
+  decoding batch its row leaves the batch (and the KV cache) at the next decode step, so the rows
+  that stay stop paying for it, and a batch whose rows are all abandoned or finished ends there.
+  A long prefill is checked after every chunk of ``prefill_chunk`` prompt tokens (prompts are
+  prefilled in chunks, as engines' chunked prefill does): a client that leaves during an
+  8,000-token prefill costs the next one at most a chunk's time.
 - Queue timeout. A job still queued after ``queue_timeout_s`` fails with ``QueueTimeout``.
 - Prefill budget. A batch takes companions only while rows times its longest prompt stays within
   ``max_batch_prompt_tokens`` (left padding makes every row as long as the longest); a job over
@@ -175,6 +178,15 @@ class StepHook:
         toks = self.tokens[rid]
         return len(toks) >= self.jobs[rid].max_tokens or bool(toks and toks[-1] in self.stop_ids)
 
+    def gone(self, rid: str) -> bool:
+        """Whether the client of request ``rid`` has left (its row then leaves the batch)."""
+        return self.jobs[rid].gone.is_set()
+
+    def between_chunks(self) -> None:
+        """Between prefill chunks: stop (``_StopBatch``) when every job's client is gone."""
+        if all(j.gone.is_set() for j in self.jobs.values()):
+            raise _StopBatch
+
     def __call__(self, logits, tokens, requests, step):
         if self.inner is not None:
             tokens = self.inner(logits, tokens, requests, step)
@@ -232,12 +244,14 @@ class BatchWorker:
     ``queue_timeout_s``: a job queued longer fails with ``QueueTimeout`` (0: no limit).
     ``drafts``: the draft model a speculative job's ``speculative.draft`` names, by name (None: a
     speculative job fails alone); ``spec_rule``: ``decode_speculative``'s rule (``vllm``: honest).
+    ``prefill_chunk``: prompt tokens prefilled per chunk (None or 0: one pass); between chunks a
+    batch whose clients all left stops.
     """
 
     def __init__(self, backend: Backend, variant: Variant | None = None, max_batch: int = 8,
                  batch_wait_s: float = 0.005, max_batch_prompt_tokens: int | None = None,
                  queue_timeout_s: float = 0.0, drafts: Callable[[str], Backend] | None = None,
-                 spec_rule: str = "vllm"):
+                 spec_rule: str = "vllm", prefill_chunk: int | None = None):
         self.backend = backend  # the backend that generates (the variant's, when misconfigured)
         self.variant = variant
         self.max_batch = max_batch
@@ -246,6 +260,7 @@ class BatchWorker:
         self.queue_timeout_s = queue_timeout_s
         self.stop_ids = backend.stop_ids()
         self.drafts, self.spec_rule = drafts, spec_rule
+        self.prefill_chunk = prefill_chunk
         # Counters reported by /health.
         self.batches = 0  # decoded batches
         self.requests = 0  # jobs decoded (each once, whatever retries it took)
@@ -465,7 +480,9 @@ class BatchWorker:
         steps = max(j.max_tokens for j in jobs)
         decoded = None
         try:
-            decoded = decode_batch(self.backend, batch, steps, self.stop_ids, self._profiles, hook, capture=capture)
+            decoded = decode_batch(self.backend, batch, steps, self.stop_ids, self._profiles, hook, capture=capture,
+                                   prefill_chunk=self.prefill_chunk, between_chunks=hook.between_chunks,
+                                   gone=hook.gone)
         except _StopBatch:
             pass  # only abandoned rows were left; the others' tokens are in the hook
         finally:

@@ -64,11 +64,23 @@ class Decoded:
 
 def decode_batch(backend: Backend, batch: Sequence[Request], max_new_tokens: int, stop_ids: set[int],
                  profiles: dict[str, Profile], token_hook: TokenHook | None = None,
-                 capture: bool = False) -> list[Decoded]:
+                 capture: bool = False, prefill_chunk: int | None = None,
+                 between_chunks: Callable[[], None] | None = None,
+                 gone: Callable[[str], bool] | None = None) -> list[Decoded]:
     """Decode one batch with a shared KV cache (left padding).
 
     With ``capture``, keep each request's final normed hidden states as they are computed (prompt
     rows from the prefill, one row per fed-back output token), for activation commits: no extra pass.
+
+    ``prefill_chunk``: prefill the (padded) prompts in column chunks of at most this many tokens,
+    each extending the KV cache, as engines' chunked prefill does (vLLM's
+    ``max_num_batched_tokens``); ``between_chunks`` runs after each chunk but the last and may raise
+    to stop the batch there (``verinfer serve`` stops a long prefill whose clients all left). The
+    logits differ from a one-pass prefill only by summation order (benign noise, about 1e-5 in fp32).
+
+    ``gone(request_id)``: true once a request's client has left; such rows stop decoding at once
+    and leave the KV cache (with the rows already finished), so the others no longer pay for them.
+    Their ``Decoded`` holds the tokens made until then.
     """
     lengths = torch.tensor([len(r.prompt_token_ids) for r in batch])
     width = int(lengths.max())
@@ -79,32 +91,49 @@ def decode_batch(backend: Backend, batch: Sequence[Request], max_new_tokens: int
         mask[b, width - len(r.prompt_token_ids):] = 1
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
     cache = DynamicCache()
-    h, cache = backend.hidden(ids, mask, positions, cache)
+    chunk = prefill_chunk if prefill_chunk and prefill_chunk > 0 else width
+    parts = []
+    for lo in range(0, width, chunk):
+        if lo and between_chunks is not None:
+            between_chunks()
+        hi = min(lo + chunk, width)
+        part, cache = backend.hidden(ids[:, lo:hi], mask[:, :hi], positions[:, lo:hi], cache)
+        parts.append(part if capture else part[:, -1:])
+    h = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     logits = backend.logits(h[:, -1])
     rows = [[h[b, width - len(r.prompt_token_ids):].float().cpu()] for b, r in enumerate(batch)] if capture else None
     outputs: list[list[int]] = [[] for _ in batch]
     finish = ["length"] * len(batch)
-    active = list(range(len(batch)))
+    live = list(range(len(batch)))  # batch index of each row of the KV cache
+    active = list(range(len(batch)))  # cache rows still decoding
     for step in range(max_new_tokens):
-        tokens = _sample_rows(logits, active, batch, profiles, step)
+        view = [batch[b] for b in live]
+        tokens = _sample_rows(logits, active, view, profiles, step)
         if token_hook is not None:
-            tokens = token_hook(logits[active], tokens, [batch[r] for r in active], step)
-        step_tokens = torch.full((len(batch),), backend.pad_id, dtype=torch.long)
-        for r, t in zip(active, tokens.tolist()):
-            outputs[r].append(t)
-            step_tokens[r] = t
+            tokens = token_hook(logits[active], tokens, [view[j] for j in active], step)
+        step_tokens = torch.full((len(live),), backend.pad_id, dtype=torch.long)
+        for j, t in zip(active, tokens.tolist()):
+            outputs[live[j]].append(t)
+            step_tokens[j] = t
             if t in stop_ids:
-                finish[r] = "stop"
-        active = [r for r in active if finish[r] == "length" and len(outputs[r]) < max_new_tokens]
+                finish[live[j]] = "stop"
+        active = [j for j in active if finish[live[j]] == "length" and len(outputs[live[j]]) < max_new_tokens]
+        if gone is not None and any(gone(view[j].id) for j in active):
+            # Rows whose clients left leave the batch, with every finished row: the cache keeps the rest.
+            keep = [j for j in active if not gone(view[j].id)]
+            index = torch.as_tensor(keep, dtype=torch.long)
+            cache.batch_select_indices(index.to(h.device))
+            mask, lengths, step_tokens = mask[index], lengths[index], step_tokens[index]
+            live, active = [live[j] for j in keep], list(range(len(keep)))
         if not active:
             break
-        mask = torch.cat([mask, torch.ones((len(batch), 1), dtype=torch.long)], dim=1)
+        mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
         h, cache = backend.hidden(step_tokens[:, None], mask, (lengths + step)[:, None], cache)
         logits = backend.logits(h[:, -1])
         if rows is not None:
             last = h[:, -1].float().cpu()
-            for r in active:
-                rows[r].append(last[r: r + 1])
+            for j in active:
+                rows[live[j]].append(last[j: j + 1])
     return [Decoded(out, fin, torch.cat(rows[b]) if rows is not None else None)
             for b, (out, fin) in enumerate(zip(outputs, finish))]
 
