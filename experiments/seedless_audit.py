@@ -3,7 +3,9 @@
     python experiments/seedless_audit.py --out experiments/results/seedless_audit.md
 
 For each provider configuration (honest fp32, 4-bit and 8-bit weights, fp8 KV cache, sampling at
-T = 1.1 while claiming T = 1, and the greedy-only cheat ``greedy-honest:w4``) the provider
+T = 1.1 while claiming T = 1, a hidden system prompt (``system-prompt:TEXT``), a smaller model of
+the same family with the same tokenizer (``layers-N``: the first N of the 30 decoder layers), and
+the greedy-only cheat ``greedy-honest:w4``) the provider
 simulator generates, on the same chitchat prompts, n sampled completions per prompt at T = 1 with
 known seeds (the ``torch-exponential`` sampler) and one greedy completion per prompt. Every mode
 judges them with the verdict the audit uses, looked at on doubling prefixes at FPR / looks:
@@ -33,6 +35,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -135,8 +138,9 @@ def main() -> None:
     for name in variants:
         print(f"{name}: generating", flush=True)
         built = get_variant(name).build(backend)
-        s = traces(backend, built, name, requests, L, cache / f"{name}.sampled.jsonl")
-        g = traces(backend, built, name, greedy_reqs, L, cache / f"{name}.greedy.jsonl")
+        stem = re.sub(r"[^\w.+-]", "_", name)  # system-prompt:TEXT holds spaces and a colon
+        s = traces(backend, built, name, requests, L, cache / f"{stem}.sampled.jsonl")
+        g = traces(backend, built, name, greedy_reqs, L, cache / f"{stem}.greedy.jsonl")
         print(f"{name}: scoring", flush=True)
         data[name] = {"sampled": [[list(t.output_token_ids) for t in s[i * n:(i + 1) * n]] for i in range(args.n)],
                       "first": [s[i * n] for i in range(args.n)], "rest": [t for i, t in enumerate(s) if i % n],

@@ -201,6 +201,50 @@ def test_sampling_variants_claim_the_honest_parameters():
     assert adv.transform is not None and not adv.honest
 
 
+def test_hidden_system_prompt_variant_feeds_the_injection_and_claims_the_client_prompt(backend, requests4, honest4):
+    """``system-prompt:TEXT``: the model decodes the injected prompt (the same tokens an honest provider
+    gives for that prompt), the trace claims the client's, and replay against it diverges."""
+    from verinfer.prompts import Prompt, inject_system, render
+
+    text = "Answer briefly and never mention the weather."
+    variant = V.get_variant(f"system-prompt:{text}")
+    assert variant.settings == {"system_prompt": text} and not variant.honest
+    traces = variant.generate(backend, requests4, max_new_tokens=24, batch_size=4)
+    injected = [Request(r.id, tuple(render(backend.tokenizer, Prompt(r.id, tuple(
+        (m["role"], m["content"]) for m in inject_system(r.messages, text))))), r.params, r.messages)
+        for r in requests4]
+    assert all(i.prompt_token_ids != r.prompt_token_ids for i, r in zip(injected, requests4))
+    seen = V.get_variant("honest").generate(backend, injected, max_new_tokens=24, batch_size=4)
+    for t, r, s in zip(traces, requests4, seen):
+        assert t.prompt_token_ids == list(r.prompt_token_ids) and t.sampling == r.params
+        assert t.output_token_ids == s.output_token_ids
+    assert [t.output_token_ids for t in traces] != [t.output_token_ids for t in honest4]
+    assert score_traces(backend, traces).exact_match < score_traces(backend, honest4).exact_match
+    # A request without messages gets the text's tokens and a blank line in front of its ids.
+    bare = Request("bare", requests4[0].prompt_token_ids, VLLM)
+    assert variant.prompt(backend, bare).prompt_token_ids[-len(bare.prompt_token_ids):] == bare.prompt_token_ids
+    assert variant.prompt(backend, bare).prompt_token_ids[:-len(bare.prompt_token_ids)] == tuple(
+        backend.tokenizer.encode(text + "\n\n", add_special_tokens=False))
+
+
+def test_smaller_same_family_model_variant(backend, requests4, honest4, reference_checksum):
+    variant = V.get_variant("layers-24")
+    built = variant.build(backend)
+    assert built.model.config.num_hidden_layers == 24 and backend.model.config.num_hidden_layers == 30
+    traces = variant.generate(backend, requests4, max_new_tokens=16, batch_size=4, backend=built)
+    assert all(t.model == backend.model_id for t in traces)
+    assert score_traces(backend, traces).exact_match < 0.9
+    assert _state_checksum(backend.model) == reference_checksum
+
+
+def test_serve_refuses_a_system_prompt_inside_a_composition():
+    from verinfer.serve.config import parse_misconfig
+
+    with pytest.raises(ValueError, match="as a name of its own"):
+        parse_misconfig(["w4+system-prompt:hi"])
+    assert parse_misconfig(["w4", "system-prompt:hi, there"]).system_prompt == "hi, there"
+
+
 # ---------------------------------------------------------------- sampling bug
 
 def test_sampling_bug_fires_at_the_configured_rate():

@@ -8,6 +8,7 @@ conversations), ``gsm8k`` (1,319 GSM8K test questions). A user file holds one JS
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,23 @@ def load_prompts(source: str, n: int | None = None, seed: int = 0) -> list[Promp
     if not path.is_file():
         raise PromptError(f"prompt set {source!r} is neither a built-in set ({', '.join(BUILTIN)}) nor a file")
     return read_prompt_file(path)[:n]
+
+
+def inject_system(messages: Sequence[dict[str, str]], text: str) -> list[dict[str, str]]:
+    """The messages with ``text`` as the first system message (merged into the client's own): how a
+    provider injects a hidden system prompt (``verinfer serve --misconfig system-prompt:TEXT`` and the
+    ``system-prompt:TEXT`` variant)."""
+    messages = [dict(m) for m in messages]
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{text}\n\n{messages[0]['content']}"
+        return messages
+    return [{"role": "system", "content": text}, *messages]
+
+
+def system_prefix_ids(tokenizer, text: str) -> list[int]:
+    """A hidden system prompt for a request without messages: the tokens of ``text`` and a blank line,
+    put before the client's prompt ids."""
+    return tokenizer.encode(text + "\n\n", add_special_tokens=False)
 
 
 def render(tokenizer, prompt: Prompt) -> list[int]:

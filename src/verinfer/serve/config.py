@@ -205,6 +205,8 @@ def parse_misconfig(names: list[str] | tuple[str, ...] | str) -> Misconfiguratio
                 raise ValueError(f"misconfig {name!r}: {exc.args[0]}; serving-level: "
                                  f"{SYSTEM_PROMPT}TEXT, {OLD_TEMPLATE}") from None
     variant = compose(*variants) if variants else None
+    if variant is not None and variant.prompt is not None:  # the server renders prompts itself (above)
+        raise ValueError(f"misconfig {', '.join(names)}: give {SYSTEM_PROMPT}TEXT as a name of its own")
     settings = dict(variant.settings) if variant else {}
     if system_prompt is not None:
         settings["system_prompt"] = system_prompt

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from verinfer.prompts import Prompt, render
+from verinfer.prompts import Prompt, inject_system, render, system_prefix_ids
 from verinfer.serve.config import PLAIN_CHATML, Misconfiguration
 
 
@@ -34,15 +34,6 @@ def _render_chat(tokenizer, messages: Sequence[dict[str, str]], old_template: bo
     return tuple(tokenizer.encode(text, add_special_tokens=False))
 
 
-def inject_system(messages: Sequence[dict[str, str]], text: str) -> list[dict[str, str]]:
-    """The messages with ``text`` as the first system message (merged into the client's own)."""
-    messages = [dict(m) for m in messages]
-    if messages and messages[0]["role"] == "system":
-        messages[0]["content"] = f"{text}\n\n{messages[0]['content']}"
-        return messages
-    return [{"role": "system", "content": text}, *messages]
-
-
 def chat_prompt(tokenizer, messages: Sequence[dict[str, str]], mis: Misconfiguration) -> PromptIds:
     reported = _render_chat(tokenizer, messages, mis.old_template)
     if mis.system_prompt is None:
@@ -54,5 +45,4 @@ def completion_prompt(tokenizer, client_ids: Sequence[int], mis: Misconfiguratio
     reported = tuple(client_ids)
     if mis.system_prompt is None:
         return PromptIds(reported, reported)
-    prefix = tokenizer.encode(mis.system_prompt + "\n\n", add_special_tokens=False)
-    return PromptIds(tuple(prefix) + reported, reported)
+    return PromptIds(tuple(system_prefix_ids(tokenizer, mis.system_prompt)) + reported, reported)

@@ -1,14 +1,16 @@
 """Configuration variants: honest noise sources and misconfigurations of a provider, by name.
 
 A ``Variant`` says how a provider deviates from the reference configuration while still *claiming*
-it. It can touch three things, each optional:
+it. It can touch four things, each optional:
 
 - the model (``transform``): a new ``Backend`` derived from the reference one. The reference is never
   modified: weights are copied when they change (bf16, w4, w8) and shared read-only when they do not
   (attention kernel, fp8 KV cache, which replace only module/config objects or the KV cache);
 - the sampler (``sampling``): the parameters actually used, while traces record the claimed ones;
 - the decode loop (``batch_size``, ``hook``): the generation batch (padding) and a per-step token hook
-  (simulated sampler bugs).
+  (simulated sampler bugs);
+- the prompt (``prompt``): the request the model really sees (a hidden system prompt), while traces
+  record the claimed prompt.
 
 ``Variant.generate(reference, requests)`` runs a variant and returns traces that claim the honest
 configuration (model id, sampling parameters and seeds of ``requests``, ``meta["dtype"]`` of the
@@ -47,6 +49,14 @@ Semantics worth knowing:
   the top K raw logits (DiFR section 5.1). Independent of batching; the steps where it fired are
   recorded in ``meta["bug_steps"]``.
 - ``wrong-seed``: samples with ``seed + 1_000_003`` while claiming ``seed``.
+- ``system-prompt:TEXT``: TEXT injected as the first system message of a chat request
+  (``verinfer.prompts.inject_system``, the rule ``verinfer serve --misconfig system-prompt:TEXT``
+  uses), or its tokens plus a blank line prepended to a request without messages; the trace keeps
+  the client's prompt ids.
+- ``layers-N``: a smaller model of the same family, sharing the tokenizer: the claimed model's
+  first N decoder layers with its own final norm and head (no second SmolLM2 size ships offline;
+  a different family, e.g. Gemma-3-270M, has another tokenizer, so token-level audits cannot
+  compare it with SmolLM2 at all).
 - Speculative decoding (``simulate/speculative.py``): a request whose actual parameters carry
   ``speculative`` is decoded speculatively, with the draft derived from the claimed model (a
   misconfigured target still drafts with the claimed draft). ``spec-draft-only`` returns the draft's
@@ -68,8 +78,9 @@ import numpy as np
 import torch
 
 from verinfer.models.backend import Backend
-from verinfer.models.derived import draft_backend, with_attention, with_dtype, with_quantized_weights
+from verinfer.models.derived import draft_backend, with_attention, with_dtype, with_layers, with_quantized_weights
 from verinfer.models.fp8_kv import Fp8KV, with_fp8_kv
+from verinfer.prompts import Prompt, inject_system, render, system_prefix_ids
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.speculative import is_speculative
 from verinfer.simulate.generate import Request, TokenHook, generate
@@ -143,6 +154,7 @@ class Variant:
     batch_size: int | None = None
     hook: Callable[[], TokenHook] | None = None  # a factory: each run gets a fresh hook
     spec_rule: str | None = None  # speculative decoding's rule (simulate.speculative.RULES); None: honest
+    prompt: Callable[[Backend, Request], Request] | None = None  # the request the model sees (claimed: the input)
     settings: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     def build(self, reference: Backend) -> Backend:
@@ -163,6 +175,8 @@ class Variant:
         """
         backend = backend if backend is not None else self.build(reference)
         actual = [replace(r, params=self.actual_params(r.params)) for r in requests]
+        if self.prompt is not None:
+            actual = [self.prompt(backend, r) for r in actual]
         hook = self.hook() if self.hook else None
         if any(is_speculative(r.params) for r in actual):
             traces = self._generate_speculative(reference, backend, actual, max_new_tokens, on_batch)
@@ -170,6 +184,7 @@ class Variant:
             traces = generate(backend, actual, max_new_tokens, self.batch_size or batch_size, on_batch=on_batch,
                               token_hook=hook, **generate_options)
         for req, t in zip(requests, traces):
+            t.prompt_token_ids = list(req.prompt_token_ids)  # the claim: what the client sent
             if not req.params.speculative:
                 t.spec_modes = None  # the claim is plain decoding: a provider hiding speculation records none
             t.sampling = req.params
@@ -212,6 +227,7 @@ def compose(*variants: Variant) -> Variant:
     transforms = [v.transform for v in variants if v.transform]
     samplings = [v.sampling for v in variants if v.sampling]
     hooks = [v.hook for v in variants if v.hook]
+    prompts = [v.prompt for v in variants if v.prompt]
 
     def transform(b: Backend) -> Backend:
         for f in transforms:
@@ -222,6 +238,11 @@ def compose(*variants: Variant) -> Variant:
         for f in samplings:
             p = f(p)
         return p
+
+    def prompt(b: Backend, r: Request) -> Request:
+        for f in prompts:
+            r = f(b, r)
+        return r
 
     hook = None
     if len(hooks) == 1:
@@ -238,6 +259,7 @@ def compose(*variants: Variant) -> Variant:
         batch_size=sizes[-1] if sizes else None,
         hook=hook,
         spec_rule=next((v.spec_rule for v in reversed(variants) if v.spec_rule), None),
+        prompt=prompt if prompts else None,
         settings={k: v for var in variants for k, v in var.settings.items()},
     )
 
@@ -310,6 +332,26 @@ def bug_variant(k: int, rate: float = 0.01, seed: int = 0) -> Variant:
                    settings={"bug_top_k": k, "bug_rate": rate, "bug_seed": seed})
 
 
+def system_prompt_variant(text: str) -> Variant:
+    if not text.strip():
+        raise ValueError("system-prompt:TEXT needs a non-empty TEXT")
+
+    def seen(backend: Backend, r: Request) -> Request:
+        if r.messages:
+            pairs = tuple((m["role"], m["content"]) for m in inject_system(r.messages, text))
+            return replace(r, prompt_token_ids=tuple(render(backend.tokenizer, Prompt(r.id, pairs))))
+        return replace(r, prompt_token_ids=tuple(system_prefix_ids(backend.tokenizer, text)) + r.prompt_token_ids)
+
+    return Variant(f"system-prompt:{text}", f"a hidden system prompt: {text!r}", prompt=seen,
+                   settings={"system_prompt": text})
+
+
+def layers_variant(n: int) -> Variant:
+    return Variant(f"layers-{n}", f"a smaller model of the same family: the claimed model's first {n} decoder "
+                   "layers, its final norm and head (same tokenizer)", transform=lambda b: with_layers(b, n),
+                   settings={"layers": n})
+
+
 def _wrong_seed(p: SamplingParams) -> SamplingParams:
     if p.seed is None:
         return p
@@ -370,6 +412,10 @@ _FAMILIES: list[tuple[re.Pattern, Callable[[re.Match], Variant], str]] = [
     (re.compile(r"bug-top(\d+)(?:-rate(\d+(?:\.\d*)?(?:e-?\d+)?))?"),
      lambda m: bug_variant(int(m[1]), float(m[2]) if m[2] else 0.01),
      "bug-topK[-rateR]: rate R (default 0.01) of tokens uniform among the top K"),
+    (re.compile(r"layers-(\d+)"), lambda m: layers_variant(int(m[1])),
+     "layers-N: the claimed model's first N decoder layers (a smaller model, same tokenizer)"),
+    (re.compile(r"system-prompt:(.+)", re.S), lambda m: system_prompt_variant(m[1]),
+     "system-prompt:TEXT: TEXT as a hidden system message"),
 ]
 
 
@@ -399,5 +445,6 @@ def family_docs() -> list[str]:
 
 __all__ = [
     "TopKUniformBug", "Variant", "batch_variant", "bug_variant", "compose", "family_docs", "fp8_kv_variant",
-    "get_variant", "list_variants", "register", "temperature_variant", "top_p_variant", "weight_quant_variant",
+    "get_variant", "layers_variant", "list_variants", "register", "system_prompt_variant", "temperature_variant",
+    "top_p_variant", "weight_quant_variant",
 ]
