@@ -250,3 +250,84 @@ def test_pruned_vllm_replay_equals_noising_every_token(fp64, temperature):
     sc = s.gather(1, other[:, None]).squeeze(1)
     assert torch.equal(r.margin, (s.max(-1).values - sc) * temperature)
     assert torch.equal(r.gumbel_rank, (s > sc[:, None]).sum(-1))
+
+
+# ---------------------------------------------------------------- vLLM V1's CUDA stream, on the CPU
+
+def test_philox_matches_random123_known_answers():
+    """Random123's known-answer vectors for Philox4x32-10 (the generator cuRAND's
+    ``curandStatePhilox4_32_10_t`` implements): counter, key -> output."""
+    from verinfer.sampling.philox import philox4x32
+
+    f = 0xFFFFFFFF
+    vectors = [((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+               ((f, f, f, f), (f, f), (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+               ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+                (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1))]
+    for ctr, key, want in vectors:
+        assert tuple(int(w) for w in philox4x32(*ctr, *key)) == want
+
+
+def _curand_exponential(x: int) -> np.float32:
+    """``-log(curand uniform)`` of one Philox word, as PyTorch's CUDA ``exponential_`` (fp32)."""
+    u = np.float32(np.float32(x) * np.float32(2.0 ** -32) + np.float32(2.0 ** -33))
+    return -(np.float32(-(2.0 ** -24)) if u >= np.float32(1) - np.float32(2.0 ** -24) else np.log(u, dtype=np.float32))
+
+
+def test_cuda_exponential_stream_layout():
+    """Entry j of draw k: thread j mod T, lane (j // T) mod 4 of that thread's (j // 4T)-th curand4
+    call, whose counter starts at k * ceil(V / 4T) (DistributionTemplates.h; module docstring)."""
+    from verinfer.sampling.philox import philox4x32
+    from verinfer.sampling.profiles.vllm_v1 import cuda_exponential, cuda_threads_used
+
+    seed, vocab = (1 << 40) + 77, 5000
+    assert cuda_threads_used(vocab) == 5120  # 20 blocks of 256: every entry its own thread, lane 0
+    assert cuda_threads_used(vocab, cuda_threads=1024) == 1024  # capped: 4 blocks resident
+    assert cuda_threads_used(128_256, 132 * 2048) == 501 * 256  # Llama-3 vocabulary on an H100: not capped
+    cases = [(None, 3, 4321, 3, 0, 4321), (1024, 2, 4321, 2 * 2 + 1, 0, 225), (1024, 0, 1500, 0, 1, 476),
+             (1024, 5, 3000, 5 * 2 + 0, 2, 952)]
+    for threads, step, j, counter, lane, thread in cases:
+        got = cuda_exponential(seed, np.array([step]), np.array([j]), vocab, threads)[0]
+        words = philox4x32(counter, 0, thread, 0, seed & 0xFFFFFFFF, seed >> 32)
+        assert got == _curand_exponential(int(words[lane])), (threads, step, j)
+
+
+def test_cuda_exponential_draws_are_exponential_and_fresh_each_step():
+    from scipy.stats import kstest
+
+    from verinfer.sampling.profiles.vllm_v1 import cuda_exponential
+
+    vocab = 49_152
+    cols = np.arange(vocab)
+    q0 = cuda_exponential(1234, np.zeros(vocab, np.int64), cols, vocab)
+    q1 = cuda_exponential(1234, np.ones(vocab, np.int64), cols, vocab)
+    assert q0.dtype == np.float32 and (q0 > 0).all() and np.isfinite(q0).all()
+    assert kstest(q0, "expon").pvalue > 1e-3 and kstest(q1, "expon").pvalue > 1e-3
+    assert np.mean(q0 == q1) < 1e-3  # step 1 is a new draw, not step 0 again
+    assert not np.array_equal(q0, cuda_exponential(1235, np.zeros(vocab, np.int64), cols, vocab))
+
+
+def test_vllm_v1_cuda_profile_replays_its_own_draws_and_differs_from_the_cpu_stream():
+    from verinfer.sampling.profiles.vllm_v1 import cuda_exponential
+
+    torch.manual_seed(3)
+    logits = torch.randn(6, 3000) * 2
+    cuda = SamplingParams(profile="vllm-v1-cuda", seed=99, top_k=0, top_p=1.0)
+    keys = RowKeys(tuple(["r"] * 6), np.array([99] * 6, dtype=object), np.arange(6) + 10, np.arange(6))
+    for threads in (None, 1024):
+        params = cuda.with_(stream={"cuda_threads": threads}) if threads else cuda
+        q = torch.stack([torch.from_numpy(cuda_exponential(99, np.full(3000, k), np.arange(3000), 3000, threads))
+                         for k in range(6)])
+        want = torch.argmax(torch.softmax(logits, -1) / q, -1)
+        got = replay(logits, [params] * 6, get_profile("vllm-v1-cuda"), keys, claimed=want)
+        assert torch.equal(got.token, want) and got.margin.max() == 0
+    capped = replay(logits, [cuda] * 6, get_profile("vllm-v1-cuda"), keys).token  # ignores the cap: other noise
+    assert not torch.equal(capped, want)
+    cpu = replay(logits, [cuda.with_(profile="vllm-v1")] * 6, get_profile("vllm-v1"), keys, claimed=want)
+    assert not torch.equal(cpu.token, want)
+    problems = get_profile("vllm-v1-cuda").problems
+    assert problems(cuda) == [] and problems(cuda.with_(stream={"cuda_threads": 270_336})) == []
+    assert "cuda_threads must be an integer" in problems(cuda.with_(stream={"cuda_threads": 3}))[0]
+    assert "takes only" in problems(cuda.with_(stream={"row": 1}))[0]
+    assert "takes no stream fields" in get_profile("vllm-v1").problems(cuda.with_(profile="vllm-v1",
+                                                                                   stream={"cuda_threads": 512}))[0]

@@ -30,13 +30,14 @@ def _words(values) -> tuple[np.ndarray, np.ndarray]:
 def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = 10):
     """Ten Philox4x32 rounds on uint32 arrays, as ``philox_impl`` (returns the four counter words)."""
     c0, c1, c2, c3, k0, k1 = (np.asarray(a, dtype=np.uint32) for a in (c0, c1, c2, c3, k0, k1))
-    for _ in range(rounds):
-        p0 = c0.astype(np.uint64) * ROUND_A  # exact: both factors < 2**32
-        p2 = c2.astype(np.uint64) * ROUND_B
-        c0, c1, c2, c3 = ((p2 >> np.uint64(32)).astype(np.uint32) ^ c1 ^ k0, (p2 & _MASK32).astype(np.uint32),
-                          (p0 >> np.uint64(32)).astype(np.uint32) ^ c3 ^ k1, (p0 & _MASK32).astype(np.uint32))
-        k0 = k0 + KEY_A  # uint32 wrap-around
-        k1 = k1 + KEY_B
+    with np.errstate(over="ignore"):  # the key bumps wrap around in uint32 (0-d arrays warn otherwise)
+        for _ in range(rounds):
+            p0 = c0.astype(np.uint64) * ROUND_A  # exact: both factors < 2**32
+            p2 = c2.astype(np.uint64) * ROUND_B
+            c0, c1, c2, c3 = ((p2 >> np.uint64(32)).astype(np.uint32) ^ c1 ^ k0, (p2 & _MASK32).astype(np.uint32),
+                              (p0 >> np.uint64(32)).astype(np.uint32) ^ c3 ^ k1, (p0 & _MASK32).astype(np.uint32))
+            k0 = k0 + KEY_A
+            k1 = k1 + KEY_B
     return c0, c1, c2, c3
 
 

@@ -9,13 +9,14 @@ from verinfer.sampling.profiles.llama_cpp import LlamaCppProfile
 from verinfer.sampling.profiles.sglang import SglangProfile
 from verinfer.sampling.profiles.transformers import TransformersProfile
 from verinfer.sampling.profiles.vllm import VllmProfile
-from verinfer.sampling.profiles.vllm_v1 import VllmV1Profile
+from verinfer.sampling.profiles.vllm_v1 import VllmV1CudaProfile, VllmV1Profile
 from verinfer.sampling.profiles.vllm_cpu import VllmCpuProfile
 
 _CLASSES: tuple[type[Profile], ...] = (
     GreedyProfile,
     VllmProfile,
     VllmV1Profile,
+    VllmV1CudaProfile,
     VllmCpuProfile,
     TransformersProfile,
     SglangProfile,

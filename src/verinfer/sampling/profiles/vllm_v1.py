@@ -2,12 +2,33 @@
 
 Follows ``vllm/v1/sample/sampler.py`` and ``ops/topk_topp_sampler.py`` (``random_sample``) of the
 V1 engine (vLLM 0.8 to 0.2x; REFERENCE.md 1.3): one generator per seeded request, seeded when the
-request is added; step k draws a full-vocabulary fp32 ``q.exponential_()`` and samples
-``argmax(p / q)``, which is ``argmax(x + G)`` with ``G = -log q`` (REFERENCE.md 1.1).
+request is added; step k draws a full-vocabulary fp32 ``q.exponential_()`` (``q[i]``, one row of
+V = logits width entries) and samples ``argmax(p / q)``, which is ``argmax(x + G)`` with
+``G = -log q`` (REFERENCE.md 1.1). Formerly named ``torch-exponential`` (kept as an alias).
 
-This profile replays the generator's **CPU** stream (MT19937), as vLLM V1 on a CPU device would
-draw it. A GPU's generator is CUDA Philox, a different stream: V1 traces from a GPU do not replay
-here. Formerly named ``torch-exponential`` (kept as an alias).
+Two profiles, one per generator device:
+
+- ``vllm-v1``: the generator's CPU stream (MT19937), as vLLM V1 on a CPU device draws it.
+- ``vllm-v1-cuda``: the stream of a ``torch.Generator(device="cuda")``, computed here on the CPU, so V1
+  traces from GPUs replay on any machine. From PyTorch's source (``aten/src/ATen/native/cuda/
+  DistributionTemplates.h``: ``calc_execution_policy``, ``distribution_elementwise_grid_stride_kernel``,
+  ``uniform_and_transform`` with ``curand_uniform4``; ``aten/src/ATen/core/TransformationHelper.h``
+  ``exponential``; ``CUDAGeneratorImpl::philox_cuda_state``) and cuRAND's Philox4x32-10 state
+  (``curand_init(seed, subsequence, offset)``, ``skipahead``, ``curand4``, ``_curand_uniform4``):
+  with T threads (256 per block, ``ceil(V / 256)`` blocks capped at the GPU's
+  ``multiProcessorCount * maxThreadsPerMultiProcessor / 256``), each draw advances the generator's
+  Philox offset by ``c = 4 * ceil(V / (4 T))``, so step k starts at offset ``k c``; entry j comes
+  from thread ``t = j mod T``, lane ``(j // T) mod 4`` of its ``(j // 4T)``-th ``curand4`` call, i.e.
+  lane of ``Philox4x32-10(counter = (k c / 4 + j // 4T as 64 bits, t as 64 bits), key = seed as two
+  32-bit words)``; ``u = float(x) * 2**-32 + 2**-33`` in fp32 (in (0, 1]), ``log u`` in fp32, replaced
+  by ``-2**-24`` when ``u >= 1 - 2**-24``, and ``q = -log u``. On large GPUs (V below the thread cap:
+  an H100 holds 270,336 threads, an A100 221,184) every entry is lane 0 of its own thread;
+  ``sampling.stream.cuda_threads`` (``multi_processor_count * max_threads_per_multi_processor`` of
+  ``torch.cuda.get_device_properties``) says when the cap binds.
+  **Not verified against a GPU**: no GPU was available to record golden draws. The Philox core is
+  the one checked bit for bit against Triton's kernel and against Random123's published
+  known-answer vectors (``tests/test_sampling.py``); the counter layout and fp32 conversions follow
+  the sources above; CUDA's ``logf`` may differ from numpy's fp32 ``log`` in the last bit.
 """
 
 from __future__ import annotations
@@ -17,7 +38,41 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from verinfer.sampling.philox import _words, philox4x32
 from verinfer.sampling.profiles.base import Profile
+
+STREAM_KEYS = ("cuda_threads",)
+BLOCK = 256  # block_size_bound in DistributionTemplates.h
+INV_2_32 = np.float32(2.0 ** -32)  # CURAND_2POW32_INV
+NEAR_ONE = np.float32(1.0) - np.float32(2.0 ** -24)  # 1 - eps/2 for fp32
+
+
+def cuda_threads_used(vocab_size: int, cuda_threads: int | None = None) -> int:
+    """Threads T of one ``exponential_`` launch over ``vocab_size`` entries (``calc_execution_policy``):
+    ``ceil(V / 256)`` blocks of 256, capped at the GPU's resident blocks (None: not capped)."""
+    blocks = -(-vocab_size // BLOCK)
+    if cuda_threads is not None:
+        blocks = min(blocks, int(cuda_threads) // BLOCK)
+    return blocks * BLOCK
+
+
+def cuda_exponential(seed: int, steps: np.ndarray, cols: np.ndarray, vocab_size: int,
+                     cuda_threads: int | None = None) -> np.ndarray:
+    """fp32 ``q`` of entries ``cols`` in the ``steps``-th draws of a CUDA generator seeded with ``seed``
+    (module docstring): counter-based, so only the asked entries are computed."""
+    steps = np.asarray(steps, dtype=np.uint64)
+    cols = np.asarray(cols, dtype=np.uint64)
+    threads = np.uint64(cuda_threads_used(vocab_size, cuda_threads))
+    per_draw = np.uint64(-(-vocab_size // (4 * int(threads))))  # curand4 calls per thread, = c / 4
+    counter = steps * per_draw + cols // (np.uint64(4) * threads)
+    lane = ((cols // threads) % np.uint64(4)).astype(np.int64)
+    k0, k1 = _words([seed])
+    x = np.stack(philox4x32((counter & np.uint64(0xFFFFFFFF)).astype(np.uint32), (counter >> np.uint64(32)).astype(
+        np.uint32), (cols % threads).astype(np.uint32), np.zeros(cols.shape, np.uint32), k0, k1))
+    x = np.take_along_axis(x, lane[None], axis=0)[0]
+    u = x.astype(np.float32) * INV_2_32 + INV_2_32 / np.float32(2)
+    log = np.where(u >= NEAR_ONE, np.float32(-(2.0 ** -24)), np.log(u, dtype=np.float32))
+    return (-log).astype(np.float32)
 
 
 def exponential_draws(seed: int, n_steps: int, vocab_size: int, skip_steps: int = 0) -> torch.Tensor:
@@ -73,3 +128,40 @@ class VllmV1Profile(Profile):
 
     def forget(self, request: str) -> None:
         self._streams.pop(request, None)
+
+
+@dataclass
+class VllmV1CudaProfile(VllmV1Profile):
+    """vLLM V1 on a GPU: the CUDA generator's Philox stream, counter-based, so each asked entry is
+    computed alone (no per-request state). Unverified against a GPU (module docstring)."""
+
+    name = "vllm-v1-cuda"
+    aliases = ()
+    description = "vLLM V1 exponential race with a per-request CUDA torch.Generator (Philox; unverified on a GPU)"
+
+    def gumbel(self, keys, rows, cols, vocab_size):
+        rows_np = rows.cpu().numpy()
+        seeds = np.asarray(keys.seeds, dtype=object)[rows_np]
+        threads = [(p.stream or {}).get("cuda_threads") for p in keys.params] if keys.params else [None] * len(
+            keys.requests)
+        out = np.empty(rows_np.shape[0], dtype=np.float32)
+        groups: dict = {}
+        for i, r in enumerate(rows_np.tolist()):  # rows of one request share seed and thread count
+            groups.setdefault((seeds[i], threads[r]), []).append(i)
+        cols_np = cols.cpu().numpy()
+        for (seed, t), idx in groups.items():
+            idx = np.asarray(idx)
+            out[idx] = cuda_exponential(seed, keys.steps[rows_np[idx]], cols_np[idx], vocab_size, t)
+        return -torch.log(torch.from_numpy(out).double())
+
+    def problems(self, params):
+        out = super().problems(params.with_(stream=None))
+        stream = params.stream or {}
+        unknown = sorted(set(stream) - set(STREAM_KEYS))
+        if unknown:
+            out.append(f"stream: profile 'vllm-v1-cuda' takes only {', '.join(STREAM_KEYS)}, got {unknown}")
+        threads = stream.get("cuda_threads")
+        if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < BLOCK):
+            out.append(f"stream.cuda_threads must be an integer >= {BLOCK} (multi_processor_count x "
+                       f"max_threads_per_multi_processor), got {threads!r}")
+        return out
