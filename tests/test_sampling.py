@@ -304,6 +304,9 @@ def test_cuda_exponential_draws_are_exponential_and_fresh_each_step():
     assert q0.dtype == np.float32 and (q0 > 0).all() and np.isfinite(q0).all()
     assert kstest(q0, "expon").pvalue > 1e-3 and kstest(q1, "expon").pvalue > 1e-3
     assert np.mean(q0 == q1) < 1e-3  # step 1 is a new draw, not step 0 again
+    from verinfer.sampling.profiles.vllm_v1 import MAX_GUMBEL
+
+    assert float(-np.log(np.float64(min(q0.min(), q1.min())))) <= MAX_GUMBEL  # the pruning bound holds
     assert not np.array_equal(q0, cuda_exponential(1235, np.zeros(vocab, np.int64), cols, vocab))
 
 

@@ -45,6 +45,7 @@ STREAM_KEYS = ("cuda_threads",)
 BLOCK = 256  # block_size_bound in DistributionTemplates.h
 INV_2_32 = np.float32(2.0 ** -32)  # CURAND_2POW32_INV
 NEAR_ONE = np.float32(1.0) - np.float32(2.0 ** -24)  # 1 - eps/2 for fp32
+MAX_GUMBEL = 16.7  # -log(2**-24) = 16.636...: the largest G the CUDA stream can give
 
 
 def cuda_threads_used(vocab_size: int, cuda_threads: int | None = None) -> int:
@@ -153,6 +154,11 @@ class VllmV1CudaProfile(VllmV1Profile):
             idx = np.asarray(idx)
             out[idx] = cuda_exponential(seed, keys.steps[rows_np[idx]], cols_np[idx], vocab_size, t)
         return -torch.log(torch.from_numpy(out).double())
+
+    def noise_bound(self, keys):
+        """``G = -log q`` is largest at the smallest ``q``, ``2**-24`` (``u`` rounded to 1), so G <= 16.64:
+        tokens that cannot reach the winner are never hashed (a counter-based stream draws per entry)."""
+        return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64)
 
     def problems(self, params):
         out = super().problems(params.with_(stream=None))
