@@ -79,11 +79,13 @@ def traces(backend, built, variant: str, requests, max_tokens: int, path: Path):
 
 
 @torch.inference_mode()
-def returned_logprobs(built, prompt_ids: list[list[int]], outputs: list[list[int]]) -> list[ReturnedLogprobs]:
+def returned_logprobs(built, prompt_ids: list[list[int]], outputs: list[list[int]],
+                      seen_ids: list[list[int]]) -> list[ReturnedLogprobs]:
     """What a provider running ``built`` returns with ``top_logprobs``: per position, the sampled token's
-    raw log-softmax and its top alternatives (from a prefill of its own model over its own output)."""
+    raw log-softmax and its top alternatives (from a prefill of its own model over the prompt it saw,
+    ``seen_ids``, and its own output), reported against the client's ``prompt_ids``."""
     entries: list[list] = [[None] * len(o) for o in outputs]
-    for block in built.prefill([p + o for p, o in zip(prompt_ids, outputs)], [len(p) for p in prompt_ids]):
+    for block in built.prefill([p + o for p, o in zip(seen_ids, outputs)], [len(p) for p in seen_ids]):
         lp = torch.log_softmax(block.logits.float(), dim=-1)
         top = lp.topk(TOP_LOGPROBS, dim=-1).indices
         for row, (i, step) in enumerate(zip(block.items.tolist(), block.steps.tolist())):
@@ -146,7 +148,9 @@ def main() -> None:
                       "first": [s[i * n] for i in range(args.n)], "rest": [t for i, t in enumerate(s) if i % n],
                       "greedy": score_traces(backend, g).columns}
         data[name]["seeded"] = score_traces(backend, data[name]["first"]).columns
-        data[name]["logprobs"] = returned_logprobs(built, prompt_ids, [seq[0] for seq in data[name]["sampled"]])
+        rewrite = get_variant(name).prompt  # a hidden system prompt: the provider's model sees another prompt
+        seen = [list(rewrite(built, r).prompt_token_ids) for r in seeded_reqs] if rewrite else prompt_ids
+        data[name]["logprobs"] = returned_logprobs(built, prompt_ids, [seq[0] for seq in data[name]["sampled"]], seen)
     if "honest" not in data:
         raise SystemExit("--variants must include honest (its other completions are the seeded band)")
     band_cols = score_traces(backend, data["honest"]["rest"]).columns
