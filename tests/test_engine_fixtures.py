@@ -177,7 +177,7 @@ def test_vllm_v2_kernel_gumbel_values_bit_identical(v2_kernel):
 # Traces from the real vLLM CPU engine, replayed with verinfer's model
 
 
-MODES = ("greedy", "seeded", "seeded-nofilter")
+MODES = ("greedy", "seeded", "seeded-nofilter", "seeded-minp", "seeded-minp-topk")
 
 
 def test_vllm_cpu_engine_traces_replay(backend):

@@ -8,7 +8,8 @@ by hand. ``engines/vllm_cpu/run.py`` drives it from verinfer's environment.
 
 ``req.jsonl``: one object per line, ``{"id", "prompt_token_ids", "mode", "dtype", "max_tokens",
 "seed"}`` (all lines share one dtype). Modes: ``greedy`` (T=0), ``seeded`` (T=1, top-k 50,
-top-p 0.95), ``seeded-nofilter`` (T=1, no top-k/top-p). Token ids go in as given
+top-p 0.95), ``seeded-nofilter`` (T=1, no top-k/top-p), ``seeded-minp`` (T=1, min-p 0.1),
+``seeded-minp-topk`` (T=0.7, top-k 40, top-p 0.9, min-p 0.05). Token ids go in as given
 (``TokensPrompt(prompt_token_ids=...)``): no re-tokenization.
 """
 
@@ -24,6 +25,8 @@ MODES = {
     "greedy": dict(temperature=0.0, top_k=-1, top_p=1.0),
     "seeded": dict(temperature=1.0, top_k=50, top_p=0.95),
     "seeded-nofilter": dict(temperature=1.0, top_k=-1, top_p=1.0),
+    "seeded-minp": dict(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.1),
+    "seeded-minp-topk": dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05),
 }
 
 
@@ -75,7 +78,7 @@ def main() -> int:
                 sampling = {"profile": "greedy", "temperature": 0.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0,
                             "seed": None}
             else:
-                sampling = {"profile": "vllm-cpu", **mode, "min_p": 0.0, "seed": int(r["seed"])}
+                sampling = {"profile": "vllm-cpu", "min_p": 0.0, **mode, "seed": int(r["seed"])}
             ids = [int(t) for t in completion.token_ids]
             n_tokens += len(ids)
             record = {

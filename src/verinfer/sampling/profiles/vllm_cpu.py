@@ -30,7 +30,8 @@ fp32 cumulative softmax is ``<= 1 - p``, the largest always kept). These are the
 boundary: they can differ only when a boundary's cumulative mass is within fp32 rounding of
 ``1 - p`` or on exact ties at the boundary. vLLM's min-p masks ``softmax(x) < min_p * max(softmax(x))``
 (``v1/sample/logits_processor/builtin.py``), ours ``x < max(x) + log(min_p)``: the same set up to
-rounding at the boundary (min-p is not covered by the golden traces).
+rounding at the boundary (engine traces with min-p 0.1 alone and with T 0.7, top-k 40, top-p 0.9,
+min-p 0.05 replay 347/347 and 346/346 tokens exactly: ``tests/fixtures/engines/vllm_cpu_seeded-minp*``).
 
 Steps: output token k is generator step k. The one path in the model runner that spends a draw
 without emitting a token is a discarded sample (a partial chunked-prefill step), and there 0.32.0 rewinds
