@@ -163,6 +163,20 @@ def test_seedless_modes_refuse_what_they_cannot_use(backend, tmp_path):
         run_audit([], [], AuditSpec(mode="mmd", samples=1), LocalReference(backend), tmp_path)
 
 
+def test_top_logprobs_option_reaches_the_request_and_is_bounded(backend, tmp_path, prompts):
+    from typer.testing import CliRunner
+
+    from verinfer.auditing.plan import generation_calls
+    from verinfer.cli.main import app
+
+    calls = generation_calls(AuditSpec(mode="logprobs", top_logprobs=12), prompts[:1], backend.tokenizer, "m")
+    assert calls[0].body["top_logprobs"] == 12 and calls[0].body["logprobs"] is True
+    result = CliRunner().invoke(app, ["audit", "run", "-p", "x=http://127.0.0.1:9/v1", "--mode", "logprobs",
+                                      "--top-logprobs", "21", "--out", str(tmp_path / "a")])
+    assert result.exit_code == 2 and "top_logprobs must be in 0..20, got 21" in result.output
+    assert not (tmp_path / "a").exists()
+
+
 def test_a_provider_that_ignores_n_is_named(backend, tmp_path, prompts):
     from fastapi import FastAPI
 

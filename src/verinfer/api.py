@@ -244,7 +244,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
           api_key_env: str | None = "OPENAI_API_KEY", reference_url: str | None = None,
           reference_api_model: str | None = None, reference_api_key_env: str | None = None,
           backend: Backend | None = None, on_stage: Callable[[str], None] | None = None, samples: int = 16,
-          stream: bool = False):
+          stream: bool = False, top_logprobs: int = 5):
     """Audit OpenAI-compatible providers against a trusted reference.
 
     ``providers`` maps names to base URLs (ending in ``/v1``), or is a list of
@@ -266,7 +266,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
 
     spec = AuditSpec(mode=mode, sampler=sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids, samples=samples,
-                     stream=stream)
+                     stream=stream, top_logprobs=top_logprobs)
     if spec.problems():
         raise ValueError(spec.problems()[0])
     if not 0 < fpr < 1:

@@ -115,6 +115,8 @@ def run(
     samples: int = typer.Option(16, help="rank: reference draws per prompt; mmd: completions per prompt from the "
                                 "provider (one request with n) and from the reference"),
     stream: bool = typer.Option(False, help="ask for streamed responses (stream: true, server-sent events)"),
+    top_logprobs: int = typer.Option(5, help="logprobs mode: alternatives asked for per position (0-20; the "
+                                     "sampled token's own logprob is always compared)"),
     temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
     seed: int = opt.seed(),
     max_tokens: int = opt.max_tokens(48),
@@ -145,7 +147,8 @@ def run(
                        calibration=calibration, batch_size=batch_size, fpr=fpr, concurrency=concurrency,
                        timeout=timeout, retries=retries, reference_url=reference_url,
                        reference_api_model=reference_api_model, reference_api_key_env=reference_api_key_env,
-                       backend=backend, on_stage=lambda s: err.print(s), samples=samples, stream=stream)
+                       backend=backend, on_stage=lambda s: err.print(s), samples=samples, stream=stream,
+                       top_logprobs=top_logprobs)
     json_path, html_path = result.reports
     for a in result.providers:
         style = "green" if a.verdict.consistent else "red"
