@@ -180,3 +180,28 @@ def test_draft_models_by_name(backend):
     assert draft_backend(backend, "smollm2-135m").vocab_size == backend.vocab_size  # a separate model
     with pytest.raises(ValueError, match="decoder layers"):
         draft_backend(backend, "layers:99")
+
+
+def test_chunked_prompt_caching_gives_the_same_tokens_and_can_stop(backend, honest, requests_):
+    """``decode_speculative(prefill_chunk=)`` caches the prompt in chunks (the server's cancellable
+    prefill): same tokens as one pass here, ``between_chunks`` once per chunk edge, and raising there
+    stops before the next chunk."""
+    from verinfer.models.derived import draft_backend
+    from verinfer.simulate.speculative import decode_speculative
+
+    draft = draft_backend(backend, SPEC["draft"])
+    req = requests_[0]
+    edges = []
+    out = decode_speculative(backend, draft, req, 16, backend.stop_ids(), prefill_chunk=16,
+                             between_chunks=lambda: edges.append(1))
+    assert out.tokens == honest[0].output_token_ids and out.modes == honest[0].spec_modes
+    assert len(edges) == -(-(len(req.prompt_token_ids) - 1) // 16) - 1 and edges
+
+    class Gone(Exception):
+        pass
+
+    def stop():
+        raise Gone
+
+    with pytest.raises(Gone):
+        decode_speculative(backend, draft, req, 16, backend.stop_ids(), prefill_chunk=16, between_chunks=stop)

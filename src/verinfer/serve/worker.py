@@ -231,6 +231,12 @@ class _WatchedStops(frozenset):
         return super().__contains__(token)
 
 
+def _stop_if(gone: threading.Event) -> None:
+    """Between prefill chunks of a speculative job: stop once its client is gone."""
+    if gone.is_set():
+        raise _StopBatch
+
+
 def is_speculative_job(job: Job) -> bool:
     """A job the speculative decoder serves: it claims speculative decoding and samples."""
     params = job.request.params
@@ -442,7 +448,8 @@ class BatchWorker:
             if job.max_tokens > 0:
                 draft = self.drafts(job.request.params.speculative["draft"])
                 res = decode_speculative(self.backend, draft, job.request, job.max_tokens,
-                                         _WatchedStops(self.stop_ids, job.gone), self.spec_rule)
+                                         _WatchedStops(self.stop_ids, job.gone), self.spec_rule,
+                                         self.prefill_chunk, lambda: _stop_if(job.gone))
                 tokens, modes, finish = res.tokens, res.modes, res.finish_reason
             rows = lps = plp = None
             if job.needs_rows or job.logprobs is not None:

@@ -87,17 +87,24 @@ class SpecDecoded:
 
 
 def decode_speculative(target: Backend, draft: Backend, request: Request, max_new_tokens: int, stop_ids: set[int],
-                       rule: str = "vllm") -> SpecDecoded:
-    """Decode one request speculatively; the output is cut at a stop token or ``max_new_tokens``."""
+                       rule: str = "vllm", prefill_chunk: int | None = None,
+                       between_chunks: Callable[[], None] | None = None) -> SpecDecoded:
+    """Decode one request speculatively; the output is cut at a stop token or ``max_new_tokens``.
+
+    ``prefill_chunk`` / ``between_chunks``: the prompt is cached in chunks of at most that many
+    tokens, ``between_chunks`` running between them (it may raise to stop), as in ``decode_batch``."""
     if rule not in RULES:
         raise ValueError(f"unknown speculative rule {rule!r}; known: {', '.join(RULES)}")
     params = request.params
     k = int(params.speculative["k"])
     t_model, d_model = _Model(target), _Model(draft)
     context = list(request.prompt_token_ids)
-    if len(context) > 1:  # cache the prompt but its last token, which each step feeds
-        t_model.feed(context[:-1], 1)
-        d_model.feed(context[:-1], 1)
+    chunk = prefill_chunk if prefill_chunk and prefill_chunk > 0 else len(context)
+    for end in range(chunk, len(context) - 1 + chunk, chunk):  # cache the prompt but its last token, fed each step
+        if end > chunk and between_chunks is not None:
+            between_chunks()
+        t_model.feed(context[:min(end, len(context) - 1)], 1)
+        d_model.feed(context[:min(end, len(context) - 1)], 1)
     out, modes = [], ""
     while True:
         block = _step(t_model, d_model, context, params, k, rule)
