@@ -252,6 +252,28 @@ def test_pruned_vllm_replay_equals_noising_every_token(fp64, temperature):
     assert torch.equal(r.gumbel_rank, (s > sc[:, None]).sum(-1))
 
 
+@pytest.mark.parametrize("name", ["vllm-cpu", "vllm-v1-cuda"])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_pruned_fp64_noise_replay_equals_noising_every_token(name, temperature):
+    """Profiles whose score is ``double(x) + G`` prune with their own bounds (vllm-cpu: a dense test on
+    ``u``; vllm-v1-cuda: ``noise_bound``); winner, margin and rank must equal noising every token,
+    whether the claim is the winner (the floor is then highest and pruning strongest) or not."""
+    torch.manual_seed(1)
+    n, vocab = 40, 5000
+    logits = torch.randn(n, vocab) * 4
+    p = SamplingParams(profile=name, temperature=temperature, seed=7, top_k=0, top_p=1.0)
+    keys = RowKeys(tuple(["r"] * n), np.array([7] * n, dtype=object), np.arange(n) + 3, np.arange(n), params=(p,) * n)
+    prof = get_profile(name)
+    g = prof.gumbel(keys, torch.arange(n).repeat_interleave(vocab), torch.arange(vocab).repeat(n), vocab).reshape(n, vocab)
+    s = (logits / temperature if temperature != 1 else logits).double() + g
+    for claimed in (s.argmax(-1), torch.randint(0, vocab, (n,))):
+        r = replay(logits, [p] * n, get_profile(name), keys, claimed=claimed)
+        assert torch.equal(r.token, s.argmax(-1))
+        sc = s.gather(1, claimed[:, None]).squeeze(1)
+        assert torch.equal(r.margin, (s.max(-1).values - sc) * temperature)
+        assert torch.equal(r.gumbel_rank, (s > sc[:, None]).sum(-1))
+
+
 # ---------------------------------------------------------------- vLLM V1's CUDA stream, on the CPU
 
 def test_philox_matches_random123_known_answers():

@@ -63,6 +63,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 # Largest g: u = 1 - 2**-54 (bits = 2**53 - 1) gives -log(-log u) = -log(2**-54 (1 + ...)) < 37.43.
 MAX_GUMBEL = 37.5
+DENSE_SLACK = 1e-6  # logits of margin in the dense test (fp64 exp/log rounding is ~1e-15 relative)
 STREAM_KEYS = ("step_offset",)
 
 
@@ -77,14 +78,18 @@ def fmix64(z: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def gumbel_noise(step_seeds: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """fp64 ``g`` for (step_seed, vocabulary index) pairs, as ``fused_gumbel_argmax`` draws it."""
+def uniforms(step_seeds: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """fp64 ``u`` for (step_seed, vocabulary index) pairs (integer work and one scaling, no logarithm)."""
     key = fmix64(np.asarray(step_seeds, dtype=np.uint64))
     with np.errstate(over="ignore"):
         mixed = key + (np.asarray(cols, dtype=np.uint64) + np.uint64(1)) * GOLDEN
     bits = fmix64(mixed) >> np.uint64(11)
-    u = (bits.astype(np.float64) + 0.5) * 2.0**-53
-    return -np.log(-np.log(u))
+    return (bits.astype(np.float64) + 0.5) * 2.0**-53
+
+
+def gumbel_noise(step_seeds: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """fp64 ``g`` for (step_seed, vocabulary index) pairs, as ``fused_gumbel_argmax`` draws it."""
+    return -np.log(-np.log(uniforms(step_seeds, cols)))
 
 
 def step_seeds(seed: int, n_steps: int, skip: int = 0) -> np.ndarray:
@@ -136,6 +141,27 @@ class VllmCpuProfile(Profile):
         seeds = self._row_seeds(keys)
         g = gumbel_noise(seeds[rows.cpu().numpy()], cols.cpu().numpy())
         return torch.from_numpy(g).to(cols.device)
+
+    def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
+        """Whole rows on the CPU: ``u`` for every token (integer work), logarithms only for tokens whose
+        ``u`` lets them reach the floor: ``g = -log(-log u) >= floor - x`` iff ``u >= exp(-exp(x - floor))``,
+        tested with a margin of ``DENSE_SLACK`` logits so rounding never drops a token that can reach it."""
+        if x.device.type != "cpu":
+            return super().noised_dense_above(keys, rows, x, threshold, floor, kept)
+        seeds = self._row_seeds(keys)
+        vocab = np.arange(x.shape[1], dtype=np.uint64)
+        out_r, out_c, out_s = [], [], []
+        for i, r in enumerate(rows.tolist()):
+            xr = x[i].numpy().astype(np.float64)
+            u = uniforms(seeds[r], vocab)
+            with np.errstate(over="ignore"):
+                u_min = np.exp(-np.exp(xr - (float(floor[i]) - DENSE_SLACK)))
+            cols = np.flatnonzero((xr >= threshold[i].item()) & (u >= u_min))
+            out_r.append(np.full(cols.size, i))
+            out_c.append(cols)
+            out_s.append(xr[cols] - np.log(-np.log(u[cols])))
+        cat = lambda parts, dtype: torch.from_numpy(np.concatenate(parts).astype(dtype))  # noqa: E731
+        return cat(out_r, np.int64), cat(out_c, np.int64), cat(out_s, np.float64)
 
     def noise_bound(self, keys):
         return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64)
