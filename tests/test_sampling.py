@@ -252,11 +252,11 @@ def test_pruned_vllm_replay_equals_noising_every_token(fp64, temperature):
     assert torch.equal(r.gumbel_rank, (s > sc[:, None]).sum(-1))
 
 
-@pytest.mark.parametrize("name", ["vllm-cpu", "vllm-v1-cuda"])
+@pytest.mark.parametrize("name", ["vllm-cpu", "vllm-v1-cuda", "sglang"])
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_pruned_fp64_noise_replay_equals_noising_every_token(name, temperature):
-    """Profiles whose score is ``double(x) + G`` prune with their own bounds (vllm-cpu: a dense test on
-    ``u``; vllm-v1-cuda: ``noise_bound``); winner, margin and rank must equal noising every token,
+    """Profiles whose score is ``double(x) + G`` prune with their own bounds (vllm-cpu and sglang: a
+    dense test on ``u``; vllm-v1-cuda: ``noise_bound``); winner, margin and rank must equal noising every token,
     whether the claim is the winner (the floor is then highest and pruning strongest) or not."""
     torch.manual_seed(1)
     n, vocab = 40, 5000
