@@ -60,6 +60,8 @@ CASES = [
     ("vllm-cpu, top-k 50, top-p 0.95", SamplingParams("vllm-cpu", 1.0, 50, 0.95)),
     ("vllm-cpu, no filters", SamplingParams("vllm-cpu", 1.0, -1, 1.0)),
     ("sglang, no filters", SamplingParams("sglang", 1.0, -1, 1.0)),
+    ("vllm-v1, no filters", SamplingParams("vllm-v1", 1.0, -1, 1.0)),
+    ("vllm-v1-cuda, no filters", SamplingParams("vllm-v1-cuda", 1.0, -1, 1.0)),
 ]
 GEN_CASE = 0  # the case whose generation is re-timed for (b)
 
