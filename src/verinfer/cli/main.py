@@ -120,7 +120,8 @@ def generate(
 @app.command()
 @_friendly
 def verify(
-    traces_path: Path = typer.Argument(..., metavar="TRACES", help="trace file (.jsonl or .parquet)"),
+    traces_arg: str = typer.Argument(..., metavar="TRACES", help="trace file (.jsonl or .parquet), or a directory "
+                                     "or glob of trace shards (verified shard by shard, resumably)"),
     scores: Optional[Path] = typer.Option(None, help="per-token scores (.parquet); default: <TRACES stem>.scores.parquet"),
     commit_scores: Optional[Path] = typer.Option(None, help="commit scores (.parquet); default: <scores stem>"
                                                  ".commits.parquet"),
@@ -132,6 +133,11 @@ def verify(
     skip_invalid: bool = typer.Option(False, help="skip invalid traces (counted and reported) instead of stopping"),
     allow_model_mismatch: bool = typer.Option(False, help="verify traces that claim another model"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary as JSON"),
+    out_dir: Optional[Path] = typer.Option(None, help="shards: directory for per-shard scores and records "
+                                           "(default: <TRACES>.verinfer beside a directory, verinfer-shards/ for a glob)"),
+    ray: bool = typer.Option(False, "--ray", help="verify the shards on a Ray cluster: a local one, or --ray-address"),
+    ray_address: Optional[str] = typer.Option(None, help="address of a running Ray cluster (implies --ray)"),
+    workers: Optional[int] = typer.Option(None, help="Ray: model replicas (default: one per GPU, else one per CPU)"),
 ):
     """Replay traces with one prefill each and score every token (Token-DiFR).
 
@@ -141,6 +147,13 @@ def verify(
     from verinfer.files import check_outputs, write_atomic
     from verinfer.trace import read_traces
 
+    traces_path = Path(traces_arg)
+    if ray or ray_address or not traces_path.is_file():
+        if scores is not None or commit_scores is not None:
+            raise ValueError("--scores / --commit-scores name one file's outputs; shards go to --out-dir")
+        _verify_shards(traces_arg, out_dir, model, dtype, device, calibration, batch_size, skip_invalid,
+                       allow_model_mismatch, json_out, ray or bool(ray_address), ray_address, workers)
+        return
     check_outputs([json_out], [traces_path, calibration, scores])
     traces = read_traces(traces_path)
     claimed = sorted({t.model for t in traces})
@@ -178,6 +191,50 @@ def verify(
     if json_out:
         write_atomic(json_out, json.dumps(result.to_dict(), indent=1, default=str))
     _exit_code(result.consistent)
+
+
+def _verify_shards(spec: str, out_dir: Path | None, model: str | None, dtype: str, device: str,
+                   calibration: Path | None, batch_size: int | None, skip_invalid: bool, allow_model_mismatch: bool,
+                   json_out: Path | None, use_ray: bool, address: str | None, workers: int | None) -> None:
+    """``verify`` over many shards (``verinfer.sharded``): per-shard scores in ``out_dir``, one merged verdict."""
+    from verinfer import sharded
+    from verinfer.files import check_outputs, write_atomic
+    from verinfer.stats.calibration import Calibrator
+    from verinfer.trace import read_traces
+
+    shards = sharded.find_shards(spec)
+    if out_dir is None:
+        out_dir = Path(f"{spec.rstrip('/')}.verinfer") if Path(spec).is_dir() else Path("verinfer-shards")
+    check_outputs([json_out], [*shards, calibration])
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    calibrator = Calibrator.load(calibration) if calibration else None
+    model = model or read_traces(shards[0])[0].model
+    with _progress() as bar:
+        task = bar.add_task("verifying shards", total=len(shards))
+        bar.advance(task, sum(1 for s in shards if sharded.done_record(out_dir, s) is not None))
+        step = lambda row: bar.advance(task, 1)  # noqa: E731
+        if use_ray:
+            result = sharded.run_ray(shards, out_dir, model, dtype, address, workers, skip_invalid,
+                                     allow_model_mismatch, on_shard=step)
+        else:
+            result = sharded.run_local(shards, out_dir, _load_backend(model, dtype, device), skip_invalid,
+                                       allow_model_mismatch, on_shard=step)
+    for line in result.errors:
+        err.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)
+    for line in result.skipped:
+        err.print(f"[yellow]skipped:[/yellow] {line}", highlight=False, soft_wrap=True)
+    done = len(result.shards) - len(result.errors)
+    if done:
+        result.summary = sharded.merge(out_dir, shards, calibrator, batch_size, source=spec)
+        _print_summaries({f"{done} shard(s)": result.summary})
+    console.print(f"{len(result.verified)} shard(s) verified now, {len(result.resumed)} already done, "
+                  f"{len(result.errors)} failed; per-shard scores in {out_dir}/")
+    if json_out:
+        write_atomic(json_out, json.dumps(result.to_dict(), indent=1, default=str))
+    if result.errors and not skip_invalid:  # with --skip-invalid, unreadable shards are reported and left out
+        raise typer.Exit(2)
+    _exit_code(result.summary.consistent if done else None)
 
 
 @app.command()
