@@ -1,6 +1,7 @@
 """Sampler profiles against independent computations: mmh3 golden vectors, hand-checked filters,
 and a straightforward full-vocabulary reference sampler written here from the specification."""
 
+import math
 import struct
 
 import mmh3
@@ -26,7 +27,7 @@ def mmh3_gumbel(seed: int, pos: int, token: int, fp64: bool = False) -> float:
         hi = mmh3.hash(msg, seed=0x9E3779B9, signed=False)
         u = (float(((hi << 32) | lo) >> 11) + 0.5) * 2.0**-53
         u = u - 2.0**-53 if u == 1.0 else u
-        return float(-np.log(-np.log(np.float64(u))))
+        return -math.log(-math.log(u))  # the C library's log, as the recorded kernel values (not numpy's AVX-512 log)
     u = F32(lo >> 16) * F32(2.0**-16) + (F32(lo & 0xFFFF) + F32(0.5)) * F32(2.0**-32)
     assert u == F32((lo + 0.5) * 2.0**-32)  # the split sum is the correctly rounded uniform
     if u < 0.25:
@@ -89,6 +90,18 @@ def test_exponential_bulk_draw_equals_sequential_steps():
     seq = torch.stack([torch.empty(1000).exponential_(generator=gen) for _ in range(4)])
     assert torch.equal(bulk, seq)
     assert torch.equal(exponential_draws(9, 2, 1000, skip_steps=2), seq[2:])
+
+
+@pytest.mark.parametrize("seed", [0, 9, 2**63 + 5])
+def test_cpu_stream_words_give_exponential_bit_for_bit(seed):
+    """vllm-v1 draws the generator's 64-bit words (``random_``) instead of ``exponential_``: the same
+    stream position per entry and, through ``-log1p(-u)``, the same fp32 ``q`` on every entry."""
+    from verinfer.sampling.profiles.vllm_v1 import gumbel_from_words, random_words
+
+    gen = torch.Generator().manual_seed(seed % 2**64)
+    words = torch.cat([random_words(gen, 1, 20000), random_words(gen, 2, 20000)])
+    q = exponential_draws(seed, 3, 20000)
+    assert torch.equal(gumbel_from_words(words), -torch.log(q.double()))
 
 
 def _kept(x, k=-1, p=1.0, m=0.0):
@@ -252,7 +265,7 @@ def test_pruned_vllm_replay_equals_noising_every_token(fp64, temperature):
     assert torch.equal(r.gumbel_rank, (s > sc[:, None]).sum(-1))
 
 
-@pytest.mark.parametrize("name", ["vllm-cpu", "vllm-v1-cuda", "sglang"])
+@pytest.mark.parametrize("name", ["vllm-cpu", "vllm-v1", "vllm-v1-cuda", "sglang"])
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
 def test_pruned_fp64_noise_replay_equals_noising_every_token(name, temperature):
     """Profiles whose score is ``double(x) + G`` prune with their own bounds (vllm-cpu and sglang: a

@@ -16,8 +16,10 @@ caching cannot move it.
   0x9E3779B9 gives the high word; ``u = ((hi << 32 | lo) >> 11 + 0.5) * 2**-53`` in fp64 (1.0 maps
   to ``1 - 2**-53``), ``G = -log(-log u)``, added to the logits in fp64.
 
-Bit-exactness: on CPU the arithmetic is numpy's fp32/fp64, which is what vLLM's kernels compute
-when run in Triton's interpreter (checked against recorded kernel outputs in the tests). numpy and
+Bit-exactness: on CPU the arithmetic is numpy's fp32 and the C library's fp64 ``log``
+(``sampling/libm.py``), which is what vLLM's kernels computed when run in Triton's interpreter
+(checked against recorded kernel outputs in the tests; numpy's AVX-512 fp64 ``log`` missed 9 of
+the 2,048 recorded fp64 values). numpy and
 torch disagree in the last ulp of fp32 ``log`` on about 20% of inputs, and a CUDA build uses yet
 another ``log`` (and may fuse the series' multiply-adds): such ulp differences move a margin by
 ~1e-6 and flip a token only on near-exact ties. On other devices the noise is computed with torch.
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from verinfer.sampling import murmur3
+from verinfer.sampling.libm import log_c
 from verinfer.sampling.profiles.base import Profile, RowKeys
 
 DRAFT_NOISE_SALT = 1 << 30
@@ -112,7 +115,7 @@ class VllmProfile(Profile):
         if wide.any():
             hi = murmur3.hash_pairs_np(murmur3.prefix_ints(keys.seeds, pos, FP64_HASH_SEED), rows_np[wide],
                                        cols_np[wide], vocab)
-            scores[wide] = x_np[wide] - np.log(-np.log(uniform64(h[wide], hi)))
+            scores[wide] = x_np[wide] - log_c(-log_c(uniform64(h[wide], hi)))
         return torch.from_numpy(keep), torch.from_numpy(scores[keep])
 
     def _noised_torch(self, keys, state, pos, fp64, rows, cols, x):
@@ -149,7 +152,7 @@ class VllmProfile(Profile):
             if fp64[r]:
                 hi = murmur3.finish_np(hi_state[r], words)
                 cols = np.flatnonzero((xr >= threshold[i].item()) & (hi >= (1.0 - reach) * 2.0**32 - 1.0))
-                scores = xr[cols] - np.log(-np.log(uniform64(h[cols], hi[cols])))
+                scores = xr[cols] - log_c(-log_c(uniform64(h[cols], hi[cols])))
             else:
                 cols = np.flatnonzero((xr >= threshold[i].item()) & (h <= reach * 2.0**32))
                 scores = (xr[cols] + gumbel32(uniform32(h[cols]))).astype(np.float64)

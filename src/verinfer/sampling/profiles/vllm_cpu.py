@@ -45,8 +45,9 @@ records a shift should a run show one: output token k then used step ``k + step_
 Not replayed: ``use_fp64_gumbel`` (``forward_cpu`` then falls back to an fp64 exponential race on
 the same generators; ``fp64_gumbel`` is refused). Edge: ``bits = 2**53 - 1`` rounds u to 1.0 and
 g to +inf (probability 2**-53 per token, not replayed); every finite g is below 36.05, under the
-noise bound of 37.5 used for pruning. Logarithms are numpy's fp64 ``log`` (the kernel's is
-libm's ``std::log``; both agree on all recorded rows). Later vLLM trees replace this kernel.
+noise bound of 37.5 used for pruning. Logarithms are the C library's fp64 ``log``, as the kernel's
+``std::log`` (``sampling/libm.py``; numpy's own differs on AVX-512 machines). Later vLLM trees
+replace this kernel.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from verinfer.sampling.libm import log_c
 from verinfer.sampling.profiles.base import Profile, RowKeys
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -89,7 +91,7 @@ def uniforms(step_seeds: np.ndarray, cols: np.ndarray) -> np.ndarray:
 
 def gumbel_noise(step_seeds: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """fp64 ``g`` for (step_seed, vocabulary index) pairs, as ``fused_gumbel_argmax`` draws it."""
-    return -np.log(-np.log(uniforms(step_seeds, cols)))
+    return -log_c(-log_c(uniforms(step_seeds, cols)))
 
 
 def step_seeds(seed: int, n_steps: int, skip: int = 0) -> np.ndarray:
@@ -159,7 +161,7 @@ class VllmCpuProfile(Profile):
             cols = np.flatnonzero((xr >= threshold[i].item()) & (u >= u_min))
             out_r.append(np.full(cols.size, i))
             out_c.append(cols)
-            out_s.append(xr[cols] - np.log(-np.log(u[cols])))
+            out_s.append(xr[cols] - log_c(-log_c(u[cols])))
         cat = lambda parts, dtype: torch.from_numpy(np.concatenate(parts).astype(dtype))  # noqa: E731
         return cat(out_r, np.int64), cat(out_c, np.int64), cat(out_s, np.float64)
 
