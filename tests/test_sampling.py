@@ -141,6 +141,22 @@ def test_min_p():
     assert _kept(x, m=0.5) == [0, 3]
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.99, 0.999])
+def test_top_p_views_sized_by_mass_give_the_full_sort_threshold(top_p):
+    """Wide top-p rows are retried on a view sized by a probability histogram instead of a wider
+    top-k; the threshold must be the one a full sort of every row gives (log-normalizers to rounding)."""
+    torch.manual_seed(int(top_p * 1000))
+    scale = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0]).repeat_interleave(6)[:, None]
+    x = torch.randn(48, 5000) * scale
+    x[::7, :40] = x[::7, :40].max()  # rows with ties at the top
+    n = x.shape[0]
+    k, p, m = torch.full((n,), -1), torch.full((n,), top_p), torch.zeros(n)
+    m[::5] = 0.001  # min-p on some rows (the histogram ignores it: those may fall back to a wider view)
+    fast, full = kept_set(x, k, p, m), kept_set(x, k, p, m, width=x.shape[1])
+    assert torch.equal(fast.threshold, full.threshold)
+    torch.testing.assert_close(fast.log_norm, full.log_norm, rtol=0, atol=1e-12)
+
+
 def reference_vllm_sample(logits, params, pos):
     """Straightforward vLLM-order sampler over the full vocabulary (sorts every row); the noise is
     added to the fp32 scaled logits in fp32, as vLLM V2 does."""

@@ -50,16 +50,21 @@ def _masked_logsumexp(x: torch.Tensor, threshold: torch.Tensor, row_max: torch.T
 
 
 def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, width: int,
-                base_norm: torch.Tensor | None = None):
+                base_norm: torch.Tensor | None = None, view: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Thresholds for a block using a top-``width`` view; flags rows that need a wider view.
 
     ``base_norm`` is the rows' log-normalizer before top-p when a narrower view already computed it
-    (it does not depend on the view), so widening never repeats the full-row pass.
+    (it does not depend on the view), so widening never repeats the full-row pass. ``view`` is the
+    rows' largest values and their ids, sorted descending, when the caller has them.
     """
     n, vocab = x.shape
     k_on = (top_k > 0) & (top_k < vocab)
-    width = min(vocab, max(width, int(top_k[k_on].max()) + 1 if bool(k_on.any()) else 0))
-    top_vals, top_ids = x.topk(width, dim=-1)  # sorted descending
+    if view is None:
+        width = min(vocab, max(width, int(top_k[k_on].max()) + 1 if bool(k_on.any()) else 0))
+        top_vals, top_ids = x.topk(width, dim=-1)  # sorted descending
+    else:
+        top_vals, top_ids = view
+        width = top_vals.shape[1]
     full_view = width == vocab
 
     tau = torch.full((n,), NEG_INF, dtype=x.dtype)
@@ -102,6 +107,30 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
     return tau, log_norm, inside, needs_wider, top_vals, top_ids, base_norm
 
 
+def _top_p_views(x: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor, bins: int = 512,
+                 span: float = 64.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per row, a sorted view meant to hold the row's whole top-p set: the tokens at or above the
+    highest edge of a probability-weighted histogram (``bins`` bins over the ``span`` logits below
+    the row's maximum) whose mass from the top exceeds ``p``, sorted descending ([1, K] values and
+    ids). One vectorized pass and a sort of K tokens replace a top-k of thousands over the whole
+    vocabulary; ``_block_kept`` computes the threshold from the view exactly, and a view that
+    top-p fills after all is widened again, so a poor estimate costs time, never correctness."""
+    n = x.shape[0]
+    top = x.max(-1).values
+    probs = torch.exp(x - log_norm.float()[:, None])
+    bin_of = ((top[:, None] - x) * (bins / span)).long().clamp_(0, bins)  # bin 0 holds the maximum
+    mass = torch.zeros(n, bins + 1).scatter_add_(1, bin_of, probs)[:, :bins].cumsum(1)
+    reach = mass > top_p[:, None] + 1e-4
+    first = reach.float().argmax(1)
+    edge = torch.where(reach.any(1), top - span * (first + 1).float() / bins, torch.full_like(top, NEG_INF))
+    views = []
+    for row, e in zip(x, edge.tolist()):
+        ids = (row >= e).nonzero().squeeze(1)
+        vals, order = row[ids].sort(descending=True)
+        views.append((vals[None], ids[order][None]))
+    return views
+
+
 def kept_set(
     x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, width: int = 64
 ) -> KeptSet:
@@ -116,6 +145,19 @@ def kept_set(
     tau, log_norm, inside, wider, top_vals, top_ids, base_norm = _block_kept(x, top_k, top_p, min_p, width)
     idx = wider.nonzero().squeeze(1)
     w = width
+    no_k = (top_k[idx] <= 0) | (top_k[idx] >= vocab)  # a view sized by mass may hold fewer than k tokens
+    if bool(no_k.any()):  # first retry: each row on a view just wide enough for its top-p mass (no wide sort)
+        later, idx = idx[~no_k], idx[no_k]
+        again = torch.zeros(idx.numel(), dtype=torch.bool)
+        for j, (i, view) in enumerate(zip(idx.tolist(), _top_p_views(x[idx], base_norm[idx], top_p[idx]))):
+            one = slice(i, i + 1)
+            t2, l2, _, more, _, _, _ = _block_kept(x[one], top_k[one], top_p[one], min_p[one], width,
+                                                   base_norm[one], view)
+            again[j] = bool(more[0])
+            if not again[j]:
+                tau[i], log_norm[i] = t2[0], l2[0]
+                inside[i] = top_vals[i, -1] < tau[i]
+        idx = torch.cat([later, idx[again]])
     while idx.numel():
         w = min(vocab, w * 16)
         t2, l2, _, again, _, _, _ = _block_kept(x[idx], top_k[idx], top_p[idx], min_p[idx], w, base_norm[idx])

@@ -113,6 +113,14 @@ def gumbel_from_words(words: torch.Tensor) -> torch.Tensor:
     return -torch.log(torch.from_numpy(q).double())
 
 
+def _rows_of(block: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
+    """``block[idx]``, as a view without a copy when ``idx`` is a run of consecutive rows (the usual case)."""
+    idx = np.asarray(idx)
+    if idx.size and idx[0] + idx.size - 1 == idx[-1] and (idx.size < 2 or bool((np.diff(idx) == 1).all())):
+        return block[int(idx[0]):int(idx[0]) + idx.size]
+    return block[torch.as_tensor(idx)]
+
+
 @dataclass
 class VllmV1Profile(Profile):
     """Each request keeps its generator, the next step it will draw and its last block of words, so
@@ -130,7 +138,7 @@ class VllmV1Profile(Profile):
         next_step, gen, first, drawn = self._streams.get(request, (0, None, 0, None))
         lo, hi = int(steps.min()), int(steps.max()) + 1
         if drawn is not None and first <= lo and hi <= next_step:  # the block drawn last (one replay asks twice)
-            return drawn[torch.as_tensor(steps - first)]
+            return _rows_of(drawn, steps - first)
         if gen is None or lo < next_step:
             gen = torch.Generator(device="cpu").manual_seed(int(seed) % 2**64)
             next_step = 0
@@ -138,12 +146,13 @@ class VllmV1Profile(Profile):
             random_words(gen, lo - next_step, vocab_size)
         drawn = random_words(gen, hi - lo, vocab_size)
         self._streams[request] = (hi, gen, lo, drawn)
-        return drawn[torch.as_tensor(steps - lo)]
+        return _rows_of(drawn, steps - lo)
 
     def _by_request(self, keys: RowKeys, rows_np: np.ndarray, vocab_size: int):
         """For each request among ``rows_np`` (rows of ``keys``): the positions in ``rows_np`` of its
-        rows, its block of words and each position's row in that block. The words of all the request's rows in ``keys`` are drawn as one block,
-        whichever subset is asked, so the calls of one replay share that block."""
+        rows, its block of words and each position's row in that block. The words of all the request's
+        rows in ``keys`` are drawn as one block, whichever subset is asked, so the calls of one replay
+        share that block."""
         requests = np.asarray(keys.requests, dtype=object)
         lookup = np.empty(len(requests), dtype=np.int64)
         for request in dict.fromkeys(requests[rows_np].tolist()):
@@ -165,7 +174,7 @@ class VllmV1Profile(Profile):
         only ones that can reach the floor, module docstring) and compute ``q`` for those alone."""
         found_r, found_c, found_s = [], [], []
         for at, block, local in self._by_request(keys, rows.cpu().numpy(), x.shape[1]):
-            xr, words = x[at], block[local]
+            xr, words = x[at], _rows_of(block, local.numpy())
             limit = torch.exp(torch.clamp(xr - floor[at, None].to(x.dtype) + _SLACK, max=0.0))
             u = (words & MASK53).to(torch.float32) * 2.0**-53
             r, c = ((u <= limit) & (xr >= threshold[at, None])).nonzero(as_tuple=True)
