@@ -242,6 +242,22 @@ def test_a_disconnected_client_stops_costing_the_worker(backend, monkeypatch):
     assert after["requests"] == 1 and after["decode_steps"] == spent + 3
 
 
+def test_a_client_leaving_a_live_stream_stops_costing_the_worker(backend, monkeypatch):
+    """The same with ``stream: true``: tokens were already being sent when the client left."""
+    monkeypatch.setattr(backend, "stop_ids", lambda: set())
+    ids = backend.tokenizer.encode("A long story about the sea, the wind and the ships. " * 20)
+    asked = 4000
+    with serve_in_thread(backend, ServeConfig(max_tokens_limit=asked, batch_wait_s=0.0)) as url, \
+            httpx.Client(base_url=url, timeout=HANG_GUARD_S) as client:
+        with httpx.stream("POST", f"{url}/completions", json={**_body(ids, asked, seed=5), "stream": True},
+                          timeout=HANG_GUARD_S) as r:
+            for line in r.iter_lines():
+                if '"token_ids":[' in line:
+                    break  # a token arrived while the request decodes: leave
+        h = _until(client, lambda h: h["abandoned"] == 1 and h["queued"] == 0, "the streamed request was abandoned")
+    assert h["decode_steps"] < asked
+
+
 def test_a_client_leaving_during_a_long_prefill_stops_it_between_chunks(backend, monkeypatch):
     """A long prompt is prefilled in chunks; once its client is gone, the next chunk never runs."""
     chunk = 128

@@ -4,6 +4,8 @@ non-streamed response, n completions per request (seed + j per choice), and the 
 
 from __future__ import annotations
 
+import threading
+
 import httpx
 import pytest
 import torch
@@ -113,3 +115,49 @@ def test_text_pieces_join_back(backend):
 def test_malformed_streams_are_named(stream, problem):
     with pytest.raises(StreamError, match=problem):
         assemble(events(stream))
+
+
+def test_stream_sends_tokens_while_the_request_is_still_decoding(backend, monkeypatch):
+    """The worker is held after its third decode step until the client has read a token's chunk: a
+    server that streamed only finished responses would leave the worker waiting until its timeout."""
+    from verinfer.serve import worker as worker_module
+
+    release, held_too_long = threading.Event(), []
+    original = worker_module.StepHook.__call__
+
+    def held(self, logits, tokens, requests, step):
+        out = original(self, logits, tokens, requests, step)
+        if self.steps == 3:
+            held_too_long.append(not release.wait(timeout=30))
+        return out
+
+    monkeypatch.setattr(worker_module.StepHook, "__call__", held)
+    body = {**CHAT, "max_tokens": 12, "logprobs": True, "top_logprobs": 2, "n": 2,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with serve_in_thread(backend, ServeConfig(max_batch=4)) as url:
+        lines = []
+        with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                lines.append(line)
+                if not release.is_set() and '"token_ids":[' in line:
+                    release.set()  # a token arrived before the worker went past step 3
+        release.set()
+        plain = _post(url, "chat/completions", {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+    assert held_too_long[0] is False  # the first batch (the streamed request) was released by its client
+    joined = assemble(events("\n".join(lines)))
+    plain = plain.json()
+    assert joined["usage"] == plain["usage"]
+    for a, b in zip(joined["choices"], plain["choices"]):
+        assert a["token_ids"] == b["token_ids"] and a["message"]["content"] == b["message"]["content"]
+        assert a["logprobs"]["content"] == b["logprobs"]["content"]
+        assert a["finish_reason"] == b["finish_reason"] and a["verinfer_sampling"] == b["verinfer_sampling"]
+
+
+def test_stop_strings_stream_the_finished_response(servers):
+    """Text already sent cannot be cut at a stop string, so such requests stream once finished."""
+    body = {**CHAT, "max_tokens": 16, "stop": [" and"]}
+    plain = _post(servers["honest"], "chat/completions", body).json()
+    joined = assemble(events(_post(servers["honest"], "chat/completions", {**body, "stream": True}).text))
+    assert joined["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert joined["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]

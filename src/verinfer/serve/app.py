@@ -50,11 +50,11 @@ schema (``/openapi.json``) describes both request bodies, bounds included.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 import sys
 import time
 import uuid
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +73,8 @@ from verinfer.serve.config import Misconfiguration, ServeConfig, parse_misconfig
 from verinfer.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from verinfer.serve.prompting import PromptIds, chat_prompt, completion_prompt
 from verinfer.serve.protocol import APIError, ChatRequest, CompletionRequest, decode_body, parse
-from verinfer.serve.stream import sse, stream_chunks, text_pieces
+from verinfer.serve.stream import (LiveChoice, chunk_head, last_chunk, live_token_chunk, sse, sse_live,
+                                   stream_chunks, text_pieces)
 from verinfer.serve.worker import Abandoned, BatchWorker, Generation, Job, QueueTimeout
 from verinfer.commits.activation_difr import FingerprintSpec
 from verinfer.commits.trace_commits import CommitSpec, build_commits
@@ -276,8 +277,9 @@ class ServedModel:
                            type="server_error") from None
 
     async def run(self, req, prompt: PromptIds, max_tokens: int, logprobs: int | None,
-                  prompt_logprobs: int | None, client: Request | None = None) -> list[Outcome]:
-        """The request's ``n`` completions, decoded together (choice j of a seeded request uses seed + j)."""
+                  prompt_logprobs: int | None, client: Request | None = None, on_token=None) -> list[Outcome]:
+        """The request's ``n`` completions, decoded together (choice j of a seeded request uses seed + j);
+        ``on_token(j, index, token, logprobs)`` hears choice j's tokens as they are decoded."""
         spec = self.commit_spec(req, max_tokens)
         claims = [self.claimed_params(req) for _ in range(req.n)]
         if req.seed is not None:
@@ -285,8 +287,9 @@ class ServedModel:
         jobs = []
         for j, claimed in enumerate(claims):
             actual = self.mis.actual_params(claimed)
+            hear = None if on_token is None else (lambda i, t, lp, j=j: on_token(j, i, t, lp))
             jobs.append(Job(GenRequest(f"req-{uuid.uuid4().hex}", prompt.actual, actual), max_tokens, logprobs,
-                            prompt_logprobs if j == 0 else None, capture=spec is not None))
+                            prompt_logprobs if j == 0 else None, capture=spec is not None, on_token=hear))
         workers = [self.worker_for(claimed) for claimed in claims]
         gens = await asyncio.gather(*(self.wait(job, client, worker) for job, worker in zip(jobs, workers)))
         out = []
@@ -314,13 +317,101 @@ class ServedModel:
         if o.commits is not None:
             choice["verinfer_commits"] = o.commits
 
-    def respond(self, req, body: dict[str, Any], outcomes: list[Outcome]) -> dict[str, Any] | StreamingResponse:
-        """The response, or with ``stream: true`` the same response as server-sent events."""
+    def live(self, req, echo: bool = False) -> bool:
+        """Whether ``stream: true`` sends tokens as they are decoded. Not with stop strings or echo (text
+        already sent could not be cut or prefixed) nor speculative decoding (drafts are verified in
+        blocks): those are streamed once finished."""
+        if not req.stream or req.stop or echo:
+            return False
+        claimed = self.claimed_params(req)
+        return not claimed.speculative and not self.mis.actual_params(claimed).speculative
+
+    async def answer(self, req, build, head: dict[str, Any], prompt: PromptIds, max_tokens: int,
+                     logprobs: int | None, prompt_logprobs: int | None, client: Request | None,
+                     echo: bool = False) -> dict[str, Any] | StreamingResponse:
+        """Decode ``req`` and answer with ``build(outcomes)``: the body, or its server-sent events."""
+        if self.live(req, echo):
+            return await self.stream_live(req, build, head, prompt, max_tokens, logprobs, client)
+        outcomes = await self.run(req, prompt, max_tokens, logprobs, prompt_logprobs, client)
+        body = build(outcomes)
         if not req.stream:
             return body
         usage = req.stream_options is not None and req.stream_options.include_usage
         pieces = [text_pieces(self.tokenizer, o.tokens, o.text) for o in outcomes]
         return StreamingResponse(sse(stream_chunks(body, pieces, usage)), media_type="text/event-stream")
+
+    async def stream_live(self, req, build, head: dict[str, Any], prompt: PromptIds, max_tokens: int,
+                          logprobs: int | None, client: Request | None) -> StreamingResponse:
+        """Server-sent events sent as the worker decodes (``stream.LiveChoice``), closed by the finished
+        response's last chunks. Failures before the first token answer with their own status; a
+        failure after it ends the stream with an error event. A client that leaves abandons the jobs."""
+        loop = asyncio.get_running_loop()
+        heard: asyncio.Queue = asyncio.Queue()
+
+        def on_token(j: int, i: int, token: int, lp) -> None:  # the worker's thread
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens any more
+                loop.call_soon_threadsafe(heard.put_nowait, (j, i, token, lp))
+
+        task = asyncio.ensure_future(self.run(req, prompt, max_tokens, logprobs, None, client, on_token))
+        nxt = asyncio.ensure_future(heard.get())
+        await asyncio.wait({task, nxt}, return_when=asyncio.FIRST_COMPLETED)
+        if not nxt.done() and task.exception() is not None:
+            nxt.cancel()
+            task.result()  # raises: the status of an ordinary failure, before any byte is sent
+        chat = head["object"] == "chat.completion.chunk"
+        text = TokenText(self.tokenizer, req.return_tokens_as_token_ids)
+        usage = req.stream_options is not None and req.stream_options.include_usage
+
+        async def chunks():
+            nonlocal nxt
+            choices = [LiveChoice(self.tokenizer) for _ in range(req.n)]
+            try:
+                if chat:
+                    first = {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
+                                                  "logprobs": None, "finish_reason": None} for j in range(req.n)]}
+                    if req.return_token_ids:
+                        first["prompt_token_ids"] = list(prompt.reported)
+                    yield first
+                while True:
+                    if not nxt.done():
+                        await asyncio.wait({task, nxt}, return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():  # finished, and everything it decoded was heard
+                        break
+                    j, i, token, lp = nxt.result()
+                    nxt = asyncio.ensure_future(heard.get())
+                    live = choices[j]
+                    if i < len(live.tokens):  # decoded again after an early stop: already sent
+                        continue
+                    piece = live.piece(token)
+                    lps = None
+                    if lp is not None and chat:
+                        lps = chat_logprobs(text, [lp])
+                    elif lp is not None:
+                        lps = completion_logprobs(text, [lp])
+                        lps["text_offset"] = [live.offset]
+                        live.offset += len(lps["tokens"][0])
+                    yield live_token_chunk(head, j, token, piece, lps, req.return_token_ids,
+                                           list(prompt.reported) if not chat and i == 0 and req.return_token_ids
+                                           else None)
+                try:
+                    body = build(task.result())
+                except APIError as exc:
+                    yield exc.body()
+                    return
+                for choice, live in zip(body["choices"], choices):
+                    rest = live.rest(choice["message"]["content"] if chat else choice["text"])
+                    if rest:
+                        yield {**head, "choices": [{"index": choice["index"], "logprobs": None, "finish_reason": None,
+                                                    **({"delta": {"content": rest}} if chat else {"text": rest})}]}
+                    yield {**head, "choices": [last_chunk(choice, chat, prompt_ids=not live.tokens)]}
+                if usage:
+                    yield {**head, "choices": [], "usage": body["usage"]}
+            finally:
+                nxt.cancel()
+                if not task.done():
+                    task.cancel()  # the client left: ``wait`` abandons the jobs
+
+        return StreamingResponse(sse_live(chunks()), media_type="text/event-stream")
 
     async def completion(self, body: Any, client: Request | None = None):
         req: CompletionRequest = parse(CompletionRequest, body)
@@ -335,33 +426,36 @@ class ServedModel:
         prompt = completion_prompt(self.tokenizer, client_ids, self.mis)
         self.check_length(prompt, req.max_tokens, "prompt")
         wants_prompt_lp = req.echo and req.logprobs is not None
-        outcomes = await self.run(req, prompt, req.max_tokens, req.logprobs,
-                                  req.logprobs if wants_prompt_lp else None, client)
-        choices = []
-        for j, o in enumerate(outcomes):
-            text = o.text
-            if req.echo:
-                prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(client_ids)
-                text = prompt_text + text
-            choice: dict[str, Any] = {"index": j, "text": text, "logprobs": None, "finish_reason": o.finish_reason,
-                                      "stop_reason": o.stop_reason}
-            if req.logprobs is not None:
-                entries: list = []
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.name}
+
+        def build(outcomes: list[Outcome]) -> dict[str, Any]:
+            choices = []
+            for j, o in enumerate(outcomes):
+                text = o.text
                 if req.echo:
-                    reported = o.prompt.reported
-                    plp = outcomes[0].generation.prompt_logprobs[len(o.prompt.actual) - len(reported):]
-                    entries = [reported[0], *plp]
-                entries += o.generation.logprobs[: len(o.tokens)]
-                choice["logprobs"] = completion_logprobs(TokenText(self.tokenizer, req.return_tokens_as_token_ids),
-                                                         entries)
-            if req.return_token_ids:
-                choice["prompt_token_ids"] = list(o.prompt.reported)
-                choice["token_ids"] = o.tokens
-            self.extensions(o, choice)
-            choices.append(choice)
-        return self.respond(req, {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-                                  "created": int(time.time()), "model": self.name, "choices": choices,
-                                  "usage": self.usage(outcomes)}, outcomes)
+                    prompt_text = req.prompt if isinstance(req.prompt, str) else self.tokenizer.decode(client_ids)
+                    text = prompt_text + text
+                choice: dict[str, Any] = {"index": j, "text": text, "logprobs": None,
+                                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                if req.logprobs is not None:
+                    entries: list = []
+                    if req.echo:
+                        reported = o.prompt.reported
+                        plp = outcomes[0].generation.prompt_logprobs[len(o.prompt.actual) - len(reported):]
+                        entries = [reported[0], *plp]
+                    entries += o.generation.logprobs[: len(o.tokens)]
+                    choice["logprobs"] = completion_logprobs(
+                        TokenText(self.tokenizer, req.return_tokens_as_token_ids), entries)
+                if req.return_token_ids:
+                    choice["prompt_token_ids"] = list(o.prompt.reported)
+                    choice["token_ids"] = o.tokens
+                self.extensions(o, choice)
+                choices.append(choice)
+            return {**head, "choices": choices, "usage": self.usage(outcomes)}
+
+        return await self.answer(req, build, chunk_head(head), prompt, req.max_tokens, req.logprobs,
+                                 req.logprobs if wants_prompt_lp else None, client, echo=req.echo)
 
     async def chat(self, body: Any, client: Request | None = None):
         req: ChatRequest = parse(ChatRequest, body)
@@ -373,23 +467,28 @@ class ServedModel:
             limit = max(0, min(self.config.max_tokens_limit, self.max_model_len - len(prompt.actual)))
         self.check_length(prompt, limit, "messages")
         top = (req.top_logprobs or 0) if req.logprobs else None
-        outcomes = await self.run(req, prompt, limit, top, None, client)
-        choices = []
-        for j, o in enumerate(outcomes):
-            choice: dict[str, Any] = {"index": j, "message": {"role": "assistant", "content": o.text},
-                                      "logprobs": None, "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-            if top is not None:
-                choice["logprobs"] = chat_logprobs(TokenText(self.tokenizer, req.return_tokens_as_token_ids),
-                                                   o.generation.logprobs[: len(o.tokens)])
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.name}
+
+        def build(outcomes: list[Outcome]) -> dict[str, Any]:
+            choices = []
+            for j, o in enumerate(outcomes):
+                choice: dict[str, Any] = {"index": j, "message": {"role": "assistant", "content": o.text},
+                                          "logprobs": None, "finish_reason": o.finish_reason,
+                                          "stop_reason": o.stop_reason}
+                if top is not None:
+                    choice["logprobs"] = chat_logprobs(TokenText(self.tokenizer, req.return_tokens_as_token_ids),
+                                                       o.generation.logprobs[: len(o.tokens)])
+                if req.return_token_ids:
+                    choice["token_ids"] = o.tokens
+                self.extensions(o, choice)
+                choices.append(choice)
+            out = {**head, "choices": choices, "usage": self.usage(outcomes)}
             if req.return_token_ids:
-                choice["token_ids"] = o.tokens
-            self.extensions(o, choice)
-            choices.append(choice)
-        out = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-               "model": self.name, "choices": choices, "usage": self.usage(outcomes)}
-        if req.return_token_ids:
-            out["prompt_token_ids"] = list(outcomes[0].prompt.reported)
-        return self.respond(req, out, outcomes)
+                out["prompt_token_ids"] = list(outcomes[0].prompt.reported)
+            return out
+
+        return await self.answer(req, build, chunk_head(head), prompt, limit, top, None, client)
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -437,7 +536,7 @@ def create_app(backend: Backend, config: ServeConfig = ServeConfig(), served: Se
     """The FastAPI app; its lifespan starts and stops the model's worker thread."""
     served = served or ServedModel(backend, config)
 
-    @asynccontextmanager
+    @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         for w in served.workers:
             w.start()

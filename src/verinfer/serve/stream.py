@@ -1,6 +1,11 @@
-"""A finished response as OpenAI-style server-sent events (``stream: true``).
+"""Responses as OpenAI-style server-sent events (``stream: true``).
 
-The server decodes a request whole (batching is unchanged) and then sends it as vLLM does: one
+Live (``LiveChoice``, ``live_token_chunk``): each token is sent as soon as the worker has decoded it
+(batching is unchanged), its text piece from vLLM's incremental detokenization (decode a window
+of tokens with and without the newest; hold back an incomplete UTF-8 sequence), then the final
+chunks once the request is finished. Requests whose text could still be cut or rewritten (stop
+strings, echo) or that decode in verified blocks (speculative decoding) are sent once finished
+(``stream_chunks``). Both shapes are the same as vLLM's: one
 ``chat.completion.chunk`` / ``text_completion`` chunk per output token and choice, carrying the
 token's text piece (``delta.content`` or ``text``), its ``token_ids`` entry and logprobs when asked
 for, then a last chunk per choice with ``finish_reason`` (and ``verinfer_sampling``, and
@@ -13,7 +18,7 @@ pieces gives back the non-streamed response (``verinfer.auditing.stream.assemble
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 HELD = "\ufffd"  # an incomplete UTF-8 sequence decodes to this: wait for the next token
 
@@ -44,8 +49,7 @@ def _token_logprobs(logprobs: dict | None, k: int, chat: bool) -> dict | None:
 def stream_chunks(body: dict[str, Any], pieces: list[list[str]], include_usage: bool) -> Iterator[dict[str, Any]]:
     """The chunks of ``body`` (a full chat or completion response); ``pieces[j]``: choice j's text pieces."""
     chat = body["object"] == "chat.completion"
-    head = {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": body["created"], "model": body["model"]}
+    head = chunk_head(body)
     if chat:
         first = {**head, "choices": [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
                                       "logprobs": None, "finish_reason": None} for c in body["choices"]]}
@@ -65,24 +69,98 @@ def stream_chunks(body: dict[str, Any], pieces: list[list[str]], include_usage: 
             if "token_ids" in choice:
                 c["token_ids"] = choice["token_ids"][k: k + 1]
             yield {**head, "choices": [c]}
-        last: dict[str, Any] = {"index": choice["index"], "logprobs": None, "finish_reason": choice["finish_reason"],
-                                "stop_reason": choice["stop_reason"], "verinfer_sampling": choice["verinfer_sampling"]}
-        if chat:
-            last["delta"] = {}
-        else:
-            last["text"] = ""
-        if not parts and not chat and "prompt_token_ids" in choice:
-            last["prompt_token_ids"] = choice["prompt_token_ids"]
-        for key in ("verinfer_commits", "verinfer_spec_modes"):
-            if key in choice:
-                last[key] = choice[key]
-        yield {**head, "choices": [last]}
+        yield {**head, "choices": [last_chunk(choice, chat, prompt_ids=not parts)]}
     if include_usage:
         yield {**head, "choices": [], "usage": body["usage"]}
+
+
+def chunk_head(body: dict[str, Any]) -> dict[str, Any]:
+    """The fields every chunk of ``body`` (a chat or completion response) repeats."""
+    chat = body["object"].startswith("chat.completion")
+    return {"id": body["id"], "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": body["created"], "model": body["model"]}
+
+
+def last_chunk(choice: dict[str, Any], chat: bool, prompt_ids: bool) -> dict[str, Any]:
+    """A choice's closing chunk: finish reason and verinfer's fields (completions: the prompt's ids
+    when no earlier chunk of the choice carried them)."""
+    last: dict[str, Any] = {"index": choice["index"], "logprobs": None, "finish_reason": choice["finish_reason"],
+                            "stop_reason": choice["stop_reason"], "verinfer_sampling": choice["verinfer_sampling"]}
+    if chat:
+        last["delta"] = {}
+    else:
+        last["text"] = ""
+    if prompt_ids and not chat and "prompt_token_ids" in choice:
+        last["prompt_token_ids"] = choice["prompt_token_ids"]
+    for key in ("verinfer_commits", "verinfer_spec_modes"):
+        if key in choice:
+            last[key] = choice[key]
+    return last
+
+
+class LiveChoice:
+    """One choice's text as its tokens arrive (vLLM's ``detokenize_incrementally``: decode the tokens
+    from ``prefix_at`` with and without those from ``read_at``; the difference is new text unless it
+    ends in an incomplete UTF-8 sequence). ``sent`` is the text sent so far."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.prefix_at = self.read_at = 0
+        self.sent = ""
+        self.offset = 0  # completions' text_offset: total length of the token strings so far
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def piece(self, token: int) -> str:
+        """The text that ``token`` completes (possibly empty)."""
+        self.tokens.append(token)
+        before = self._decode(self.tokens[self.prefix_at:self.read_at])
+        after = self._decode(self.tokens[self.prefix_at:])
+        if len(after) <= len(before) or after.endswith(HELD):
+            return ""
+        self.prefix_at, self.read_at = self.read_at, len(self.tokens)
+        self.sent += after[len(before):]
+        return after[len(before):]
+
+    def rest(self, text: str) -> str:
+        """What the finished ``text`` adds to what was sent (held-back bytes, decoding at the end)."""
+        return text[len(self.sent):] if text.startswith(self.sent) else ""
+
+
+def live_token_chunk(head: dict[str, Any], index: int, token: int, piece: str, logprobs: dict | None,
+                     token_ids: bool, prompt_ids: list[int] | None) -> dict[str, Any]:
+    """The chunk of one decoded token (``prompt_ids``: completions' first chunk of a choice)."""
+    chat = head["object"] == "chat.completion.chunk"
+    c: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": None}
+    if chat:
+        c["delta"] = {"content": piece}
+    else:
+        c["text"] = piece
+        if prompt_ids is not None:
+            c["prompt_token_ids"] = prompt_ids
+    if token_ids:
+        c["token_ids"] = [token]
+    return {**head, "choices": [c]}
 
 
 def sse(chunks: Iterator[dict[str, Any]]) -> Iterator[str]:
     """Server-sent events: ``data: <json>`` per chunk, then ``data: [DONE]``."""
     for chunk in chunks:
-        yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
-    yield "data: [DONE]\n\n"
+        yield event(chunk)
+    yield DONE
+
+
+async def sse_live(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
+    """``sse`` for chunks produced while the request decodes."""
+    async for chunk in chunks:
+        yield event(chunk)
+    yield DONE
+
+
+def event(chunk: dict[str, Any]) -> str:
+    return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+
+DONE = "data: [DONE]\n\n"

@@ -91,6 +91,9 @@ class Job:
     future: Future = field(default_factory=Future)
     queued_at: float = field(default_factory=time.monotonic)
     gone: threading.Event = field(default_factory=threading.Event)  # set by ``abandon``
+    # Live streaming: called from the worker thread with (index, token, logprobs or None) for each
+    # output token as it is decoded; a job decoded again after an early stop repeats its indices.
+    on_token: Callable[[int, int, TokenLogprobs | None], None] | None = None
 
     @property
     def needs_rows(self) -> bool:
@@ -196,7 +199,12 @@ class StepHook:
         if self.on_step is not None:
             self.on_step()
         for r, t in zip(requests, tokens.tolist()):
+            fresh = not self.done(r.id)  # rows decode on after their own job is done; those tokens are dropped
             self.tokens[r.id].append(t)
+            job = self.jobs[r.id]
+            if fresh and job.on_token is not None and not job.gone.is_set():
+                lp = self.recorder.records[r.id][-1] if job.logprobs is not None else None
+                job.on_token(len(self.tokens[r.id]) - 1, t, lp)
         gone = [self.jobs[r.id].gone.is_set() for r in requests]
         done = [self.done(r.id) for r in requests]
         if any(g and not d for g, d in zip(gone, done)) and all(g or d for g, d in zip(gone, done)):
