@@ -168,10 +168,19 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--prompt-seed", type=int, default=0)
     parser.add_argument("--no-cache", action="store_true", help="generate traces afresh instead of the temp-dir cache")
+    parser.add_argument("--cases", default=None,
+                        help="case names to run, separated by ';' (default: all), e.g. 'vllm, top-k 50, top-p 0.95'")
     parser.add_argument("--out", type=Path, default=RESULTS / "verify_speed.md")
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    cases = CASES
+    if args.cases:
+        wanted = [c.strip() for c in args.cases.split(";")]
+        unknown = sorted(set(wanted) - {name for name, _ in CASES})
+        if unknown:
+            parser.error(f"unknown case(s) {unknown}; known: {[name for name, _ in CASES]}")
+        cases = [(name, params) for name, params in CASES if name in wanted]
     torch.set_num_threads(args.threads)
     command = " ".join(["python benchmarks/verify_speed.py", *sys.argv[1:]])
     started = dt.datetime.now().astimezone()
@@ -185,7 +194,7 @@ def main() -> None:
         cache_dir.mkdir(parents=True, exist_ok=True)
 
     data = []
-    for name, params in CASES:
+    for name, params in cases:
         reqs, traces, gen_s, cached = cached_traces(be, prompts, params, args, cache_dir)
         seqs = [t.prompt_token_ids + t.output_token_ids for t in traces]
         starts = [len(t.prompt_token_ids) for t in traces]
