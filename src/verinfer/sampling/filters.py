@@ -50,21 +50,24 @@ def _masked_logsumexp(x: torch.Tensor, threshold: torch.Tensor, row_max: torch.T
 
 
 def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, width: int,
-                base_norm: torch.Tensor | None = None, view: tuple[torch.Tensor, torch.Tensor] | None = None):
+                base_norm: torch.Tensor | None = None,
+                view: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """Thresholds for a block using a top-``width`` view; flags rows that need a wider view.
 
     ``base_norm`` is the rows' log-normalizer before top-p when a narrower view already computed it
-    (it does not depend on the view), so widening never repeats the full-row pass. ``view`` is the
-    rows' largest values and their ids, sorted descending, when the caller has them.
+    (it does not depend on the view), so widening never repeats the full-row pass. ``view`` is what
+    ``_top_p_views`` gives: every token at or above a per-row edge, sorted descending and padded
+    with -inf, and each row's smallest real value (rows without top-k only).
     """
     n, vocab = x.shape
     k_on = (top_k > 0) & (top_k < vocab)
     if view is None:
         width = min(vocab, max(width, int(top_k[k_on].max()) + 1 if bool(k_on.any()) else 0))
         top_vals, top_ids = x.topk(width, dim=-1)  # sorted descending
+        last = top_vals[:, -1]
     else:
-        top_vals, top_ids = view
-        width = top_vals.shape[1]
+        top_vals, top_ids, last = view  # padding (-inf) is never kept unless the real tokens fall short of p:
+        width = top_vals.shape[1]  # then every pad is kept, n_keep == width and the row is widened
     full_view = width == vocab
 
     tau = torch.full((n,), NEG_INF, dtype=x.dtype)
@@ -76,7 +79,7 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
         tau = torch.where(k_on, torch.maximum(tau, kth), tau)
 
     # Whether every token >= tau is inside the top-`width` view.
-    inside = torch.ones(n, dtype=torch.bool) if full_view else top_vals[:, -1] < tau
+    inside = torch.ones(n, dtype=torch.bool) if full_view else last < tau
     log_norm = torch.empty(n, dtype=torch.float64)
     in_view = top_vals >= tau[:, None]
     log_norm[inside] = torch.logsumexp(top_vals[inside].double().masked_fill(~in_view[inside], NEG_INF), dim=-1)
@@ -108,13 +111,14 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
 
 
 def _top_p_views(x: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor, bins: int = 512,
-                 span: float = 64.0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per row, a sorted view meant to hold the row's whole top-p set: the tokens at or above the
-    highest edge of a probability-weighted histogram (``bins`` bins over the ``span`` logits below
-    the row's maximum) whose mass from the top exceeds ``p``, sorted descending ([1, K] values and
-    ids). One vectorized pass and a sort of K tokens replace a top-k of thousands over the whole
-    vocabulary; ``_block_kept`` computes the threshold from the view exactly, and a view that
-    top-p fills after all is widened again, so a poor estimate costs time, never correctness."""
+                 span: float = 64.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views meant to hold each row's whole top-p set: the tokens at or above the highest edge of a
+    probability-weighted histogram (``bins`` bins over the ``span`` logits below the row's maximum)
+    whose mass from the top exceeds ``p``, sorted descending, padded with -inf to the longest row
+    ([R, K] values and ids), and each row's smallest real value. One vectorized pass and a sort of
+    each row's K tokens replace a top-k of thousands over the whole vocabulary; ``_block_kept``
+    computes the threshold from the view exactly, and a view that top-p fills after all is widened
+    again, so a poor estimate costs time, never correctness."""
     n = x.shape[0]
     top = x.max(-1).values
     probs = torch.exp(x - log_norm.float()[:, None])
@@ -123,12 +127,17 @@ def _top_p_views(x: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor, b
     reach = mass > top_p[:, None] + 1e-4
     first = reach.float().argmax(1)
     edge = torch.where(reach.any(1), top - span * (first + 1).float() / bins, torch.full_like(top, NEG_INF))
-    views = []
+    rows = []
     for row, e in zip(x, edge.tolist()):
         ids = (row >= e).nonzero().squeeze(1)
         vals, order = row[ids].sort(descending=True)
-        views.append((vals[None], ids[order][None]))
-    return views
+        rows.append((vals, ids[order]))
+    width = max(v.numel() for v, _ in rows)
+    vals = torch.full((n, width), NEG_INF, dtype=x.dtype)
+    ids = torch.zeros((n, width), dtype=torch.int64)
+    for r, (v, i) in enumerate(rows):
+        vals[r, :v.numel()], ids[r, :i.numel()] = v, i
+    return vals, ids, torch.stack([v[-1] for v, _ in rows])
 
 
 def kept_set(
@@ -148,15 +157,12 @@ def kept_set(
     no_k = (top_k[idx] <= 0) | (top_k[idx] >= vocab)  # a view sized by mass may hold fewer than k tokens
     if bool(no_k.any()):  # first retry: each row on a view just wide enough for its top-p mass (no wide sort)
         later, idx = idx[~no_k], idx[no_k]
-        again = torch.zeros(idx.numel(), dtype=torch.bool)
-        for j, (i, view) in enumerate(zip(idx.tolist(), _top_p_views(x[idx], base_norm[idx], top_p[idx]))):
-            one = slice(i, i + 1)
-            t2, l2, _, more, _, _, _ = _block_kept(x[one], top_k[one], top_p[one], min_p[one], width,
-                                                   base_norm[one], view)
-            again[j] = bool(more[0])
-            if not again[j]:
-                tau[i], log_norm[i] = t2[0], l2[0]
-                inside[i] = top_vals[i, -1] < tau[i]
+        xs = x[idx]
+        t2, l2, _, again, _, _, _ = _block_kept(xs, top_k[idx], top_p[idx], min_p[idx], width, base_norm[idx],
+                                                _top_p_views(xs, base_norm[idx], top_p[idx]))
+        done = idx[~again]
+        tau[done], log_norm[done] = t2[~again], l2[~again]
+        inside[done] = top_vals[done, -1] < tau[done]
         idx = torch.cat([later, idx[again]])
     while idx.numel():
         w = min(vocab, w * 16)
