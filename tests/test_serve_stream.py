@@ -161,3 +161,18 @@ def test_stop_strings_stream_the_finished_response(servers):
     joined = assemble(events(_post(servers["honest"], "chat/completions", {**body, "stream": True}).text))
     assert joined["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
     assert joined["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+
+
+def test_concurrent_live_streams_each_join_back_into_their_response(servers):
+    """Streams decoded in one batch: every token reaches its own stream, none is lost or repeated."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{**CHAT, "seed": 20 + s, "max_tokens": 14, "n": 2} for s in range(4)]
+    with ThreadPoolExecutor(4) as pool:
+        streamed = list(pool.map(lambda b: _post(servers["honest"], "chat/completions", {**b, "stream": True}).text,
+                                 bodies))
+    for body, text in zip(bodies, streamed):
+        plain = _post(servers["honest"], "chat/completions", body).json()
+        joined = assemble(events(text))
+        for a, b in zip(joined["choices"], plain["choices"]):
+            assert a["token_ids"] == b["token_ids"] and a["message"]["content"] == b["message"]["content"]

@@ -373,12 +373,15 @@ class ServedModel:
                         first["prompt_token_ids"] = list(prompt.reported)
                     yield first
                 while True:
-                    if not nxt.done():
+                    if not nxt.done() and heard.empty():
                         await asyncio.wait({task, nxt}, return_when=asyncio.FIRST_COMPLETED)
-                    if not nxt.done():  # finished, and everything it decoded was heard
+                    if nxt.done():
+                        j, i, token, lp = nxt.result()
+                        nxt = asyncio.ensure_future(heard.get())
+                    elif not heard.empty():  # queued while the getter had not run yet
+                        j, i, token, lp = heard.get_nowait()
+                    else:  # finished, and everything it decoded was heard
                         break
-                    j, i, token, lp = nxt.result()
-                    nxt = asyncio.ensure_future(heard.get())
                     live = choices[j]
                     if i < len(live.tokens):  # decoded again after an early stop: already sent
                         continue
