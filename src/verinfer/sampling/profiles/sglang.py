@@ -52,7 +52,7 @@ DEFAULT_SEED = 42
 UINT32_MAX = 2**32 - 1
 LOG_CAP = -(2.0**-32)
 MAX_GUMBEL = 22.19  # -log(2**-32) = 22.18, rounded up
-DENSE_SLACK = 1e-6  # logits of margin in the dense test (fp64 exp/log rounding is ~1e-15 relative)
+PREFILTER_SLACK = 1e-3  # logits of margin in the dense fp32 test (fp32 x - floor and exp round at ~1e-5)
 _RANKS = "_sglang_ranks"  # attribute carrying the rank map on a kept set built here
 
 
@@ -147,9 +147,11 @@ class SglangProfile(Profile):
 
     def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
         """Whole rows of the unsorted (no-filter) path on the CPU: hash every token (integer work), then
-        logarithms only for tokens whose ``u`` lets them reach the floor (``G <= -log(-log u)``, so
-        ``G >= floor - x`` needs ``u >= exp(-exp(x - floor))``, tested with ``DENSE_SLACK`` logits of
-        margin). Rows on the sorted path hash ranks, not ids: they take the generic bound."""
+        logarithms only for tokens whose ``u`` lets them reach the floor: ``G <= -log(-log u) <=
+        -log(1 - u)``, so ``G >= floor - x`` needs ``(2**32 - 1 - h) <= (2**32 - 1) exp(x - floor)``, one
+        fp32 ``exp`` per token with ``PREFILTER_SLACK`` logits of margin for fp32 rounding (a few more
+        tokens are kept and scored exactly). Rows on the sorted path hash ranks, not ids: they take
+        the generic bound."""
         on_sorted = any(uses_sorted_path(keys.params[r]) for r in rows.tolist()) if keys.params else False
         if x.device.type != "cpu" or on_sorted:
             return super().noised_dense_above(keys, rows, x, threshold, floor, kept)
@@ -157,14 +159,14 @@ class SglangProfile(Profile):
         words = murmur3.token_words(x.shape[1])
         out_r, out_c, out_s = [], [], []
         for i, r in enumerate(rows.tolist()):
-            xr = x[i].numpy().astype(np.float64)
+            xr = x[i].numpy()
             h = murmur3.finish_np(state[r], words)
-            with np.errstate(over="ignore"):
-                u_min = np.exp(-np.exp(xr - (float(floor[i]) - DENSE_SLACK)))
-            cols = np.flatnonzero((xr >= threshold[i].item()) & (h.astype(np.float64) / UINT32_MAX >= u_min))
+            reach = np.exp(np.minimum(xr - np.float32(float(floor[i]) - PREFILTER_SLACK), np.float32(0)))
+            gap = (np.uint32(UINT32_MAX) - h).astype(np.float32)  # (1 - u) (2**32 - 1)
+            cols = np.flatnonzero((xr >= threshold[i].item()) & (gap <= reach * np.float32(UINT32_MAX)))
             out_r.append(np.full(cols.size, i))
             out_c.append(cols)
-            out_s.append(xr[cols] + gumbel_from_hash(h[cols]))
+            out_s.append(xr[cols].astype(np.float64) + gumbel_from_hash(h[cols]))
         cat = lambda parts, dtype: torch.from_numpy(np.concatenate(parts).astype(dtype))  # noqa: E731
         return cat(out_r, np.int64), cat(out_c, np.int64), cat(out_s, np.float64)
 

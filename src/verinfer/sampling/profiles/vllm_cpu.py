@@ -65,7 +65,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 # Largest g: u = 1 - 2**-54 (bits = 2**53 - 1) gives -log(-log u) = -log(2**-54 (1 + ...)) < 37.43.
 MAX_GUMBEL = 37.5
-DENSE_SLACK = 1e-6  # logits of margin in the dense test (fp64 exp/log rounding is ~1e-15 relative)
+PREFILTER_SLACK = 1e-3  # logits of margin in the dense fp32 test (fp32 x - floor and exp round at ~1e-5)
 STREAM_KEYS = ("step_offset",)
 
 
@@ -146,22 +146,24 @@ class VllmCpuProfile(Profile):
 
     def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
         """Whole rows on the CPU: ``u`` for every token (integer work), logarithms only for tokens whose
-        ``u`` lets them reach the floor: ``g = -log(-log u) >= floor - x`` iff ``u >= exp(-exp(x - floor))``,
-        tested with a margin of ``DENSE_SLACK`` logits so rounding never drops a token that can reach it."""
+        ``u`` lets them reach the floor: ``g = -log(-log u) >= floor - x`` iff ``-log u <= exp(x - floor)``,
+        which needs ``1 - u <= exp(x - floor)`` (``-log u >= 1 - u``); that looser test costs one fp32
+        ``exp`` per token and keeps a few more tokens, whose exact scores are computed. ``1 - u`` is exact
+        in fp64 where it matters (``u >= 1/2``); the slack covers the fp32 rounding of ``x - floor`` and
+        of ``exp``."""
         if x.device.type != "cpu":
             return super().noised_dense_above(keys, rows, x, threshold, floor, kept)
         seeds = self._row_seeds(keys)
         vocab = np.arange(x.shape[1], dtype=np.uint64)
         out_r, out_c, out_s = [], [], []
         for i, r in enumerate(rows.tolist()):
-            xr = x[i].numpy().astype(np.float64)
+            xr = x[i].numpy()
             u = uniforms(seeds[r], vocab)
-            with np.errstate(over="ignore"):
-                u_min = np.exp(-np.exp(xr - (float(floor[i]) - DENSE_SLACK)))
-            cols = np.flatnonzero((xr >= threshold[i].item()) & (u >= u_min))
+            reach = np.exp(np.minimum(xr - np.float32(float(floor[i]) - PREFILTER_SLACK), np.float32(0)))
+            cols = np.flatnonzero((xr >= threshold[i].item()) & (1.0 - u <= reach))
             out_r.append(np.full(cols.size, i))
             out_c.append(cols)
-            out_s.append(xr[cols] - log_c(-log_c(u[cols])))
+            out_s.append(xr[cols].astype(np.float64) - log_c(-log_c(u[cols])))
         cat = lambda parts, dtype: torch.from_numpy(np.concatenate(parts).astype(dtype))  # noqa: E731
         return cat(out_r, np.int64), cat(out_c, np.int64), cat(out_s, np.float64)
 
