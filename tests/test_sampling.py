@@ -93,15 +93,15 @@ def test_exponential_bulk_draw_equals_sequential_steps():
 
 
 @pytest.mark.parametrize("seed", [0, 9, 2**63 + 5])
-def test_cpu_stream_words_give_exponential_bit_for_bit(seed):
-    """vllm-v1 draws the generator's 64-bit words (``random_``) instead of ``exponential_``: the same
+def test_cpu_stream_uniforms_give_exponential_bit_for_bit(seed):
+    """vllm-v1 draws the generator's fp64 uniforms (``uniform_``) instead of ``exponential_``: the same
     stream position per entry and, through ``-log1p(-u)``, the same fp32 ``q`` on every entry."""
-    from verinfer.sampling.profiles.vllm_v1 import gumbel_from_words, random_words
+    from verinfer.sampling.profiles.vllm_v1 import gumbel_from_uniforms, uniform_draws
 
     gen = torch.Generator().manual_seed(seed % 2**64)
-    words = torch.cat([random_words(gen, 1, 20000), random_words(gen, 2, 20000)])
+    u = torch.cat([uniform_draws(gen, 1, 20000), uniform_draws(gen, 2, 20000)])
     q = exponential_draws(seed, 3, 20000)
-    assert torch.equal(gumbel_from_words(words), -torch.log(q.double()))
+    assert torch.equal(gumbel_from_uniforms(u), -torch.log(q.double()))
 
 
 def _kept(x, k=-1, p=1.0, m=0.0):

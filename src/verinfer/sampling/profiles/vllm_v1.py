@@ -12,9 +12,9 @@ Two profiles, one per generator device:
   CPU ``exponential_`` (``aten/src/ATen/native/cpu/DistributionTemplates.h`` ``exponential_kernel``,
   serial; ``core/DistributionsHelper.h`` ``exponential_distribution``; ``core/TransformationHelper.h``
   ``exponential``) takes one ``random64()`` per entry, ``u = (w & (2**53 - 1)) * 2**-53`` in fp64
-  and ``q = float(-log1p(-u))``. An int64 ``random_()`` takes the same ``random64()`` per entry
-  (keeping its low 63 bits), so the profile draws those words (5x cheaper than ``exponential_``) and
-  computes ``q`` only where needed: since ``q >= u``, ``G = -log q <= -log u``, and a token can
+  and ``q = float(-log1p(-u))``. An fp64 ``uniform_()`` takes the same ``random64()`` per entry and
+  keeps the same 53 bits, so the profile draws those uniforms (5x cheaper than ``exponential_``)
+  and computes ``q`` only where needed: since ``q >= u``, ``G = -log q <= -log u``, and a token can
   reach the best score found so far (``floor``) only if ``u <= exp(x - floor)`` (tested equal to
   ``exponential_`` bit for bit, and to noising every token).
 - ``vllm-v1-cuda``: the stream of a ``torch.Generator(device="cuda")``, computed here on the CPU, so V1
@@ -84,7 +84,6 @@ def cuda_exponential(seed: int, steps: np.ndarray, cols: np.ndarray, vocab_size:
     return (-log).astype(np.float32)
 
 
-MASK53 = (1 << 53) - 1  # uniform_real_distribution<double> keeps the low 53 bits of random64()
 _SLACK = 1e-3  # logit units: covers fp32 rounding of x - floor, of exp and of u in the bound test
 
 
@@ -100,16 +99,15 @@ def exponential_draws(seed: int, n_steps: int, vocab_size: int, skip_steps: int 
     return torch.empty(n_steps, vocab_size).exponential_(generator=gen)
 
 
-def random_words(gen: torch.Generator, n_steps: int, vocab_size: int) -> torch.Tensor:
-    """The next ``n_steps`` draws of ``gen`` as the 64-bit words ``exponential_`` would consume."""
-    return torch.empty(n_steps, vocab_size, dtype=torch.int64).random_(generator=gen)
+def uniform_draws(gen: torch.Generator, n_steps: int, vocab_size: int) -> torch.Tensor:
+    """The next ``n_steps`` draws of ``gen`` as the fp64 uniforms ``exponential_`` would transform."""
+    return torch.empty(n_steps, vocab_size, dtype=torch.float64).uniform_(generator=gen)
 
 
-def gumbel_from_words(words: torch.Tensor) -> torch.Tensor:
+def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
     """fp64 ``G = -log q`` with ``q = float(-log1p(-u))``, ``exponential_``'s value (module docstring);
     numpy's ``log1p`` is the C library's, as ATen's scalar kernel uses."""
-    u = (words.numpy() & MASK53).astype(np.float64) * 2.0**-53
-    q = (-np.log1p(-u)).astype(np.float32)
+    q = (-np.log1p(-u.numpy())).astype(np.float32)
     return -torch.log(torch.from_numpy(q).double())
 
 
@@ -123,7 +121,7 @@ def _rows_of(block: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
 
 @dataclass
 class VllmV1Profile(Profile):
-    """Each request keeps its generator, the next step it will draw and its last block of words, so
+    """Each request keeps its generator, the next step it will draw and its last block of uniforms, so
     consecutive steps (in generation, or in chunked verification) continue the stream; asking for a
     step before the last block restarts the stream from the seed. Callers ``forget`` finished requests.
     """
@@ -133,8 +131,8 @@ class VllmV1Profile(Profile):
     description = "vLLM V1 exponential race with a per-request torch.Generator (CPU stream)"
     _streams: dict = field(default_factory=dict)
 
-    def _words(self, request: str, seed: int, steps: np.ndarray, vocab_size: int) -> torch.Tensor:
-        """[len(steps), V] generator words of ``steps`` of ``request``'s stream."""
+    def _uniforms(self, request: str, seed: int, steps: np.ndarray, vocab_size: int) -> torch.Tensor:
+        """[len(steps), V] uniforms of ``steps`` of ``request``'s stream."""
         next_step, gen, first, drawn = self._streams.get(request, (0, None, 0, None))
         lo, hi = int(steps.min()), int(steps.max()) + 1
         if drawn is not None and first <= lo and hi <= next_step:  # the block drawn last (one replay asks twice)
@@ -143,43 +141,42 @@ class VllmV1Profile(Profile):
             gen = torch.Generator(device="cpu").manual_seed(int(seed) % 2**64)
             next_step = 0
         if lo > next_step:  # skip draws nobody asked for
-            random_words(gen, lo - next_step, vocab_size)
-        drawn = random_words(gen, hi - lo, vocab_size)
+            uniform_draws(gen, lo - next_step, vocab_size)
+        drawn = uniform_draws(gen, hi - lo, vocab_size)
         self._streams[request] = (hi, gen, lo, drawn)
         return _rows_of(drawn, steps - lo)
 
     def _by_request(self, keys: RowKeys, rows_np: np.ndarray, vocab_size: int):
         """For each request among ``rows_np`` (rows of ``keys``): the positions in ``rows_np`` of its
-        rows, its block of words and each position's row in that block. The words of all the request's
-        rows in ``keys`` are drawn as one block, whichever subset is asked, so the calls of one replay
-        share that block."""
+        rows, its block of uniforms and each position's row in that block. The uniforms of all the
+        request's rows in ``keys`` are drawn as one block, whichever subset is asked, so the calls of
+        one replay share that block."""
         requests = np.asarray(keys.requests, dtype=object)
         lookup = np.empty(len(requests), dtype=np.int64)
         for request in dict.fromkeys(requests[rows_np].tolist()):
             members = np.flatnonzero(requests == request)
             lookup[members] = np.arange(members.size)
-            words = self._words(request, keys.seeds[members[0]], keys.steps[members], vocab_size)
+            block = self._uniforms(request, keys.seeds[members[0]], keys.steps[members], vocab_size)
             at = np.flatnonzero(requests[rows_np] == request)
-            yield torch.from_numpy(at), words, torch.from_numpy(lookup[rows_np[at]])
+            yield torch.from_numpy(at), block, torch.from_numpy(lookup[rows_np[at]])
 
     def gumbel(self, keys, rows, cols, vocab_size):
         out = torch.empty(rows.shape[0], dtype=torch.float64)
         cols = cols.cpu()
-        for at, words, local in self._by_request(keys, rows.cpu().numpy(), vocab_size):
-            out[at] = gumbel_from_words(words[local, cols[at]])
+        for at, block, local in self._by_request(keys, rows.cpu().numpy(), vocab_size):
+            out[at] = gumbel_from_uniforms(block[local, cols[at]])
         return out
 
     def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
-        """Dense rows: draw each row's words, keep kept tokens whose ``u <= exp(x - floor)`` (the
+        """Dense rows: draw each row's uniforms, keep kept tokens whose ``u <= exp(x - floor)`` (the
         only ones that can reach the floor, module docstring) and compute ``q`` for those alone."""
         found_r, found_c, found_s = [], [], []
         for at, block, local in self._by_request(keys, rows.cpu().numpy(), x.shape[1]):
-            xr, words = x[at], _rows_of(block, local.numpy())
+            xr, u = x[at], _rows_of(block, local.numpy())
             limit = torch.exp(torch.clamp(xr - floor[at, None].to(x.dtype) + _SLACK, max=0.0))
-            u = (words & MASK53).to(torch.float32) * 2.0**-53
-            r, c = ((u <= limit) & (xr >= threshold[at, None])).nonzero(as_tuple=True)
+            r, c = ((u.to(torch.float32) <= limit) & (xr >= threshold[at, None])).nonzero(as_tuple=True)
             found_r.append(at[r]), found_c.append(c)
-            found_s.append(xr[r, c].double() + gumbel_from_words(words[r, c]))
+            found_s.append(xr[r, c].double() + gumbel_from_uniforms(u[r, c]))
         return torch.cat(found_r), torch.cat(found_c), torch.cat(found_s)
 
     def forget(self, request: str) -> None:
