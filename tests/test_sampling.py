@@ -12,7 +12,6 @@ import torch
 from verinfer.sampling.filters import kept_set
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import RowKeys, get_profile
-from verinfer.sampling.profiles.vllm_v1 import exponential_draws
 from verinfer.sampling.sampler import replay
 
 F32 = np.float32
@@ -82,6 +81,15 @@ def test_vllm_draft_noise_is_the_salted_position():
     draft = get_profile("vllm").__class__(draft=True).gumbel(keys, rows, cols, 0).numpy()
     want = [mmh3_gumbel(5, 9 + 2**30, t) for t in range(50)]
     np.testing.assert_array_equal(draft, want)
+
+
+def exponential_draws(seed: int, n_steps: int, vocab_size: int, skip_steps: int = 0) -> torch.Tensor:
+    """What vLLM V1 on a CPU draws: steps ``skip_steps`` .. of a generator seeded with ``seed``, as
+    ``exponential_`` gives them (the reference the profile's uniforms are checked against)."""
+    gen = torch.Generator(device="cpu").manual_seed(int(seed) % 2**64)
+    if skip_steps:
+        torch.empty(skip_steps, vocab_size).exponential_(generator=gen)
+    return torch.empty(n_steps, vocab_size).exponential_(generator=gen)
 
 
 def test_exponential_bulk_draw_equals_sequential_steps():

@@ -87,18 +87,6 @@ def cuda_exponential(seed: int, steps: np.ndarray, cols: np.ndarray, vocab_size:
 _SLACK = 1e-3  # logit units: covers fp32 rounding of x - floor, of exp and of u in the bound test
 
 
-def exponential_draws(seed: int, n_steps: int, vocab_size: int, skip_steps: int = 0) -> torch.Tensor:
-    """Draws ``skip_steps`` .. ``skip_steps + n_steps`` of a CPU generator seeded with ``seed``.
-
-    Drawing [n, V] at once equals n sequential [V] draws (checked in the tests).
-    """
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(int(seed) % 2**64)
-    if skip_steps:
-        torch.empty(skip_steps, vocab_size).exponential_(generator=gen)
-    return torch.empty(n_steps, vocab_size).exponential_(generator=gen)
-
-
 def uniform_draws(gen: torch.Generator, n_steps: int, vocab_size: int) -> torch.Tensor:
     """The next ``n_steps`` draws of ``gen`` as the fp64 uniforms ``exponential_`` would transform."""
     return torch.empty(n_steps, vocab_size, dtype=torch.float64).uniform_(generator=gen)
