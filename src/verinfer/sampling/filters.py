@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 NEG_INF = float("-inf")
 
@@ -127,17 +128,13 @@ def _top_p_views(x: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor, b
     reach = mass > top_p[:, None] + 1e-4
     first = reach.float().argmax(1)
     edge = torch.where(reach.any(1), top - span * (first + 1).float() / bins, torch.full_like(top, NEG_INF))
-    rows = []
+    vals, ids = [], []
     for row, e in zip(x, edge.tolist()):
-        ids = (row >= e).nonzero().squeeze(1)
-        vals, order = row[ids].sort(descending=True)
-        rows.append((vals, ids[order]))
-    width = max(v.numel() for v, _ in rows)
-    vals = torch.full((n, width), NEG_INF, dtype=x.dtype)
-    ids = torch.zeros((n, width), dtype=torch.int64)
-    for r, (v, i) in enumerate(rows):
-        vals[r, :v.numel()], ids[r, :i.numel()] = v, i
-    return vals, ids, torch.stack([v[-1] for v, _ in rows])
+        at = (row >= e).nonzero().squeeze(1)
+        v, order = row[at].sort(descending=True)
+        vals.append(v), ids.append(at[order])
+    last = torch.stack([v[-1] for v in vals])
+    return pad_sequence(vals, batch_first=True, padding_value=NEG_INF), pad_sequence(ids, batch_first=True), last
 
 
 def kept_set(

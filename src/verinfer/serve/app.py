@@ -73,8 +73,8 @@ from verinfer.serve.config import Misconfiguration, ServeConfig, parse_misconfig
 from verinfer.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
 from verinfer.serve.prompting import PromptIds, chat_prompt, completion_prompt
 from verinfer.serve.protocol import APIError, ChatRequest, CompletionRequest, decode_body, parse
-from verinfer.serve.stream import (LiveChoice, chunk_head, last_chunk, live_token_chunk, sse, sse_live,
-                                   stream_chunks, text_pieces)
+from verinfer.serve.stream import (LiveChoice, chunk_head, last_chunk, role_chunk, sse, sse_live, stream_chunks,
+                                   text_pieces, token_chunk)
 from verinfer.serve.worker import Abandoned, BatchWorker, Generation, Job, QueueTimeout
 from verinfer.commits.activation_difr import FingerprintSpec
 from verinfer.commits.trace_commits import CommitSpec, build_commits
@@ -367,11 +367,7 @@ class ServedModel:
             choices = [LiveChoice(self.tokenizer) for _ in range(req.n)]
             try:
                 if chat:
-                    first = {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""},
-                                                  "logprobs": None, "finish_reason": None} for j in range(req.n)]}
-                    if req.return_token_ids:
-                        first["prompt_token_ids"] = list(prompt.reported)
-                    yield first
+                    yield role_chunk(head, list(range(req.n)), list(prompt.reported) if req.return_token_ids else None)
                 while True:
                     if not nxt.done() and heard.empty():
                         await asyncio.wait({task, nxt}, return_when=asyncio.FIRST_COMPLETED)
@@ -385,17 +381,9 @@ class ServedModel:
                     live = choices[j]
                     if i < len(live.tokens):  # decoded again after an early stop: already sent
                         continue
-                    piece = live.piece(token)
-                    lps = None
-                    if lp is not None and chat:
-                        lps = chat_logprobs(text, [lp])
-                    elif lp is not None:
-                        lps = completion_logprobs(text, [lp])
-                        lps["text_offset"] = [live.offset]
-                        live.offset += len(lps["tokens"][0])
-                    yield live_token_chunk(head, j, token, piece, lps, req.return_token_ids,
-                                           list(prompt.reported) if not chat and i == 0 and req.return_token_ids
-                                           else None)
+                    first_ids = list(prompt.reported) if not chat and i == 0 and req.return_token_ids else None
+                    yield token_chunk(head, j, live.piece(token), live.logprobs(text, lp, chat),
+                                      [token] if req.return_token_ids else None, first_ids)
                 try:
                     body = build(task.result())
                 except APIError as exc:
@@ -404,8 +392,7 @@ class ServedModel:
                 for choice, live in zip(body["choices"], choices):
                     rest = live.rest(choice["message"]["content"] if chat else choice["text"])
                     if rest:
-                        yield {**head, "choices": [{"index": choice["index"], "logprobs": None, "finish_reason": None,
-                                                    **({"delta": {"content": rest}} if chat else {"text": rest})}]}
+                        yield token_chunk(head, choice["index"], rest, None, None, None)
                     yield {**head, "choices": [last_chunk(choice, chat, prompt_ids=not live.tokens)]}
                 if usage:
                     yield {**head, "choices": [], "usage": body["usage"]}

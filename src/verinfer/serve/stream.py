@@ -1,6 +1,6 @@
 """Responses as OpenAI-style server-sent events (``stream: true``).
 
-Live (``LiveChoice``, ``live_token_chunk``): each token is sent as soon as the worker has decoded it
+Live (``LiveChoice``, ``token_chunk``): each token is sent as soon as the worker has decoded it
 (batching is unchanged), its text piece from vLLM's incremental detokenization (decode a window
 of tokens with and without the newest; hold back an incomplete UTF-8 sequence), then the final
 chunks once the request is finished. Requests whose text could still be cut or rewritten (stop
@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import json
 from typing import Any, AsyncIterator, Iterator
+
+from verinfer.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
+from verinfer.serve.worker import TokenLogprobs
 
 HELD = "\ufffd"  # an incomplete UTF-8 sequence decodes to this: wait for the next token
 
@@ -51,24 +54,12 @@ def stream_chunks(body: dict[str, Any], pieces: list[list[str]], include_usage: 
     chat = body["object"] == "chat.completion"
     head = chunk_head(body)
     if chat:
-        first = {**head, "choices": [{"index": c["index"], "delta": {"role": "assistant", "content": ""},
-                                      "logprobs": None, "finish_reason": None} for c in body["choices"]]}
-        if "prompt_token_ids" in body:
-            first["prompt_token_ids"] = body["prompt_token_ids"]
-        yield first
+        yield role_chunk(head, [c["index"] for c in body["choices"]], body.get("prompt_token_ids"))
     for choice, parts in zip(body["choices"], pieces):
         for k, piece in enumerate(parts):
-            c: dict[str, Any] = {"index": choice["index"], "logprobs": _token_logprobs(choice["logprobs"], k, chat),
-                                 "finish_reason": None}
-            if chat:
-                c["delta"] = {"content": piece}
-            else:
-                c["text"] = piece
-                if k == 0 and "prompt_token_ids" in choice:
-                    c["prompt_token_ids"] = choice["prompt_token_ids"]
-            if "token_ids" in choice:
-                c["token_ids"] = choice["token_ids"][k: k + 1]
-            yield {**head, "choices": [c]}
+            yield token_chunk(head, choice["index"], piece, _token_logprobs(choice["logprobs"], k, chat),
+                              choice["token_ids"][k: k + 1] if "token_ids" in choice else None,
+                              choice.get("prompt_token_ids") if k == 0 else None)
         yield {**head, "choices": [last_chunk(choice, chat, prompt_ids=not parts)]}
     if include_usage:
         yield {**head, "choices": [], "usage": body["usage"]}
@@ -124,14 +115,35 @@ class LiveChoice:
         self.sent += after[len(before):]
         return after[len(before):]
 
+    def logprobs(self, text: TokenText, lp: TokenLogprobs | None, chat: bool) -> dict | None:
+        """The logprobs field of this choice's next token chunk (completions: offsets run on)."""
+        if lp is None:
+            return None
+        if chat:
+            return chat_logprobs(text, [lp])
+        out = completion_logprobs(text, [lp])
+        out["text_offset"] = [self.offset]
+        self.offset += len(out["tokens"][0])
+        return out
+
     def rest(self, text: str) -> str:
         """What the finished ``text`` adds to what was sent (held-back bytes, decoding at the end)."""
         return text[len(self.sent):] if text.startswith(self.sent) else ""
 
 
-def live_token_chunk(head: dict[str, Any], index: int, token: int, piece: str, logprobs: dict | None,
-                     token_ids: bool, prompt_ids: list[int] | None) -> dict[str, Any]:
-    """The chunk of one decoded token (``prompt_ids``: completions' first chunk of a choice)."""
+def role_chunk(head: dict[str, Any], indices: list[int], prompt_ids: list[int] | None) -> dict[str, Any]:
+    """A chat stream's first chunk: the assistant role for every choice (and the prompt's ids)."""
+    first = {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                  "finish_reason": None} for j in indices]}
+    if prompt_ids is not None:
+        first["prompt_token_ids"] = prompt_ids
+    return first
+
+
+def token_chunk(head: dict[str, Any], index: int, piece: str, logprobs: dict | None,
+                token_ids: list[int] | None, prompt_ids: list[int] | None) -> dict[str, Any]:
+    """A chunk carrying text: one token's piece with its id and logprobs, or text alone (no ids);
+    ``prompt_ids`` go on completions' first chunk of a choice."""
     chat = head["object"] == "chat.completion.chunk"
     c: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": None}
     if chat:
@@ -140,8 +152,8 @@ def live_token_chunk(head: dict[str, Any], index: int, token: int, piece: str, l
         c["text"] = piece
         if prompt_ids is not None:
             c["prompt_token_ids"] = prompt_ids
-    if token_ids:
-        c["token_ids"] = [token]
+    if token_ids is not None:
+        c["token_ids"] = token_ids
     return {**head, "choices": [c]}
 
 

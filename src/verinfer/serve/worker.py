@@ -199,10 +199,11 @@ class StepHook:
         if self.on_step is not None:
             self.on_step()
         for r, t in zip(requests, tokens.tolist()):
-            fresh = not self.done(r.id)  # rows decode on after their own job is done; those tokens are dropped
-            self.tokens[r.id].append(t)
             job = self.jobs[r.id]
-            if fresh and job.on_token is not None and not job.gone.is_set():
+            # Rows decode on after their own job is done; those tokens are dropped, never streamed.
+            hear = job.on_token is not None and not job.gone.is_set() and not self.done(r.id)
+            self.tokens[r.id].append(t)
+            if hear:
                 lp = self.recorder.records[r.id][-1] if job.logprobs is not None else None
                 job.on_token(len(self.tokens[r.id]) - 1, t, lp)
         gone = [self.jobs[r.id].gone.is_set() for r in requests]

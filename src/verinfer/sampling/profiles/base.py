@@ -17,6 +17,18 @@ from verinfer.sampling.filters import KeptSet
 from verinfer.sampling.params import SamplingParams
 
 
+PRUNE_SLACK = 1e-3  # logits: covers the fp32 rounding of x - floor, of exp and of u in the bound tests
+
+
+def reach(x: np.ndarray, floor) -> np.ndarray:
+    """``exp(min(x - floor + slack, 0))`` in ``x``'s dtype, the bound of every pruned dense replay: a
+    token reaches the row's best score so far (``floor``) only if its noise ``G >= floor - x``, and
+    each profile's ``G`` is at most ``-log`` of a uniform-like quantity (``u`` or ``1 - u``) that must
+    then be at most this."""
+    f = (np.asarray(floor, dtype=np.float64) - PRUNE_SLACK).astype(x.dtype)
+    return np.exp(np.minimum(x - f, x.dtype.type(0)))
+
+
 @dataclass(frozen=True)
 class RowKeys:
     """What identifies the noise of each row in a block of logits."""

@@ -46,13 +46,12 @@ import torch
 from verinfer.sampling import murmur3
 from verinfer.sampling.filters import kept_set as shared_kept_set
 from verinfer.sampling.params import MIN_TEMPERATURE
-from verinfer.sampling.profiles.base import Profile
+from verinfer.sampling.profiles.base import Profile, reach
 
 DEFAULT_SEED = 42
 UINT32_MAX = 2**32 - 1
 LOG_CAP = -(2.0**-32)
 MAX_GUMBEL = 22.19  # -log(2**-32) = 22.18, rounded up
-PREFILTER_SLACK = 1e-3  # logits of margin in the dense fp32 test (fp32 x - floor and exp round at ~1e-5)
 _RANKS = "_sglang_ranks"  # attribute carrying the rank map on a kept set built here
 
 
@@ -149,7 +148,7 @@ class SglangProfile(Profile):
         """Whole rows of the unsorted (no-filter) path on the CPU: hash every token (integer work), then
         logarithms only for tokens whose ``u`` lets them reach the floor: ``G <= -log(-log u) <=
         -log(1 - u)``, so ``G >= floor - x`` needs ``(2**32 - 1 - h) <= (2**32 - 1) exp(x - floor)``, one
-        fp32 ``exp`` per token with ``PREFILTER_SLACK`` logits of margin for fp32 rounding (a few more
+        fp32 ``exp`` per token (``base.reach``, with a margin for fp32 rounding; a few more
         tokens are kept and scored exactly). Rows on the sorted path hash ranks, not ids: they take
         the generic bound."""
         on_sorted = any(uses_sorted_path(keys.params[r]) for r in rows.tolist()) if keys.params else False
@@ -161,9 +160,8 @@ class SglangProfile(Profile):
         for i, r in enumerate(rows.tolist()):
             xr = x[i].numpy()
             h = murmur3.finish_np(state[r], words)
-            reach = np.exp(np.minimum(xr - np.float32(float(floor[i]) - PREFILTER_SLACK), np.float32(0)))
             gap = (np.uint32(UINT32_MAX) - h).astype(np.float32)  # (1 - u) (2**32 - 1)
-            cols = np.flatnonzero((xr >= threshold[i].item()) & (gap <= reach * np.float32(UINT32_MAX)))
+            cols = np.flatnonzero((xr >= threshold[i].item()) & (gap <= reach(xr, floor[i]) * np.float32(UINT32_MAX)))
             out_r.append(np.full(cols.size, i))
             out_c.append(cols)
             out_s.append(xr[cols].astype(np.float64) + gumbel_from_hash(h[cols]))

@@ -36,14 +36,13 @@ import torch
 
 from verinfer.sampling import murmur3
 from verinfer.sampling.libm import log_c
-from verinfer.sampling.profiles.base import Profile, RowKeys
+from verinfer.sampling.profiles.base import Profile, RowKeys, reach
 
 DRAFT_NOISE_SALT = 1 << 30
 FP64_HASH_SEED = 0x9E3779B9
 # Largest G each mode can draw (at the smallest / largest uniform), rounded up.
 MAX_GUMBEL_FP32 = 22.875
 MAX_GUMBEL_FP64 = 36.75
-_SLACK = 1e-3  # in logit units: covers fp32 rounding of u, of exp and of x + G in the bound test
 _F = np.float32
 
 
@@ -107,7 +106,7 @@ class VllmProfile(Profile):
         wide = fp64[rows_np]
         keep = np.ones(rows_np.shape[0], dtype=bool)
         if floor is not None:  # G <= -log u: only u <= exp(x - floor) can reach the floor
-            limit = np.exp(np.minimum(x_np - floor.numpy()[rows_np] + _SLACK, 0.0)) * 2.0**32
+            limit = reach(x_np, floor.numpy()[rows_np]) * 2.0**32
             keep = wide | (h <= limit)
         scores = np.empty(rows_np.shape[0], dtype=np.float64)
         narrow = keep & ~wide
@@ -148,13 +147,13 @@ class VllmProfile(Profile):
         for i, r in enumerate(rows.tolist()):
             xr = x[i].numpy()
             h = murmur3.finish_np(state[r], words)
-            reach = np.exp(np.minimum(xr.astype(np.float64) - (float(floor[i]) - _SLACK), 0.0))
+            bound = reach(xr.astype(np.float64), float(floor[i]))
             if fp64[r]:
                 hi = murmur3.finish_np(hi_state[r], words)
-                cols = np.flatnonzero((xr >= threshold[i].item()) & (hi >= (1.0 - reach) * 2.0**32 - 1.0))
+                cols = np.flatnonzero((xr >= threshold[i].item()) & (hi >= (1.0 - bound) * 2.0**32 - 1.0))
                 scores = xr[cols] - log_c(-log_c(uniform64(h[cols], hi[cols])))
             else:
-                cols = np.flatnonzero((xr >= threshold[i].item()) & (h <= reach * 2.0**32))
+                cols = np.flatnonzero((xr >= threshold[i].item()) & (h <= bound * 2.0**32))
                 scores = (xr[cols] + gumbel32(uniform32(h[cols]))).astype(np.float64)
             out_r.append(np.full(cols.size, i))
             out_c.append(cols)

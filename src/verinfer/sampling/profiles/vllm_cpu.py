@@ -58,14 +58,13 @@ import numpy as np
 import torch
 
 from verinfer.sampling.libm import log_c
-from verinfer.sampling.profiles.base import Profile, RowKeys
+from verinfer.sampling.profiles.base import Profile, RowKeys, reach
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 # Largest g: u = 1 - 2**-54 (bits = 2**53 - 1) gives -log(-log u) = -log(2**-54 (1 + ...)) < 37.43.
 MAX_GUMBEL = 37.5
-PREFILTER_SLACK = 1e-3  # logits of margin in the dense fp32 test (fp32 x - floor and exp round at ~1e-5)
 STREAM_KEYS = ("step_offset",)
 
 
@@ -159,8 +158,7 @@ class VllmCpuProfile(Profile):
         for i, r in enumerate(rows.tolist()):
             xr = x[i].numpy()
             u = uniforms(seeds[r], vocab)
-            reach = np.exp(np.minimum(xr - np.float32(float(floor[i]) - PREFILTER_SLACK), np.float32(0)))
-            cols = np.flatnonzero((xr >= threshold[i].item()) & (1.0 - u <= reach))
+            cols = np.flatnonzero((xr >= threshold[i].item()) & (1.0 - u <= reach(xr, floor[i])))
             out_r.append(np.full(cols.size, i))
             out_c.append(cols)
             out_s.append(xr[cols].astype(np.float64) - log_c(-log_c(u[cols])))

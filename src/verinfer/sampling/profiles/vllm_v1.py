@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from verinfer.sampling.philox import _words, philox4x32
-from verinfer.sampling.profiles.base import Profile
+from verinfer.sampling.profiles.base import PRUNE_SLACK, Profile, RowKeys
 
 STREAM_KEYS = ("cuda_threads",)
 BLOCK = 256  # block_size_bound in DistributionTemplates.h
@@ -84,7 +84,6 @@ def cuda_exponential(seed: int, steps: np.ndarray, cols: np.ndarray, vocab_size:
     return (-log).astype(np.float32)
 
 
-_SLACK = 1e-3  # logit units: covers fp32 rounding of x - floor, of exp and of u in the bound test
 
 
 def uniform_draws(gen: torch.Generator, n_steps: int, vocab_size: int) -> torch.Tensor:
@@ -161,7 +160,7 @@ class VllmV1Profile(Profile):
         found_r, found_c, found_s = [], [], []
         for at, block, local in self._by_request(keys, rows.cpu().numpy(), x.shape[1]):
             xr, u = x[at], _rows_of(block, local.numpy())
-            limit = torch.exp(torch.clamp(xr - floor[at, None].to(x.dtype) + _SLACK, max=0.0))
+            limit = torch.exp(torch.clamp(xr - floor[at, None].to(x.dtype) + PRUNE_SLACK, max=0.0))
             r, c = ((u.to(torch.float32) <= limit) & (xr >= threshold[at, None])).nonzero(as_tuple=True)
             found_r.append(at[r]), found_c.append(c)
             found_s.append(xr[r, c].double() + gumbel_from_uniforms(u[r, c]))
