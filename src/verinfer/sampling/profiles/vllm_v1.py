@@ -13,7 +13,7 @@ Two profiles, one per generator device:
   serial; ``core/DistributionsHelper.h`` ``exponential_distribution``; ``core/TransformationHelper.h``
   ``exponential``) takes one ``random64()`` per entry, ``u = (w & (2**53 - 1)) * 2**-53`` in fp64
   and ``q = float(-log1p(-u))``. An fp64 ``uniform_()`` takes the same ``random64()`` per entry and
-  keeps the same 53 bits, so the profile draws those uniforms (5x cheaper than ``exponential_``)
+  keeps the same 53 bits, so the profile draws those uniforms (no logarithm per entry)
   and computes ``q`` only where needed: since ``q >= u``, ``G = -log q <= -log u``, and a token can
   reach the best score found so far (``floor``) only if ``u <= exp(x - floor)`` (tested equal to
   ``exponential_`` bit for bit, and to noising every token).
