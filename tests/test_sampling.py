@@ -104,12 +104,24 @@ def test_exponential_bulk_draw_equals_sequential_steps():
 def test_cpu_stream_uniforms_give_exponential_bit_for_bit(seed):
     """vllm-v1 draws the generator's fp64 uniforms (``uniform_``) instead of ``exponential_``: the same
     stream position per entry and, through ``-log1p(-u)``, the same fp32 ``q`` on every entry."""
+    from verinfer.sampling.mt19937 import Mt19937
     from verinfer.sampling.profiles.vllm_v1 import gumbel_from_uniforms, uniform_draws
 
-    gen = torch.Generator().manual_seed(seed % 2**64)
+    gen = Mt19937(seed)
     u = torch.cat([uniform_draws(gen, 1, 20000), uniform_draws(gen, 2, 20000)])
     q = exponential_draws(seed, 3, 20000)
     assert torch.equal(gumbel_from_uniforms(u), -torch.log(q.double()))
+
+
+@pytest.mark.parametrize("seed", [0, 1234, 2**32 + 5, 2**63 + 5, 2**64 - 1])
+def test_mt19937_is_torch_cpu_generator_bit_for_bit(seed):
+    """The compiled generator against ``uniform_`` on a torch CPU generator, over blocks that start and
+    end inside and across the 624-word twists."""
+    from verinfer.sampling.mt19937 import Mt19937
+
+    ours, torchs = Mt19937(seed), torch.Generator().manual_seed(seed % 2**64)
+    for n in (1, 7, 311, 312, 313, 624, 20000, 49152):
+        np.testing.assert_array_equal(ours.uniforms(n), torch.empty(n, dtype=torch.float64).uniform_(generator=torchs))
 
 
 def _kept(x, k=-1, p=1.0, m=0.0):
@@ -349,6 +361,20 @@ def test_cuda_exponential_stream_layout():
         got = cuda_exponential(seed, np.array([step]), np.array([j]), vocab, threads)[0]
         words = philox4x32(counter, 0, thread, 0, seed & 0xFFFFFFFF, seed >> 32)
         assert got == _curand_exponential(int(words[lane])), (threads, step, j)
+
+
+def test_cuda_whole_draw_equals_the_entries_asked_one_by_one():
+    """The dense replay walks a draw in the stream's own order (curand4 call, lane, thread); the pair
+    path computes each entry's place by division: both must give the same ``u``, capped or not."""
+    from verinfer.sampling.profiles.vllm_v1 import _cuda_row, _stream, cuda_exponential, exponential_of
+
+    vocab = 5000
+    for threads in (None, 1024, 256):  # 1, 2 and 5 curand4 calls per thread and draw
+        for seed, step in ((7, 0), ((1 << 40) + 3, 9)):
+            k0, k1, t, per_draw = _stream(seed, vocab, threads)
+            whole = exponential_of(_cuda_row(k0, k1, np.uint64(step), int(t), int(per_draw), vocab))[0]
+            one_by_one = cuda_exponential(seed, np.full(vocab, step), np.arange(vocab), vocab, threads)
+            np.testing.assert_array_equal(whole, one_by_one)
 
 
 def test_cuda_exponential_draws_are_exponential_and_fresh_each_step():

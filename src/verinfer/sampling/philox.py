@@ -1,50 +1,69 @@
-"""Triton's counter-based Philox4x32-10 (``triton.language.random``, Triton 3.x), in numpy.
+"""Triton's counter-based Philox4x32-10 (``triton.language.random``, Triton 3.x), compiled with numba.
 
 vLLM 0.32's speculative rejection test draws its acceptance uniform as ``tl_rand32(seed, pos)``
 (``vllm/v1/worker/gpu/sample/gumbel.py``): Triton's ``tl.rand(seed, pos)`` clamped below at
 4.6566127342e-10. ``tl.rand`` runs ten Philox rounds on the counter ``(pos_lo, pos_hi, 0, 0)`` with
 the key ``(seed_lo, seed_hi)`` (the int64 seed's two 32-bit words), keeps the first output word,
 reads it as int32, folds negatives with ``~x`` and multiplies by 4.6566127342e-10 in fp32.
-Checked bit for bit against the kernel run in Triton's interpreter (``tests/test_vllm_spec_kernel.py``).
+Checked bit for bit against the kernel run in Triton's interpreter (``tests/test_vllm_spec_kernel.py``)
+and Random123's known answers. One compiled pass per entry replaces numpy's dozens of array
+temporaries (the CUDA stream of ``profiles/vllm_v1.py`` hashes thousands of entries per row).
 """
 
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 ROUND_A = np.uint64(0xD2511F53)
 ROUND_B = np.uint64(0xCD9E8D57)
-KEY_A = np.uint32(0x9E3779B9)
-KEY_B = np.uint32(0xBB67AE85)
+KEY_A = np.uint64(0x9E3779B9)
+KEY_B = np.uint64(0xBB67AE85)
 SCALE = np.float32(4.6566127342e-10)  # largest s with (2**31 - 1) * s < 1 in fp32
 RAND_MIN = np.float32(4.6566127342e-10)  # vLLM's _TL_RAND_MIN: the uniform never reaches 0
-_MASK32 = np.uint64(0xFFFFFFFF)
+MASK32 = np.uint64(0xFFFFFFFF)
+SHIFT32 = np.uint64(32)
 
 
-def _words(values) -> tuple[np.ndarray, np.ndarray]:
+def int64_words(values) -> tuple[np.ndarray, np.ndarray]:
     """Low and high 32-bit words of int64 values taken as two's complement (Triton's ``.to(uint64)``)."""
     v = np.asarray([int(x) & 0xFFFFFFFFFFFFFFFF for x in np.ravel(values)], dtype=np.uint64)
-    return (v & _MASK32).astype(np.uint32), (v >> np.uint64(32)).astype(np.uint32)
+    return (v & MASK32).astype(np.uint32), (v >> np.uint64(32)).astype(np.uint32)
 
 
-def philox4x32(c0, c1, c2, c3, k0, k1, rounds: int = 10):
-    """Ten Philox4x32 rounds on uint32 arrays, as ``philox_impl`` (returns the four counter words)."""
-    c0, c1, c2, c3, k0, k1 = (np.asarray(a, dtype=np.uint32) for a in (c0, c1, c2, c3, k0, k1))
-    with np.errstate(over="ignore"):  # the key bumps wrap around in uint32 (0-d arrays warn otherwise)
-        for _ in range(rounds):
-            p0 = c0.astype(np.uint64) * ROUND_A  # exact: both factors < 2**32
-            p2 = c2.astype(np.uint64) * ROUND_B
-            c0, c1, c2, c3 = ((p2 >> np.uint64(32)).astype(np.uint32) ^ c1 ^ k0, (p2 & _MASK32).astype(np.uint32),
-                              (p0 >> np.uint64(32)).astype(np.uint32) ^ c3 ^ k1, (p0 & _MASK32).astype(np.uint32))
-            k0 = k0 + KEY_A
-            k1 = k1 + KEY_B
+@njit(cache=True, inline="always")
+def philox4(c0, c1, c2, c3, k0, k1):
+    """Ten Philox4x32 rounds (``philox_impl``) on uint64 scalars holding 32-bit words: each product of
+    two 32-bit words is exact in 64 bits, and the key bumps wrap at 2**32."""
+    for _ in range(10):
+        p0 = c0 * ROUND_A
+        p2 = c2 * ROUND_B
+        c0, c1, c2, c3 = (p2 >> SHIFT32) ^ c1 ^ k0, p2 & MASK32, (p0 >> SHIFT32) ^ c3 ^ k1, p0 & MASK32
+        k0 = (k0 + KEY_A) & MASK32
+        k1 = (k1 + KEY_B) & MASK32
     return c0, c1, c2, c3
+
+
+@njit(cache=True)
+def _philox4x32(c0, c1, c2, c3, k0, k1):
+    out = np.empty((4, c0.size), dtype=np.uint32)
+    for i in range(c0.size):
+        w = philox4(c0[i], c1[i], c2[i], c3[i], k0[i], k1[i])
+        out[0, i], out[1, i], out[2, i], out[3, i] = w[0], w[1], w[2], w[3]
+    return out
+
+
+def philox4x32(c0, c1, c2, c3, k0, k1):
+    """Ten Philox4x32 rounds on (broadcast) uint32 arrays, as ``philox_impl``: the four counter words."""
+    args = np.broadcast_arrays(*(np.asarray(a, dtype=np.uint64) for a in (c0, c1, c2, c3, k0, k1)))
+    out = _philox4x32(*(np.ascontiguousarray(a).ravel() for a in args))
+    return tuple(w.reshape(args[0].shape) for w in out)
 
 
 def randint(seeds, offsets) -> np.ndarray:
     """``tl.randint(seed, offset)`` for an int64 offset: the first Philox word, as uint32."""
-    k0, k1 = _words(seeds)
-    lo, hi = _words(offsets)
+    k0, k1 = int64_words(seeds)
+    lo, hi = int64_words(offsets)
     zero = np.zeros_like(lo)
     return philox4x32(lo, hi, zero, zero, k0, k1)[0]
 

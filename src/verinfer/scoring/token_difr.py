@@ -85,7 +85,8 @@ def score_block(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, trac
     for name, rows in groups.items():
         idx = np.asarray(rows)
         profile = profiles.setdefault(name, get_profile(name))
-        out = replay(logits[torch.as_tensor(idx)], [traces[i].sampling for i in items[idx]], profile,
+        block = logits if idx.size == n else logits[torch.as_tensor(idx)]  # one group: no [rows, V] copy
+        out = replay(block, [traces[i].sampling for i in items[idx]], profile,
                      _keys(traces, items[idx], steps[idx]), claimed=claimed[idx])
         cols["verifier_token"][idx] = out.token.numpy()
         cols["margin"][idx] = out.margin.numpy()

@@ -56,6 +56,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from numba import njit
 
 from verinfer.sampling.libm import log_c
 from verinfer.sampling.profiles.base import Profile, RowKeys, reach
@@ -63,29 +64,48 @@ from verinfer.sampling.profiles.base import Profile, RowKeys, reach
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
+_S11, _S27, _S30, _S31, _ONE = (np.uint64(v) for v in (11, 27, 30, 31, 1))
 # Largest g: u = 1 - 2**-54 (bits = 2**53 - 1) gives -log(-log u) = -log(2**-54 (1 + ...)) < 37.43.
 MAX_GUMBEL = 37.5
 STREAM_KEYS = ("step_offset",)
 
 
-def fmix64(z: np.ndarray) -> np.ndarray:
-    """splitmix64's finalizer on uint64 arrays (wrapping multiplications)."""
-    z = np.asarray(z, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = z ^ (z >> np.uint64(30))
-        z = z * _M1
-        z = z ^ (z >> np.uint64(27))
-        z = z * _M2
-        return z ^ (z >> np.uint64(31))
+@njit(cache=True, inline="always")
+def _fmix(z):
+    """splitmix64's finalizer on one uint64 (wrapping multiplications)."""
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    return z ^ (z >> _S31)
+
+
+@njit(cache=True, inline="always")
+def _uniform(key, col):
+    """fp64 ``u`` of vocabulary index ``col`` under a step's ``key = fmix(step_seed)``."""
+    return (np.float64(_fmix(key + (col + _ONE) * GOLDEN) >> _S11) + 0.5) * 2.0**-53
+
+
+@njit(cache=True)
+def _uniform_pairs(step_seeds, cols):
+    out = np.empty(cols.size, dtype=np.float64)
+    for i in range(cols.size):
+        out[i] = _uniform(_fmix(step_seeds[i]), cols[i])
+    return out
+
+
+@njit(cache=True)
+def _uniform_row(step_seed, vocab_size):
+    """``u`` of every vocabulary index at one step: one branch-free loop, which the compiler vectorizes."""
+    key = _fmix(step_seed)
+    out = np.empty(vocab_size, dtype=np.float64)
+    for i in range(vocab_size):
+        out[i] = _uniform(key, np.uint64(i))
+    return out
 
 
 def uniforms(step_seeds: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """fp64 ``u`` for (step_seed, vocabulary index) pairs (integer work and one scaling, no logarithm)."""
-    key = fmix64(np.asarray(step_seeds, dtype=np.uint64))
-    with np.errstate(over="ignore"):
-        mixed = key + (np.asarray(cols, dtype=np.uint64) + np.uint64(1)) * GOLDEN
-    bits = fmix64(mixed) >> np.uint64(11)
-    return (bits.astype(np.float64) + 0.5) * 2.0**-53
+    step_seeds, cols = np.broadcast_arrays(np.asarray(step_seeds, dtype=np.uint64), np.asarray(cols, dtype=np.uint64))
+    return _uniform_pairs(step_seeds.ravel(), cols.ravel()).reshape(cols.shape)
 
 
 def gumbel_noise(step_seeds: np.ndarray, cols: np.ndarray) -> np.ndarray:
@@ -153,11 +173,10 @@ class VllmCpuProfile(Profile):
         if x.device.type != "cpu":
             return super().noised_dense_above(keys, rows, x, threshold, floor, kept)
         seeds = self._row_seeds(keys)
-        vocab = np.arange(x.shape[1], dtype=np.uint64)
         out_r, out_c, out_s = [], [], []
         for i, r in enumerate(rows.tolist()):
             xr = x[i].numpy()
-            u = uniforms(seeds[r], vocab)
+            u = _uniform_row(seeds[r], x.shape[1])
             cols = np.flatnonzero((xr >= threshold[i].item()) & (1.0 - u <= reach(xr, floor[i])))
             out_r.append(np.full(cols.size, i))
             out_c.append(cols)

@@ -13,7 +13,8 @@ Two profiles, one per generator device:
   serial; ``core/DistributionsHelper.h`` ``exponential_distribution``; ``core/TransformationHelper.h``
   ``exponential``) takes one ``random64()`` per entry, ``u = (w & (2**53 - 1)) * 2**-53`` in fp64
   and ``q = float(-log1p(-u))``. An fp64 ``uniform_()`` takes the same ``random64()`` per entry and
-  keeps the same 53 bits, so the profile draws those uniforms (no logarithm per entry)
+  keeps the same 53 bits, so the profile draws those uniforms (no logarithm per entry; the generator
+  is ``sampling/mt19937.py``, tested equal to torch's)
   and computes ``q`` only where needed: since ``q >= u``, ``G = -log q <= -log u``, and a token can
   reach the best score found so far (``floor``) only if ``u <= exp(x - floor)`` (tested equal to
   ``exponential_`` bit for bit, and to noising every token).
@@ -45,14 +46,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from numba import njit
 
-from verinfer.sampling.philox import _words, philox4x32
-from verinfer.sampling.profiles.base import PRUNE_SLACK, Profile, RowKeys
+from verinfer.sampling.mt19937 import Mt19937
+from verinfer.sampling.philox import MASK32, SHIFT32, int64_words, philox4
+from verinfer.sampling.profiles.base import Profile, RowKeys, reach
 
 STREAM_KEYS = ("cuda_threads",)
 BLOCK = 256  # block_size_bound in DistributionTemplates.h
 INV_2_32 = np.float32(2.0 ** -32)  # CURAND_2POW32_INV
 NEAR_ONE = np.float32(1.0) - np.float32(2.0 ** -24)  # 1 - eps/2 for fp32
+_0, _4 = np.uint64(0), np.uint64(4)
 MAX_GUMBEL = 16.7  # -log(2**-24) = 16.636...: the largest G the CUDA stream can give
 
 
@@ -65,30 +69,66 @@ def cuda_threads_used(vocab_size: int, cuda_threads: int | None = None) -> int:
     return blocks * BLOCK
 
 
+@njit(cache=True, inline="always")
+def _cuda_uniform(k0, k1, step, col, threads, per_draw):
+    """fp32 ``u`` of entry ``col`` of draw ``step`` (module docstring; uint64 arguments)."""
+    counter = step * per_draw + col // (_4 * threads)
+    w = philox4(counter & MASK32, counter >> SHIFT32, col % threads, _0, k0, k1)[(col // threads) % _4]
+    return np.float32(w) * INV_2_32 + INV_2_32 / np.float32(2)
+
+
+@njit(cache=True)
+def _cuda_uniforms(k0, k1, steps, cols, threads, per_draw):
+    out = np.empty(cols.size, dtype=np.float32)
+    for i in range(cols.size):
+        out[i] = _cuda_uniform(k0, k1, steps[i], cols[i], threads, per_draw)
+    return out
+
+
+@njit(cache=True)
+def _cuda_row(k0, k1, step, threads, per_draw, vocab_size):
+    """``u`` of every entry of draw ``step``, walked in the stream's own order (curand4 call j, lane, thread)
+    so each inner loop is branch-free with a fixed counter and lane, which the compiler vectorizes."""
+    out = np.empty(vocab_size, dtype=np.float32)
+    for j in range(per_draw):
+        counter = step * np.uint64(per_draw) + np.uint64(j)
+        lo, hi = counter & MASK32, counter >> SHIFT32
+        for lane in range(4):
+            base = (4 * j + lane) * threads
+            for t in range(min(threads, max(vocab_size - base, 0))):
+                w = philox4(lo, hi, np.uint64(t), _0, k0, k1)[lane]
+                out[base + t] = np.float32(w) * INV_2_32 + INV_2_32 / np.float32(2)
+    return out
+
+
+def _stream(seed: int, vocab_size: int, cuda_threads: int | None):
+    """The key words, thread count and ``c / 4`` (curand4 calls per thread and draw) of a generator."""
+    threads = cuda_threads_used(vocab_size, cuda_threads)
+    k0, k1 = int64_words([seed])
+    return np.uint64(k0[0]), np.uint64(k1[0]), np.uint64(threads), np.uint64(-(-vocab_size // (4 * threads)))
+
+
+def exponential_of(u: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    """fp32 ``q = -log u`` as the CUDA ``exponential`` transform takes it (``-2**-24`` for ``log u``
+    near 1), and ``G = -log q`` in fp64."""
+    log = np.where(u >= NEAR_ONE, np.float32(-(2.0 ** -24)), np.log(u, dtype=np.float32))
+    q = (-log).astype(np.float32)
+    return q, -torch.log(torch.from_numpy(q).double())
+
+
 def cuda_exponential(seed: int, steps: np.ndarray, cols: np.ndarray, vocab_size: int,
                      cuda_threads: int | None = None) -> np.ndarray:
     """fp32 ``q`` of entries ``cols`` in the ``steps``-th draws of a CUDA generator seeded with ``seed``
     (module docstring): counter-based, so only the asked entries are computed."""
-    steps = np.asarray(steps, dtype=np.uint64)
-    cols = np.asarray(cols, dtype=np.uint64)
-    threads = np.uint64(cuda_threads_used(vocab_size, cuda_threads))
-    per_draw = np.uint64(-(-vocab_size // (4 * int(threads))))  # curand4 calls per thread, = c / 4
-    counter = steps * per_draw + cols // (np.uint64(4) * threads)
-    lane = ((cols // threads) % np.uint64(4)).astype(np.int64)
-    k0, k1 = _words([seed])
-    x = np.stack(philox4x32((counter & np.uint64(0xFFFFFFFF)).astype(np.uint32), (counter >> np.uint64(32)).astype(
-        np.uint32), (cols % threads).astype(np.uint32), np.zeros(cols.shape, np.uint32), k0, k1))
-    x = np.take_along_axis(x, lane[None], axis=0)[0]
-    u = x.astype(np.float32) * INV_2_32 + INV_2_32 / np.float32(2)
-    log = np.where(u >= NEAR_ONE, np.float32(-(2.0 ** -24)), np.log(u, dtype=np.float32))
-    return (-log).astype(np.float32)
+    steps, cols = np.broadcast_arrays(np.asarray(steps, dtype=np.uint64), np.asarray(cols, dtype=np.uint64))
+    k0, k1, threads, per_draw = _stream(seed, vocab_size, cuda_threads)
+    u = _cuda_uniforms(k0, k1, steps.ravel(), cols.ravel(), threads, per_draw)
+    return exponential_of(u)[0].reshape(cols.shape)
 
 
-
-
-def uniform_draws(gen: torch.Generator, n_steps: int, vocab_size: int) -> torch.Tensor:
+def uniform_draws(gen: Mt19937, n_steps: int, vocab_size: int) -> torch.Tensor:
     """The next ``n_steps`` draws of ``gen`` as the fp64 uniforms ``exponential_`` would transform."""
-    return torch.empty(n_steps, vocab_size, dtype=torch.float64).uniform_(generator=gen)
+    return torch.from_numpy(gen.uniforms(n_steps * vocab_size).reshape(n_steps, vocab_size))
 
 
 def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
@@ -125,7 +165,7 @@ class VllmV1Profile(Profile):
         if drawn is not None and first <= lo and hi <= next_step:  # the block drawn last (one replay asks twice)
             return _rows_of(drawn, steps - first)
         if gen is None or lo < next_step:
-            gen = torch.Generator(device="cpu").manual_seed(int(seed) % 2**64)
+            gen = Mt19937(seed)
             next_step = 0
         if lo > next_step:  # skip draws nobody asked for
             uniform_draws(gen, lo - next_step, vocab_size)
@@ -159,11 +199,13 @@ class VllmV1Profile(Profile):
         only ones that can reach the floor, module docstring) and compute ``q`` for those alone."""
         found_r, found_c, found_s = [], [], []
         for at, block, local in self._by_request(keys, rows.cpu().numpy(), x.shape[1]):
-            xr, u = x[at], _rows_of(block, local.numpy())
-            limit = torch.exp(torch.clamp(xr - floor[at, None].to(x.dtype) + PRUNE_SLACK, max=0.0))
-            r, c = ((u.to(torch.float32) <= limit) & (xr >= threshold[at, None])).nonzero(as_tuple=True)
-            found_r.append(at[r]), found_c.append(c)
-            found_s.append(xr[r, c].double() + gumbel_from_uniforms(u[r, c]))
+            for i, row in zip(at.tolist(), local.tolist()):
+                xr, u = x[i].numpy(), block[row].numpy()
+                cols = np.flatnonzero((xr >= threshold[i].item()) & (u.astype(np.float32) <= reach(xr, floor[i])))
+                found_r.append(torch.full((cols.size,), i))
+                found_c.append(torch.from_numpy(cols))
+                found_s.append(torch.from_numpy(xr[cols].astype(np.float64)) + gumbel_from_uniforms(
+                    torch.from_numpy(u[cols])))
         return torch.cat(found_r), torch.cat(found_c), torch.cat(found_s)
 
     def forget(self, request: str) -> None:
@@ -178,12 +220,15 @@ class VllmV1CudaProfile(VllmV1Profile):
     name = "vllm-v1-cuda"
     aliases = ()
     description = "vLLM V1 exponential race with a per-request CUDA torch.Generator (Philox; unverified on a GPU)"
-    noised_dense_above = Profile.noised_dense_above  # counter-based: pruned by ``noise_bound`` before hashing
+
+    @staticmethod
+    def _threads(keys: RowKeys) -> list:
+        return [(p.stream or {}).get("cuda_threads") for p in keys.params] if keys.params else [None] * len(
+            keys.requests)
 
     def gumbel(self, keys, rows, cols, vocab_size):
         rows_np, cols_np = rows.cpu().numpy(), cols.cpu().numpy()
-        threads = [(p.stream or {}).get("cuda_threads") for p in keys.params] if keys.params else [None] * len(
-            keys.requests)
+        threads = self._threads(keys)
         groups: dict = {}  # rows of one request share seed and thread count
         group = np.array([groups.setdefault((keys.seeds[r], threads[r]), len(groups))
                           for r in range(len(keys.requests))], dtype=np.int64)[rows_np]
@@ -192,6 +237,26 @@ class VllmV1CudaProfile(VllmV1Profile):
             idx = np.flatnonzero(group == g)
             out[idx] = cuda_exponential(seed, keys.steps[rows_np[idx]], cols_np[idx], vocab_size, t)
         return -torch.log(torch.from_numpy(out).double())
+
+    def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
+        """Whole rows on the CPU: every entry's ``u`` in one vectorized pass (cheaper than testing which
+        to hash), logarithms only where ``1 - u <= exp(x - floor)`` and the token is kept. A token
+        reaches the floor only if ``q <= exp(x - floor)``, and ``q >= 1 - u`` (``-log u >= 1 - u``; the fp32
+        rounding of ``log`` is within the slack; ``u`` rounded to 1 gives ``q = 2**-24 >= 1 - u``)."""
+        if x.device.type != "cpu":
+            return Profile.noised_dense_above(self, keys, rows, x, threshold, floor, kept)  # noise_bound pruning
+        threads = self._threads(keys)
+        out_r, out_c, out_s = [], [], []
+        for i, r in enumerate(rows.tolist()):
+            xr, f = x[i].numpy(), float(floor[i])
+            k0, k1, t, per_draw = _stream(keys.seeds[r], x.shape[1], threads[r])
+            u = _cuda_row(k0, k1, np.uint64(keys.steps[r]), int(t), int(per_draw), x.shape[1])
+            cols = np.flatnonzero((xr >= threshold[i].item()) & (np.float32(1) - u <= reach(xr, f)))
+            u = u[cols]
+            out_r.append(torch.full((cols.size,), i))
+            out_c.append(torch.from_numpy(cols))
+            out_s.append(torch.from_numpy(xr[cols].astype(np.float64)) + exponential_of(u)[1])
+        return torch.cat(out_r), torch.cat(out_c), torch.cat(out_s)
 
     def noise_bound(self, keys):
         """``G = -log q`` is largest at the smallest ``q``, ``2**-24`` (``u`` rounded to 1), so G <= 16.64:
