@@ -419,3 +419,37 @@ def test_vllm_v1_cuda_profile_replays_its_own_draws_and_differs_from_the_cpu_str
     assert "takes only" in problems(cuda.with_(stream={"row": 1}))[0]
     assert "takes no stream fields" in get_profile("vllm-v1").problems(cuda.with_(profile="vllm-v1",
                                                                                    stream={"cuda_threads": 512}))[0]
+
+
+# ---------------------------------------------------------------- device: scoring where the logits are
+
+@pytest.mark.parametrize("name,filters", [
+    ("vllm", {"top_k": 50, "top_p": 0.95}), ("vllm", {}), ("vllm", {"top_p": 0.9}), ("vllm", {"min_p": 0.1}),
+    ("greedy", {"temperature": 0.0}), ("vllm-cpu", {}), ("vllm-cpu", {"top_k": 20}), ("vllm-v1", {}),
+    ("vllm-v1-cuda", {}), ("sglang", {}), ("sglang", {"top_k": 20, "top_p": 0.9}), ("llama.cpp", {}),
+    ("transformers", {}),
+])
+def test_replay_creates_every_tensor_where_the_logits_are(name, filters):
+    """Verification keeps the logits on the model's device and brings back per-token columns only
+    (``Backend.prefill(on_device=True)``), so the sampler must create its tensors on the logits' device,
+    never on the default one. With the default device set to ``meta`` (no data), any tensor created
+    without a device fails or changes the result; the replay must equal the ordinary one, field by field."""
+    from dataclasses import fields
+
+    torch.manual_seed(0)
+    n, vocab = 6, 3000
+    logits = torch.randn(n, vocab) * 3
+    p = SamplingParams(profile=name, seed=5, **({"temperature": 1.0, "top_k": -1, "top_p": 1.0} | filters))
+    if name == "transformers":
+        p = p.with_(stream={"batch_size": 1, "row": 0, "vocab": vocab})
+    keys = RowKeys(tuple(["r"] * n), np.array([5] * n, dtype=object), np.arange(n) + 3, np.arange(n), params=(p,) * n)
+    claimed = torch.randint(0, vocab, (n,))
+    want = replay(logits, [p] * n, get_profile(name), keys, claimed=claimed)
+    torch.set_default_device("meta")
+    try:
+        got = replay(logits, [p] * n, get_profile(name), keys, claimed=claimed)
+    finally:
+        torch.set_default_device("cpu")
+    for f in fields(want):
+        a, b = getattr(want, f.name), getattr(got, f.name)
+        assert (a is None and b is None) or torch.equal(a, b), f.name

@@ -49,7 +49,8 @@ def cmd_run(args):
     from llama_cpp import Llama
 
     spec = json.load(open(args.prompts))
-    llm = Llama(model_path=spec["gguf"], n_ctx=1024, n_threads=args.threads, n_batch=512, verbose=False)
+    model = args.model or spec["gguf"]
+    llm = Llama(model_path=model, n_ctx=1024, n_threads=args.threads, n_batch=512, verbose=False)
     stops = set(spec["stops"])
     rows = []
     logits = []  # the engine's own logits of every sampled step (with --logits-out)
@@ -71,7 +72,7 @@ def cmd_run(args):
             rows.append({"config": config, "prompt": p["id"], "seed": seed, "temp": temp, "top_k": top_k,
                          "top_p": top_p, "output": out})
             print(f"{config} {p['id']}: {len(out)} tokens {time.time() - t0:.1f}s", flush=True)
-    json.dump({"engine": f"llama-cpp-python {llama_cpp.__version__}", "rows": rows},
+    json.dump({"engine": f"llama-cpp-python {llama_cpp.__version__}", "gguf": model, "rows": rows},
               open(args.out, "w"))
     if args.logits_out:
         np.save(args.logits_out, np.stack(logits))
@@ -96,7 +97,8 @@ def cmd_traces(args):
                                     top_p=r["top_p"], seed=r["seed"])
         traces.append(Trace.of_output(f"llama-{r['config']}-{p['id']}", "smollm2-135m", p["ids"], r["output"], params,
                                       tokenizer=tokenizer, provider=raw["engine"],
-                                      meta={"engine": raw["engine"], "gguf": spec["gguf"].rsplit("/", 1)[-1]},
+                                      meta={"engine": raw["engine"],
+                                            "gguf": raw.get("gguf", spec["gguf"]).rsplit("/", 1)[-1]},
                                       messages=p["messages"] or None))
     write_traces(traces, args.out)
     print(f"wrote {len(traces)} traces, {sum(len(t.output_token_ids) for t in traces)} tokens to {args.out}")
@@ -116,6 +118,8 @@ def main(argv=None) -> None:
     b.add_argument("--seed", type=int, default=4321, help="seed of the first prompt (+1 per prompt)")
     b.add_argument("--configs", default=",".join(CONFIGS))
     b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--model", help="GGUF file to run (default: the bundled Q4_1 file the prompts name; "
+                                   "engines/llama_cpp/f32_gguf.py writes its F32 copy)")
     b.add_argument("--logits-out", help="also save the engine's logits of every sampled step (.npy, rows in output order)")
     c = sub.add_parser("traces")
     c.add_argument("--raw", required=True)

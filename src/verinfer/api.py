@@ -21,7 +21,7 @@ import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -244,7 +244,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
           api_key_env: str | None = "OPENAI_API_KEY", reference_url: str | None = None,
           reference_api_model: str | None = None, reference_api_key_env: str | None = None,
           backend: Backend | None = None, on_stage: Callable[[str], None] | None = None, samples: int = 16,
-          stream: bool = False, top_logprobs: int = 5):
+          stream: bool = False, top_logprobs: int = 5, extra_body: Mapping[str, Any] | None = None):
     """Audit OpenAI-compatible providers against a trusted reference.
 
     ``providers`` maps names to base URLs (ending in ``/v1``), or is a list of
@@ -253,8 +253,9 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     scored (re-running with the same ``out`` resumes); the verdict comes from the shipped or given
     bands, or from a calibration, by the one verdict rule; both are checked against the audit's
     settings before any request is paid for (``mode="rank"`` / ``"mmd"`` audit sampled traffic without
-    seeds against ``samples`` local draws per prompt and need neither). Returns ``verinfer.auditing.run.AuditResult``; its
-    reports (``audit.json``, ``audit.html``) are written to ``out``.
+    seeds against ``samples`` local draws per prompt and need neither). ``extra_body`` adds fields to
+    every generation request (``verinfer.auditing.plan``; the audit's own fields win). Returns
+    ``verinfer.auditing.run.AuditResult``; its reports (``audit.json``, ``audit.html``) are written to ``out``.
     """
     from verinfer.auditing.bands import Bands, bands_filename, find_bands
     from verinfer.auditing.client import Endpoint, ProviderClient, RetryPolicy
@@ -266,7 +267,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
 
     spec = AuditSpec(mode=mode, sampler=sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids, samples=samples,
-                     stream=stream, top_logprobs=top_logprobs)
+                     stream=stream, top_logprobs=top_logprobs, extra_body=extra_body)
     if spec.problems():
         raise ValueError(spec.problems()[0])
     if not 0 < fpr < 1:

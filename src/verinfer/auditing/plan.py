@@ -11,12 +11,18 @@ compared with as many reference draws (Model Equality Testing, ``verinfer.auditi
 the same positions (LOGIC, ``verinfer.auditing.logprobs``).
 Chat requests are what customers send (the provider applies its chat template, which is part of
 what gets audited); completion requests send our rendering as token ids, fixing the prompt exactly.
+``extra_body`` adds fields to every generation request, for servers whose defaults sample
+differently from what the audit claims when a knob is left out (llama-cpp-python's server:
+``{"top_k": 0, "min_p": 0, "repeat_penalty": 1}``, else top-k 40, min-p 0.05 and a repeat penalty of
+1.1 apply, greedy included); a field the audit sets itself (model, prompt, temperature, the claimed
+knobs, seed, ...) keeps the audit's value.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from verinfer.auditing.client import Call
 from verinfer.prompts import Prompt, render
@@ -45,6 +51,7 @@ class AuditSpec:
     samples: int = 16  # rank: reference draws per prompt; mmd: completions per prompt from each side
     stream: bool = False  # ask for server-sent events (stream: true), as chat clients do
     top_logprobs: int = 5  # logprobs mode: alternatives per position
+    extra_body: Mapping[str, Any] | None = None  # more request fields; the audit's own fields win
 
     @property
     def seedless(self) -> bool:
@@ -58,6 +65,14 @@ class AuditSpec:
             out.append(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
         if self.max_tokens < 1:
             out.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.extra_body is not None:
+            if not isinstance(self.extra_body, Mapping) or not all(isinstance(k, str) for k in self.extra_body):
+                out.append(f"extra_body must be a JSON object, got {str(self.extra_body)[:80]!r}")
+            else:
+                try:
+                    json.dumps(dict(self.extra_body))
+                except (TypeError, ValueError) as exc:
+                    out.append(f"extra_body must be JSON-serializable: {exc}")
         if self.seedless:
             if self.mode == "logprobs" and not 0 <= self.top_logprobs <= 20:
                 out.append(f"top_logprobs must be in 0..20, got {self.top_logprobs}")
@@ -96,7 +111,8 @@ def generation_calls(spec: AuditSpec, prompts: Sequence[Prompt], tokenizer, mode
     for i, prompt in enumerate(prompts):
         params = spec.params(i)
         ids = render(tokenizer, prompt)
-        body: dict = {"model": model, "max_tokens": spec.max_tokens, "temperature": params.temperature}
+        body: dict = {**(spec.extra_body or {}), "model": model, "max_tokens": spec.max_tokens,
+                      "temperature": params.temperature}
         if spec.endpoint == "chat":
             if not prompt.messages:
                 raise ValueError(f"prompt {prompt.id!r} has only token ids; audit it with --endpoint completions")

@@ -92,6 +92,18 @@ def _endpoints(provider: list[str], providers_file: Optional[Path], model: str, 
     return out
 
 
+def _json_object(option: str, text: Optional[str]) -> Optional[dict]:
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{option}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 @app.command()
 @_friendly
 def run(
@@ -122,6 +134,9 @@ def run(
     max_tokens: int = opt.max_tokens(48),
     endpoint: str = typer.Option("chat", help="chat (messages) or completions (token-id prompts)"),
     no_token_ids: bool = typer.Option(False, help="do not ask for return_token_ids (re-tokenize text instead)"),
+    extra_body: Optional[str] = typer.Option(None, help="JSON object of more fields for every generation request "
+                                             "(fields the audit sets keep its values); llama-cpp-python's server: "
+                                             "'{\"top_k\": 0, \"min_p\": 0, \"repeat_penalty\": 1}'"),
     bands_file: Optional[Path] = typer.Option(None, "--bands", help="bands file from `verinfer audit bands`"),
     calibration: Optional[Path] = typer.Option(None, help="calibration file from `verinfer calibrate` instead of bands"),
     batch_size: Optional[int] = typer.Option(None, help="with --calibration: tokens per batch"),
@@ -148,7 +163,7 @@ def run(
                        timeout=timeout, retries=retries, reference_url=reference_url,
                        reference_api_model=reference_api_model, reference_api_key_env=reference_api_key_env,
                        backend=backend, on_stage=lambda s: err.print(s), samples=samples, stream=stream,
-                       top_logprobs=top_logprobs)
+                       top_logprobs=top_logprobs, extra_body=_json_object("--extra-body", extra_body))
     json_path, html_path = result.reports
     for a in result.providers:
         style = "green" if a.verdict.consistent else "red"

@@ -100,12 +100,12 @@ class Backend:
         return out.last_hidden_state, out.past_key_values
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """lm_head (and the final soft-cap some models use) in fp32."""
+    def logits(self, hidden: torch.Tensor, on_device: bool = False) -> torch.Tensor:
+        """lm_head (and the final soft-cap some models use) in fp32, on the CPU unless ``on_device``."""
         out = self.model.get_output_embeddings()(hidden.to(self.device, self.dtype)).float()
         if self._softcap:
             out = torch.tanh(out / self._softcap) * self._softcap
-        return out.cpu()
+        return out if on_device else out.cpu()
 
     def prefill(
         self,
@@ -114,8 +114,12 @@ class Backend:
         token_budget: int = 4096,
         row_block: int = 512,
         on_sequence_hidden: Callable[[int, torch.Tensor], None] | None = None,
+        on_device: bool = False,
     ) -> Iterator[PrefillBlock]:
         """Stream logits for the rows that predict ``sequences[i][starts[i]:]`` (one forward pass).
+
+        With ``on_device`` the logits stay on the model's device (verification scores them there and
+        brings back only per-token columns); otherwise they come to the CPU.
 
         Sequences are grouped by length into micro-batches of at most ``token_budget`` padded
         tokens; lm_head runs on blocks of at most ``row_block`` rows, so peak memory depends on
@@ -129,11 +133,11 @@ class Backend:
                 batch.append(i)
                 continue
             if batch:
-                yield from self._prefill_batch(sequences, starts, batch, row_block, on_sequence_hidden)
+                yield from self._prefill_batch(sequences, starts, batch, row_block, on_sequence_hidden, on_device)
             batch = [i] if i is not None else []
 
     def _prefill_batch(self, sequences, starts, batch: list[int], row_block: int,
-                       on_sequence_hidden=None) -> Iterator[PrefillBlock]:
+                       on_sequence_hidden=None, on_device: bool = False) -> Iterator[PrefillBlock]:
         width = max(len(sequences[i]) for i in batch)
         ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -155,4 +159,4 @@ class Backend:
         for lo in range(0, rb.numel(), row_block):
             sl = slice(lo, lo + row_block)
             hid = h[rb[sl].to(h.device), rt[sl].to(h.device)]
-            yield PrefillBlock(it[sl], st[sl], self.logits(hid), hid.float().cpu())
+            yield PrefillBlock(it[sl], st[sl], self.logits(hid, on_device), hid.float().cpu())

@@ -71,7 +71,7 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
         width = top_vals.shape[1]  # then every pad is kept, n_keep == width and the row is widened
     full_view = width == vocab
 
-    tau = torch.full((n,), NEG_INF, dtype=x.dtype)
+    tau = torch.full((n,), NEG_INF, dtype=x.dtype, device=x.device)
     m_on = min_p > 0
     if bool(m_on.any()):
         tau = torch.where(m_on, top_vals[:, 0] + torch.log(min_p.clamp_min(1e-45)).to(x.dtype), tau)
@@ -80,8 +80,8 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
         tau = torch.where(k_on, torch.maximum(tau, kth), tau)
 
     # Whether every token >= tau is inside the top-`width` view.
-    inside = torch.ones(n, dtype=torch.bool) if full_view else last < tau
-    log_norm = torch.empty(n, dtype=torch.float64)
+    inside = torch.ones(n, dtype=torch.bool, device=x.device) if full_view else last < tau
+    log_norm = torch.empty(n, dtype=torch.float64, device=x.device)
     in_view = top_vals >= tau[:, None]
     log_norm[inside] = torch.logsumexp(top_vals[inside].double().masked_fill(~in_view[inside], NEG_INF), dim=-1)
     if bool((~inside).any()):
@@ -89,7 +89,7 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
                              else _masked_logsumexp(x[~inside], tau[~inside], top_vals[~inside, 0]))
     base_norm = log_norm.clone()
 
-    needs_wider = torch.zeros(n, dtype=torch.bool)
+    needs_wider = torch.zeros(n, dtype=torch.bool, device=x.device)
     p_on = top_p < 1
     if bool(p_on.any()):
         probs = torch.exp(top_vals.double() - log_norm[:, None]).masked_fill(~in_view, 0.0)
@@ -124,7 +124,7 @@ def _top_p_views(x: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor, b
     top = x.max(-1).values
     probs = torch.exp(x - log_norm.float()[:, None])
     bin_of = ((top[:, None] - x) * (bins / span)).long().clamp_(0, bins)  # bin 0 holds the maximum
-    mass = torch.zeros(n, bins + 1).scatter_add_(1, bin_of, probs)[:, :bins].cumsum(1)
+    mass = torch.zeros(n, bins + 1, device=x.device).scatter_add_(1, bin_of, probs)[:, :bins].cumsum(1)
     reach = mass > top_p[:, None] + 1e-4
     first = reach.float().argmax(1)
     edge = torch.where(reach.any(1), top - span * (first + 1).float() / bins, torch.full_like(top, NEG_INF))

@@ -52,19 +52,21 @@ def replay_into(logits, params, profile, keys, claimed, s_idx: torch.Tensor, out
     """Fill the shared ``Replay`` ``out`` at rows ``s_idx`` (the sampler's dispatch for inverse-CDF profiles)."""
     from verinfer.sampling.profiles.base import RowKeys
 
-    pick = s_idx.numpy()
+    pick = s_idx.cpu().numpy()
     sub_params = [params[i] for i in pick.tolist()]
     sub_keys = RowKeys(requests=tuple(keys.requests[i] for i in pick.tolist()), seeds=keys.seeds[pick],
                        positions=keys.positions[pick], steps=keys.steps[pick], params=tuple(sub_params))
-    sub = replay(logits[s_idx], sub_params, profile, sub_keys, None if claimed is None else claimed[s_idx])
-    out.token[s_idx] = sub.token
+    dev = logits.device
+    with torch.device("cpu"):  # a serial CDF walk per row (llama.cpp is a CPU engine): the rows come to the CPU
+        sub = replay(logits[s_idx].cpu(), sub_params, profile, sub_keys, None if claimed is None else claimed[s_idx].cpu())
+    out.token[s_idx] = sub.token.to(dev)
     if claimed is None:
         return
     for name in ("margin", "filter_distance", "logprob", "logit_rank", "gumbel_rank"):
-        getattr(out, name)[s_idx] = getattr(sub, name)
+        getattr(out, name)[s_idx] = getattr(sub, name).to(dev)
     if getattr(out, "ipt_distance", None) is None:
-        out.ipt_distance = torch.full((logits.shape[0],), float("nan"), dtype=torch.float64)
-    out.ipt_distance[s_idx] = sub.ipt_distance
+        out.ipt_distance = torch.full((logits.shape[0],), float("nan"), dtype=torch.float64, device=dev)
+    out.ipt_distance[s_idx] = sub.ipt_distance.to(dev)
 
 
 def replay(logits: torch.Tensor, params, profile, keys, claimed: torch.Tensor | None = None):

@@ -20,7 +20,7 @@ from numba import njit
 N, M = 624, 397
 _UPPER, _LOWER, _MATRIX_A = np.uint32(0x80000000), np.uint32(0x7FFFFFFF), np.uint32(0x9908B0DF)
 _B, _C = np.uint32(0x9D2C5680), np.uint32(0xEFC60000)
-_LOW53 = np.uint64((1 << 53) - 1)
+_LOW53 = np.int64((1 << 53) - 1)
 _1, _7, _11, _15, _18, _32 = (np.uint32(v) for v in (1, 7, 11, 15, 18, 32))
 
 
@@ -51,28 +51,33 @@ def _twist(mt):
     mt[N - 1] = _mix(mt[N - 1], mt[0], mt[M - 1])
 
 
+@njit(cache=True, inline="always")
+def _temper(y):
+    y ^= y >> _11
+    y ^= (y << _7) & _B
+    y ^= (y << _15) & _C
+    return y ^ (y >> _18)
+
+
 @njit(cache=True)
 def _uniforms(mt, pos, n):
-    """``n`` fp64 uniforms from state ``mt`` at output ``pos`` (N: twist first); returns them and the new pos."""
-    raw = np.empty(2 * n, dtype=np.uint32)
-    filled = 0
-    while filled < 2 * n:
+    """``n`` fp64 uniforms from state ``mt`` at output ``pos`` (N: twist first); returns them and the new
+    pos. Outputs are taken in pairs (``pos`` stays even), tempered a twist block at a time, and each
+    pair's 53 bits go to fp64 through int64 (exact below 2**53, and a vectorized conversion)."""
+    out = np.empty(n, dtype=np.float64)
+    block = np.empty(N, dtype=np.int64)
+    done = 0
+    while done < n:
         if pos == N:
             _twist(mt)
             pos = 0
-        take = min(N - pos, 2 * n - filled)
-        for i in range(take):
-            y = mt[pos + i]
-            y ^= y >> _11
-            y ^= (y << _7) & _B
-            y ^= (y << _15) & _C
-            raw[filled + i] = y ^ (y >> _18)
-        pos += take
-        filled += take
-    out = np.empty(n, dtype=np.float64)
-    for k in range(n):
-        word = (np.uint64(raw[2 * k]) << np.uint64(32)) | np.uint64(raw[2 * k + 1])
-        out[k] = np.float64(word & _LOW53) * 2.0**-53
+        take = min((N - pos) // 2, n - done)
+        for i in range(2 * take):
+            block[i] = np.int64(_temper(mt[pos + i]))
+        for k in range(take):
+            out[done + k] = np.float64(((block[2 * k] << 32) | block[2 * k + 1]) & _LOW53) * 2.0**-53
+        pos += 2 * take
+        done += take
     return out, pos
 
 

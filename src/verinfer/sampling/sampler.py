@@ -32,20 +32,20 @@ class Replay:
     gumbel_rank: torch.Tensor | None = None  # [N] claims' rank among kept x + G (0 = sampled)
 
 
-def _params_tensors(params: list[SamplingParams]):
-    temp = torch.tensor([p.effective_temperature for p in params], dtype=torch.float32)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+def _params_tensors(params: list[SamplingParams], device: torch.device):
+    temp = torch.tensor([p.effective_temperature for p in params], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
     return temp, top_k, top_p, min_p
 
 
 def _segment_argmax(scores: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, n: int):
     """Per-row max of ``scores`` and the smallest column reaching it (first index wins ties)."""
-    best = torch.full((n,), -INF, dtype=scores.dtype).scatter_reduce(0, rows, scores, "amax")
+    best = torch.full((n,), -INF, dtype=scores.dtype, device=scores.device).scatter_reduce(0, rows, scores, "amax")
     at_best = scores == best[rows]
     big = torch.iinfo(torch.int64).max
-    winner = torch.full((n,), big, dtype=torch.int64).scatter_reduce(
+    winner = torch.full((n,), big, dtype=torch.int64, device=scores.device).scatter_reduce(
         0, rows[at_best], cols[at_best], "amin"
     )
     return best, winner
@@ -65,16 +65,17 @@ def replay(
     """
     logits = logits.float()
     n, vocab = logits.shape
-    greedy = torch.tensor([p.is_greedy or not profile.seeded for p in params], dtype=torch.bool)
-    token = torch.empty(n, dtype=torch.int64)
+    dev = logits.device
+    greedy = torch.tensor([p.is_greedy or not profile.seeded for p in params], dtype=torch.bool, device=dev)
+    token = torch.empty(n, dtype=torch.int64, device=dev)
     out = Replay(token=token)
     if claimed is not None:
-        claimed = claimed.long()
-        out.margin = torch.zeros(n, dtype=torch.float64)
-        out.filter_distance = torch.zeros(n, dtype=torch.float64)
-        out.logprob = torch.empty(n, dtype=torch.float64)
-        out.logit_rank = torch.empty(n, dtype=torch.int64)
-        out.gumbel_rank = torch.empty(n, dtype=torch.int64)
+        claimed = claimed.long().to(dev)
+        out.margin = torch.zeros(n, dtype=torch.float64, device=dev)
+        out.filter_distance = torch.zeros(n, dtype=torch.float64, device=dev)
+        out.logprob = torch.empty(n, dtype=torch.float64, device=dev)
+        out.logit_rank = torch.empty(n, dtype=torch.int64, device=dev)
+        out.gumbel_rank = torch.empty(n, dtype=torch.int64, device=dev)
 
     for idx, replay_rows in ((greedy.nonzero().squeeze(1), _replay_greedy),
                              ((~greedy).nonzero().squeeze(1), _replay_seeded)):
@@ -110,12 +111,12 @@ def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -
         from verinfer.sampling import inverse_cdf
         return inverse_cdf.replay_into(logits, params, profile, keys, claimed, s_idx, out)
     sub = [params[i] for i in s_idx.tolist()]
-    temp, top_k, top_p, min_p = _params_tensors(sub)
+    temp, top_k, top_p, min_p = _params_tensors(sub, logits.device)
     x = logits[s_idx]
     if bool((temp != 1.0).any()):
         x = x / temp[:, None]
     kept = getattr(profile, "kept_set", kept_set)(x, top_k, top_p, min_p)  # an engine's own filters (sglang)
-    pick = s_idx.numpy()
+    pick = s_idx.cpu().numpy()
     sub_keys = RowKeys(requests=tuple(keys.requests[i] for i in pick.tolist()), seeds=keys.seeds[pick],
                        positions=keys.positions[pick], steps=keys.steps[pick], params=tuple(sub))
     n, vocab = x.shape
@@ -123,12 +124,12 @@ def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -
     r1, j1 = kept.in_view().nonzero(as_tuple=True)
     c1, v1 = kept.view_ids[r1, j1], kept.view[r1, j1].double()
     s1 = profile.noised(sub_keys, r1, c1, v1, vocab, kept)
-    floor = torch.full((n,), -INF, dtype=torch.float64).scatter_reduce(0, r1, s1, "amax")
+    floor = torch.full((n,), -INF, dtype=torch.float64, device=x.device).scatter_reduce(0, r1, s1, "amax")
     if claimed is not None:
         c = claimed[s_idx]
         xc = x.gather(1, c[:, None]).squeeze(1)
         is_kept = xc >= kept.threshold
-        sc = torch.full((n,), -INF, dtype=torch.float64)
+        sc = torch.full((n,), -INF, dtype=torch.float64, device=x.device)
         k_idx = is_kept.nonzero().squeeze(1)
         sc[k_idx] = profile.noised(sub_keys, k_idx, c[k_idx], xc[k_idx].double(), vocab, kept)
         floor = torch.where(is_kept, torch.minimum(floor, sc), floor)
@@ -157,7 +158,7 @@ def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -
     out.logit_rank[s_idx] = rank_in_row(x, kept.view, xc)  # x = raw / T has the raw logits' order
     # Tokens left unnoised score below the claim; a filtered claim ranks below every kept token.
     above = (scores_t > sc[rows_t]).long()
-    rank = torch.zeros(n, dtype=torch.int64).scatter_add(0, rows_t, above)
+    rank = torch.zeros(n, dtype=torch.int64, device=x.device).scatter_add(0, rows_t, above)
     n_kept = kept.in_view().sum(-1)
     count = (~kept.inside & ~is_kept).nonzero().squeeze(1)  # wide rows whose claim was filtered (rare)
     if count.numel():

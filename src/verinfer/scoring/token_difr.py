@@ -72,7 +72,8 @@ def score_block(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, trac
                 profiles: dict[str, Profile]) -> dict[str, np.ndarray]:
     """Token-DiFR scores for rows of logits; rows may mix traces and sampler profiles."""
     n = len(items)
-    claimed = torch.tensor([traces[i].output_token_ids[k] for i, k in zip(items, steps)], dtype=torch.long)
+    claimed = torch.tensor([traces[i].output_token_ids[k] for i, k in zip(items, steps)], dtype=torch.long,
+                           device=logits.device)
     cols = {
         "verifier_token": np.empty(n, np.int64), "margin": np.empty(n), "filter_distance": np.empty(n),
         "cross_entropy": np.empty(n), "logit_rank": np.empty(n, np.int64), "gumbel_rank": np.empty(n, np.int64),
@@ -85,18 +86,20 @@ def score_block(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, trac
     for name, rows in groups.items():
         idx = np.asarray(rows)
         profile = profiles.setdefault(name, get_profile(name))
-        block = logits if idx.size == n else logits[torch.as_tensor(idx)]  # one group: no [rows, V] copy
+        pick = torch.as_tensor(idx, device=logits.device)
+        block = logits if idx.size == n else logits[pick]  # one group: no [rows, V] copy
         out = replay(block, [traces[i].sampling for i in items[idx]], profile,
-                     _keys(traces, items[idx], steps[idx]), claimed=claimed[idx])
-        cols["verifier_token"][idx] = out.token.numpy()
-        cols["margin"][idx] = out.margin.numpy()
-        cols["filter_distance"][idx] = out.filter_distance.numpy()
-        cols["cross_entropy"][idx] = -out.logprob.numpy()
-        cols["logit_rank"][idx] = out.logit_rank.numpy()
-        cols["gumbel_rank"][idx] = out.gumbel_rank.numpy()
+                     _keys(traces, items[idx], steps[idx]), claimed=claimed[pick])
+        # The only transfer from the logits' device: one value per token and column.
+        cols["verifier_token"][idx] = out.token.cpu().numpy()
+        cols["margin"][idx] = out.margin.cpu().numpy()
+        cols["filter_distance"][idx] = out.filter_distance.cpu().numpy()
+        cols["cross_entropy"][idx] = -out.logprob.cpu().numpy()
+        cols["logit_rank"][idx] = out.logit_rank.cpu().numpy()
+        cols["gumbel_rank"][idx] = out.gumbel_rank.cpu().numpy()
         if getattr(out, "ipt_distance", None) is not None:  # inverse-CDF profiles (sampling/inverse_cdf.py)
-            cols["ipt_distance"][idx] = out.ipt_distance.numpy()
-    cols["claimed"] = claimed.numpy()
+            cols["ipt_distance"][idx] = out.ipt_distance.cpu().numpy()
+    cols["claimed"] = claimed.cpu().numpy()
     cols["exact_match"] = cols["verifier_token"] == cols["claimed"]
     cols["filtered"] = np.isinf(cols["margin"]) & (cols["filter_distance"] > 0)
     cols["trace_id"] = np.array([traces[i].id for i in items], dtype=object)
@@ -133,7 +136,7 @@ def _verify_plain(backend, traces, subset: np.ndarray, token_budget, row_block, 
     profiles: dict[str, Profile] = {}
     hook = None if on_sequence_hidden is None else (lambda j, h: on_sequence_hidden(int(subset[j]), h))
     for block in backend.prefill(sequences, starts, token_budget=token_budget, row_block=row_block,
-                                 on_sequence_hidden=hook):
+                                 on_sequence_hidden=hook, on_device=True):
         items, steps = subset[block.items.numpy()], block.steps.numpy()
         cols = score_block(block.logits, items, steps, traces, profiles)
         for i in np.unique(items[steps == np.array([len(traces[j].output_token_ids) - 1 for j in items])]):

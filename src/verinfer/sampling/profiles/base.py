@@ -8,10 +8,12 @@ source file and version it follows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from numba import njit
 
 from verinfer.sampling.filters import KeptSet
 from verinfer.sampling.params import SamplingParams
@@ -27,6 +29,38 @@ def reach(x: np.ndarray, floor) -> np.ndarray:
     then be at most this."""
     f = (np.asarray(floor, dtype=np.float64) - PRUNE_SLACK).astype(x.dtype)
     return np.exp(np.minimum(x - f, x.dtype.type(0)))
+
+
+@njit(cache=True)
+def reaching(x, w, threshold, floor, complement):
+    """Indices of a row's tokens with ``x >= threshold`` that may reach ``floor``, from each token's
+    uniform-like quantity ``w`` (``u``, or ``1 - u`` with ``complement``) that must be at most
+    ``exp(x - floor)`` (``reach``). Tested here against ``(1 + a / 8) ** -8 >= exp(-a)`` (a >= 0), a
+    superset found in one compiled pass with no ``exp``; callers score every token found exactly, so
+    the few extra tokens cost a logarithm each and never change a result."""
+    f = np.float32(floor - PRUNE_SLACK)
+    keep = np.empty(x.size, dtype=np.bool_)
+    for i in range(x.size):
+        a = max(f - x[i], np.float32(0)) * np.float32(0.125) + np.float32(1)
+        a = a * a
+        a = a * a
+        a = a * a
+        v = (1.0 - w[i]) if complement else w[i]
+        keep[i] = (x[i] >= threshold) & (v * a <= 1.0)
+    return np.flatnonzero(keep)
+
+
+def dense_on_cpu(method):
+    """For ``noised_dense_above`` of a profile whose noise comes from a CPU stream or numpy: rows whose
+    logits live on another device come to the CPU (one ``[rows, V]`` transfer of the wide rows only;
+    filtered rows never get here) and the pairs found go back to that device."""
+    @functools.wraps(method)
+    def wrapper(self, keys, rows, x, threshold, floor, kept=None):
+        if x.device.type == "cpu":
+            return method(self, keys, rows, x, threshold, floor, kept)
+        found = method(self, keys, rows.cpu(), x.cpu(), threshold.cpu(), floor.cpu(), None)
+        return tuple(t.to(x.device) for t in found)
+    return wrapper
 
 
 @dataclass(frozen=True)
@@ -82,7 +116,7 @@ class Profile:
 
     def noise_bound(self, keys: RowKeys) -> torch.Tensor:
         """Per-row upper bound on G (fp64); +inf disables pruning."""
-        return torch.full((len(keys.requests),), float("inf"), dtype=torch.float64)
+        return torch.full((len(keys.requests),), float("inf"), dtype=torch.float64, device="cpu")
 
     def problems(self, params: SamplingParams) -> list[str]:
         """What this profile cannot replay in ``params`` (empty when it can)."""

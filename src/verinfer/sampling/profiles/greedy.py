@@ -13,4 +13,4 @@ class GreedyProfile(Profile):
     description = "argmax of the raw logits; no noise, no filters"
 
     def gumbel(self, keys, rows, cols, vocab_size):
-        return torch.zeros(rows.shape[0], dtype=torch.float64)
+        return torch.zeros(rows.shape[0], dtype=torch.float64, device=rows.device)

@@ -81,7 +81,8 @@ def uses_sorted_path(params) -> bool:
 def sorted_ranks(x: torch.Tensor) -> torch.Tensor:
     """Each token's place in SGLang's sort of ``softmax(x)`` (fp32, descending, ties by id), [N, V] int64."""
     order = torch.softmax(x.float(), dim=-1).sort(dim=-1, descending=True, stable=True).indices
-    return torch.empty_like(order).scatter_(1, order, torch.arange(x.shape[1]).expand_as(order).contiguous())
+    ranks = torch.arange(x.shape[1], device=x.device).expand_as(order).contiguous()
+    return torch.empty_like(order).scatter_(1, order, ranks)
 
 
 def sglang_keep_counts(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,7 @@ def sglang_keep_counts(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     sorted_p = torch.softmax(x.float(), dim=-1).sort(dim=-1, descending=True, stable=True).values
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-    keep = (torch.arange(vocab)[None, :] < k[:, None]) & ~(mass_before > top_p.float()[:, None])
+    keep = (torch.arange(vocab, device=x.device)[None, :] < k[:, None]) & ~(mass_before > top_p.float()[:, None])
     keep[:, 0] = True
     return keep.sum(-1)
 
@@ -117,7 +118,7 @@ class SglangProfile(Profile):
 
     def gumbel_cols(self, keys, rows, cols, kept) -> torch.Tensor:
         """The hashed column of each pair: the token id, or its sorted rank on the sorted path."""
-        sorted_rows = torch.tensor([uses_sorted_path(p) for p in keys.params], dtype=torch.bool)
+        sorted_rows = torch.tensor([uses_sorted_path(p) for p in keys.params], dtype=torch.bool, device=rows.device)
         out = cols.clone()
         pick = sorted_rows[rows]
         if bool(pick.any()):
@@ -127,7 +128,7 @@ class SglangProfile(Profile):
                                    "the sampler did not call Profile.kept_set")
             need = [r for r in torch.unique(rows[pick]).tolist() if r not in cache["rows"]]
             if need:
-                for r, rank in zip(need, sorted_ranks(cache["x"][torch.tensor(need)])):
+                for r, rank in zip(need, sorted_ranks(cache["x"][torch.tensor(need, device=cache["x"].device)])):
                     cache["rows"][r] = rank
             uniq = torch.unique(rows[pick])
             table = torch.stack([cache["rows"][r] for r in uniq.tolist()])
@@ -169,7 +170,7 @@ class SglangProfile(Profile):
         return cat(out_r, np.int64), cat(out_c, np.int64), cat(out_s, np.float64)
 
     def noise_bound(self, keys):
-        return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64)
+        return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64, device="cpu")
 
     def problems(self, params):
         out = []

@@ -96,25 +96,25 @@ class TransformersProfile(Profile):
         lo, hi = int(steps.min()), int(steps.max()) + 1
         st = self._streams.get(request)
         if st is not None and st.rows is not None and st.first <= lo and hi <= st.first + st.rows.shape[0]:
-            return st.rows[torch.as_tensor(steps - st.first)]
+            return st.rows[torch.from_numpy(steps - st.first)]
         if st is None or lo < st.next_step:
             st = _Stream(torch.Generator(device="cpu").manual_seed(int(seed) % 2**64), 0)
         per_chunk = max(1, _CHUNK_FLOATS // (batch * vocab))
         while st.next_step < lo:  # skip whole blocks nobody asked for
             m = min(per_chunk, lo - st.next_step)
-            torch.empty(m, batch, vocab).exponential_(generator=st.gen)
+            torch.empty(m, batch, vocab, device="cpu").exponential_(generator=st.gen)
             st.next_step += m
         parts = []
         while st.next_step < hi:
             m = min(per_chunk, hi - st.next_step)
-            parts.append(torch.empty(m, batch, vocab).exponential_(generator=st.gen)[:, row].clone())
+            parts.append(torch.empty(m, batch, vocab, device="cpu").exponential_(generator=st.gen)[:, row].clone())
             st.next_step += m
         st.first, st.rows = lo, torch.cat(parts)
         self._streams[request] = st
-        return st.rows[torch.as_tensor(steps - lo)]
+        return st.rows[torch.from_numpy(steps - lo)]
 
     def gumbel(self, keys, rows, cols, vocab_size):
-        out = torch.empty(rows.shape[0], dtype=torch.float64)
+        out = torch.empty(rows.shape[0], dtype=torch.float64, device="cpu")
         rows_np = rows.cpu().numpy()
         cols = cols.cpu()
         requests = np.asarray(keys.requests)
@@ -131,7 +131,7 @@ class TransformersProfile(Profile):
         return out
 
     def noise_bound(self, keys):
-        return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64)
+        return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64, device="cpu")
 
     def problems(self, params):
         out = stream_problems(params.stream)

@@ -59,7 +59,7 @@ import torch
 from numba import njit
 
 from verinfer.sampling.libm import log_c
-from verinfer.sampling.profiles.base import Profile, RowKeys, reach
+from verinfer.sampling.profiles.base import Profile, RowKeys, dense_on_cpu, reaching
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -122,7 +122,8 @@ def step_seeds(seed: int, n_steps: int, skip: int = 0) -> np.ndarray:
 
 def _draw(gen: torch.Generator, n: int) -> np.ndarray:
     # One (1,)-shaped draw per step, exactly as the engine calls it.
-    return np.array([int(torch.randint(0, 2**31, (1,), generator=gen)) for _ in range(n)], dtype=np.uint64)
+    return np.array([int(torch.randint(0, 2**31, (1,), generator=gen, device="cpu")) for _ in range(n)],
+                    dtype=np.uint64)
 
 
 @dataclass
@@ -163,21 +164,19 @@ class VllmCpuProfile(Profile):
         g = gumbel_noise(seeds[rows.cpu().numpy()], cols.cpu().numpy())
         return torch.from_numpy(g).to(cols.device)
 
+    @dense_on_cpu
     def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
         """Whole rows on the CPU: ``u`` for every token (integer work), logarithms only for tokens whose
         ``u`` lets them reach the floor: ``g = -log(-log u) >= floor - x`` iff ``-log u <= exp(x - floor)``,
-        which needs ``1 - u <= exp(x - floor)`` (``-log u >= 1 - u``); that looser test costs one fp32
-        ``exp`` per token and keeps a few more tokens, whose exact scores are computed. ``1 - u`` is exact
-        in fp64 where it matters (``u >= 1/2``); the slack covers the fp32 rounding of ``x - floor`` and
-        of ``exp``."""
-        if x.device.type != "cpu":
-            return super().noised_dense_above(keys, rows, x, threshold, floor, kept)
+        which needs ``1 - u <= exp(x - floor)`` (``-log u >= 1 - u``; ``base.reaching``, which keeps a few
+        more tokens, whose exact scores are computed). ``1 - u`` is exact in fp64 where it matters
+        (``u >= 1/2``); the slack covers the fp32 rounding of ``x - floor``."""
         seeds = self._row_seeds(keys)
         out_r, out_c, out_s = [], [], []
         for i, r in enumerate(rows.tolist()):
             xr = x[i].numpy()
             u = _uniform_row(seeds[r], x.shape[1])
-            cols = np.flatnonzero((xr >= threshold[i].item()) & (1.0 - u <= reach(xr, floor[i])))
+            cols = reaching(xr, u, threshold[i].item(), floor[i].item(), True)
             out_r.append(np.full(cols.size, i))
             out_c.append(cols)
             out_s.append(xr[cols].astype(np.float64) - log_c(-log_c(u[cols])))
@@ -185,7 +184,7 @@ class VllmCpuProfile(Profile):
         return cat(out_r, np.int64), cat(out_c, np.int64), cat(out_s, np.float64)
 
     def noise_bound(self, keys):
-        return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64)
+        return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64, device="cpu")
 
     def problems(self, params):
         out = []

@@ -50,7 +50,7 @@ from numba import njit
 
 from verinfer.sampling.mt19937 import Mt19937
 from verinfer.sampling.philox import MASK32, SHIFT32, int64_words, philox4
-from verinfer.sampling.profiles.base import Profile, RowKeys, reach
+from verinfer.sampling.profiles.base import Profile, RowKeys, dense_on_cpu, reaching
 
 STREAM_KEYS = ("cuda_threads",)
 BLOCK = 256  # block_size_bound in DistributionTemplates.h
@@ -143,7 +143,7 @@ def _rows_of(block: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
     idx = np.asarray(idx)
     if idx.size and idx[0] + idx.size - 1 == idx[-1] and (idx.size < 2 or bool((np.diff(idx) == 1).all())):
         return block[int(idx[0]):int(idx[0]) + idx.size]
-    return block[torch.as_tensor(idx)]
+    return block[torch.from_numpy(idx)]
 
 
 @dataclass
@@ -188,12 +188,13 @@ class VllmV1Profile(Profile):
             yield torch.from_numpy(at), block, torch.from_numpy(lookup[rows_np[at]])
 
     def gumbel(self, keys, rows, cols, vocab_size):
-        out = torch.empty(rows.shape[0], dtype=torch.float64)
+        out = torch.empty(rows.shape[0], dtype=torch.float64, device="cpu")
         cols = cols.cpu()
         for at, block, local in self._by_request(keys, rows.cpu().numpy(), vocab_size):
             out[at] = gumbel_from_uniforms(block[local, cols[at]])
         return out
 
+    @dense_on_cpu
     def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
         """Dense rows: draw each row's uniforms, keep kept tokens whose ``u <= exp(x - floor)`` (the
         only ones that can reach the floor, module docstring) and compute ``q`` for those alone."""
@@ -201,8 +202,8 @@ class VllmV1Profile(Profile):
         for at, block, local in self._by_request(keys, rows.cpu().numpy(), x.shape[1]):
             for i, row in zip(at.tolist(), local.tolist()):
                 xr, u = x[i].numpy(), block[row].numpy()
-                cols = np.flatnonzero((xr >= threshold[i].item()) & (u.astype(np.float32) <= reach(xr, floor[i])))
-                found_r.append(torch.full((cols.size,), i))
+                cols = reaching(xr, u, threshold[i].item(), floor[i].item(), False)
+                found_r.append(torch.full((cols.size,), i, device="cpu"))
                 found_c.append(torch.from_numpy(cols))
                 found_s.append(torch.from_numpy(xr[cols].astype(np.float64)) + gumbel_from_uniforms(
                     torch.from_numpy(u[cols])))
@@ -238,22 +239,21 @@ class VllmV1CudaProfile(VllmV1Profile):
             out[idx] = cuda_exponential(seed, keys.steps[rows_np[idx]], cols_np[idx], vocab_size, t)
         return -torch.log(torch.from_numpy(out).double())
 
+    @dense_on_cpu
     def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
         """Whole rows on the CPU: every entry's ``u`` in one vectorized pass (cheaper than testing which
-        to hash), logarithms only where ``1 - u <= exp(x - floor)`` and the token is kept. A token
+        to hash), logarithms only where ``1 - u <= exp(x - floor)`` may hold (``base.reaching``). A token
         reaches the floor only if ``q <= exp(x - floor)``, and ``q >= 1 - u`` (``-log u >= 1 - u``; the fp32
         rounding of ``log`` is within the slack; ``u`` rounded to 1 gives ``q = 2**-24 >= 1 - u``)."""
-        if x.device.type != "cpu":
-            return Profile.noised_dense_above(self, keys, rows, x, threshold, floor, kept)  # noise_bound pruning
         threads = self._threads(keys)
         out_r, out_c, out_s = [], [], []
         for i, r in enumerate(rows.tolist()):
             xr, f = x[i].numpy(), float(floor[i])
             k0, k1, t, per_draw = _stream(keys.seeds[r], x.shape[1], threads[r])
             u = _cuda_row(k0, k1, np.uint64(keys.steps[r]), int(t), int(per_draw), x.shape[1])
-            cols = np.flatnonzero((xr >= threshold[i].item()) & (np.float32(1) - u <= reach(xr, f)))
+            cols = reaching(xr, u, threshold[i].item(), f, True)
             u = u[cols]
-            out_r.append(torch.full((cols.size,), i))
+            out_r.append(torch.full((cols.size,), i, device="cpu"))
             out_c.append(torch.from_numpy(cols))
             out_s.append(torch.from_numpy(xr[cols].astype(np.float64)) + exponential_of(u)[1])
         return torch.cat(out_r), torch.cat(out_c), torch.cat(out_s)
@@ -261,7 +261,7 @@ class VllmV1CudaProfile(VllmV1Profile):
     def noise_bound(self, keys):
         """``G = -log q`` is largest at the smallest ``q``, ``2**-24`` (``u`` rounded to 1), so G <= 16.64:
         tokens that cannot reach the winner are never hashed (a counter-based stream draws per entry)."""
-        return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64)
+        return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64, device="cpu")
 
     def problems(self, params):
         out = super().problems(params.with_(stream=None))

@@ -1,0 +1,155 @@
+"""Audits of a real ``llama_cpp.server`` (llama-cpp-python 0.3.36, its own venv) on loopback.
+
+Marked ``engines`` (``python -m pytest -q -m engines``; ``.ci/run`` runs them). The server runs the
+F32 copy of verinfer's bundled GGUF (``engines/llama_cpp/f32_gguf.py``: every tensor dequantized,
+exactly verinfer's fp32 reference weights), so an honest server differs from the reference only by
+kernel rounding. The server cannot take a prompt as token ids and returns no token ids: the audit
+sends chat messages (the server applies the GGUF's chat template) and re-tokenizes the returned
+text. Its defaults (top-k 40, min-p 0.05, repeat penalty 1.1, greedy included) are neutralised
+with ``extra_body``. Checked: greedy and seeded (``--sampler llama.cpp``) audits of the honest
+server are CONSISTENT; the same server behind ``engines/vllm_cpu/seed_proxy.py`` (seed + 1) is
+INCONSISTENT in seeded mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.engines
+
+ROOT = Path(__file__).resolve().parents[1]
+ENGINE = ROOT / "engines" / "llama_cpp"
+READY_S = 300  # the F32 model (540 MB) loads in a few seconds on the idle machine
+NEUTRAL = {"top_k": 0, "min_p": 0, "repeat_penalty": 1}  # llama-cpp-python's server defaults otherwise apply
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _process(argv: list[str], log: Path, url: str, env: dict | None = None, ready_s: float = 60):
+    """Start ``argv``, wait until ``url`` answers 200, yield; stop it afterwards."""
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + ready_s
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"{argv[2]} exited with {proc.returncode}: {log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                pytest.fail(f"{argv[2]} not ready after {ready_s} s: {log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def engine_python() -> Path:
+    venv = subprocess.run(["bash", str(ENGINE / "setup.sh")], check=True, capture_output=True, text=True).stdout
+    return Path(venv.strip().splitlines()[-1]) / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def f32_gguf(engine_python, tmp_path_factory) -> Path:
+    from verinfer.models.load import resolve
+
+    out = tmp_path_factory.mktemp("gguf") / "smollm2-135m-f32.gguf"
+    subprocess.run([str(engine_python), str(ENGINE / "f32_gguf.py"), str(resolve("smollm2-135m").path), str(out)],
+                   check=True, capture_output=True, text=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def llama_url(engine_python, f32_gguf, tmp_path_factory):
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    log = tmp_path_factory.mktemp("llama") / "server.log"
+    argv = [str(engine_python), "-m", "llama_cpp.server", "--model", str(f32_gguf), "--model_alias", "smollm2-135m",
+            "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1", "--n_ctx", "1024",
+            "--logits_all", "False", "--verbose", "False"]
+    base = f"http://127.0.0.1:{port}"
+    with _process(argv, log, f"{base}/v1/models", env, READY_S):
+        yield f"{base}/v1"
+
+
+@pytest.fixture(scope="module")
+def proxy_url(llama_url, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("proxy") / "proxy.log"
+    argv = [sys.executable, str(ROOT / "engines" / "vllm_cpu" / "seed_proxy.py"), "--upstream",
+            llama_url.removesuffix("/v1"), "--port", str(port)]
+    with _process(argv, log, f"http://127.0.0.1:{port}/v1/models"):
+        yield f"http://127.0.0.1:{port}/v1"
+
+
+def _audit(backend, providers, out: Path, **kw):
+    from verinfer.api import audit
+
+    return audit(providers, out=out, backend=backend, prompts="chitchat", prompt_seed=3, concurrency=2,
+                 api_key_env=None, extra_body=NEUTRAL, **kw)
+
+
+def test_the_server_takes_no_token_id_prompts_and_returns_no_token_ids(llama_url):
+    r = httpx.post(f"{llama_url}/completions", json={"prompt": [1, 2, 3], "max_tokens": 2}, timeout=60)
+    assert r.status_code >= 400 and "Input should be a valid string" in r.text, r.text[:300]
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+            "return_token_ids": True, **NEUTRAL}
+    choice = httpx.post(f"{llama_url}/chat/completions", json=body, timeout=60).json()["choices"][0]
+    assert "token_ids" not in choice and isinstance(choice["message"]["content"], str)
+
+
+def test_greedy_audit_of_a_real_llama_cpp_server(llama_url, backend, tmp_path):
+    result = _audit(backend, {"llama": llama_url}, tmp_path, n=6, max_tokens=24)
+    a = result.providers[0]
+    print(f"\ngreedy: {a.verdict.text}")
+    assert a.verdict.consistent, a.verdict.text
+    assert a.verdict.tokens >= 60
+    assert np.mean(a.columns["exact_match"]) >= 0.99
+    assert {c.source for c in a.claims} == {"retokenized"}  # the server returns text only
+    assert not any(c.drift.get("round_trip_mismatch") for c in a.claims)
+    assert not a.served["warnings"], a.served["warnings"]  # usage counts agree with the re-tokenized text
+
+
+def test_seeded_audit_of_a_real_llama_cpp_server_and_of_a_seed_rewriting_proxy(llama_url, proxy_url, backend,
+                                                                                 tmp_path):
+    """Bands for the configuration are built here (honest fp32 and bf16 only, to stay small)."""
+    from verinfer.auditing.bands import build_bands
+    from verinfer.auditing.plan import AuditSpec
+    from verinfer.prompts import load_prompts
+
+    seeded = dict(mode="seeded", sampler="llama.cpp", temperature=1.0, top_k=50, top_p=0.95, seed=100,
+                  max_tokens=24)
+    bands = tmp_path / "bands.json"
+    bands.write_text(json.dumps(build_bands(backend, load_prompts("chitchat", 8, seed=11), AuditSpec(**seeded),
+                                            variants=("honest", "bf16"))))
+    result = _audit(backend, {"llama": llama_url, "proxy": proxy_url}, tmp_path / "audit", n=6, bands=bands,
+                    **seeded)
+    honest, proxy = result.providers
+    print(f"\nseeded: llama {honest.verdict.text}; proxy {proxy.verdict.text}")
+    assert honest.verdict.consistent, honest.verdict.text
+    assert np.mean(honest.columns["exact_match"]) >= 0.95
+    assert not proxy.verdict.consistent, proxy.verdict.text
+    stored = json.loads((tmp_path / "audit" / "proxy" / "responses.jsonl").read_text().splitlines()[0])
+    assert stored["request"]["repeat_penalty"] == 1 and stored["request"]["top_k"] == 50  # the claim wins
