@@ -280,19 +280,21 @@ def test_params_problems():
 
 
 @pytest.mark.parametrize("fp64", [False, True])
-@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_pruned_vllm_replay_equals_noising_every_token(fp64, temperature):
+@pytest.mark.parametrize("temperature,top_p", [(0.5, 1.0), (1.0, 1.0), (2.0, 1.0), (1.0, 0.95), (2.0, 0.9)])
+def test_pruned_vllm_replay_equals_noising_every_token(fp64, temperature, top_p):
     """The replay noises only tokens that can reach the best score; winner, margin and rank must
-    equal those of noising the whole vocabulary (in the engine's own fp32 or fp64 arithmetic)."""
+    equal those of noising the whole vocabulary (in the engine's own fp32 or fp64 arithmetic), the
+    tokens top-p leaves out scoring -inf (a claim among them: margin inf, ranked below every kept one)."""
     torch.manual_seed(0)
     n, vocab = 40, 5000
     logits = torch.randn(n, vocab) * 4
-    p = SamplingParams(temperature=temperature, seed=7, fp64_gumbel=fp64)
+    p = SamplingParams(temperature=temperature, seed=7, fp64_gumbel=fp64, top_p=top_p)
     keys = RowKeys(tuple(["r"] * n), np.array([7] * n, dtype=object), np.arange(n) + 3, np.arange(n), params=(p,) * n)
     prof = get_profile("vllm")
     g = prof.gumbel(keys, torch.arange(n).repeat_interleave(vocab), torch.arange(vocab).repeat(n), vocab).reshape(n, vocab)
     x = logits / temperature if temperature != 1 else logits
     s = x.double() + g if fp64 else (x + g.float()).double()
+    s[x < kept_set(x, torch.full((n,), -1), torch.full((n,), top_p), torch.zeros(n)).threshold[:, None]] = -torch.inf
     other = torch.randint(0, vocab, (n,))
     r = replay(logits, [p] * n, prof, keys, claimed=other)
     assert torch.equal(r.token, s.argmax(-1))

@@ -111,7 +111,7 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
     return tau, log_norm, inside, needs_wider, top_vals, top_ids, base_norm
 
 
-def _top_p_views(x: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor, bins: int = 512,
+def _top_p_views(x: torch.Tensor, top: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor, bins: int = 512,
                  span: float = 64.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views meant to hold each row's whole top-p set: the tokens at or above the highest edge of a
     probability-weighted histogram (``bins`` bins over the ``span`` logits below the row's maximum)
@@ -121,7 +121,6 @@ def _top_p_views(x: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor, b
     computes the threshold from the view exactly, and a view that top-p fills after all is widened
     again, so a poor estimate costs time, never correctness."""
     n = x.shape[0]
-    top = x.max(-1).values
     probs = torch.exp(x - log_norm.float()[:, None])
     bin_of = ((top[:, None] - x) * (bins / span)).long().clamp_(0, bins)  # bin 0 holds the maximum
     mass = torch.zeros(n, bins + 1, device=x.device).scatter_add_(1, bin_of, probs)[:, :bins].cumsum(1)
@@ -156,7 +155,7 @@ def kept_set(
         later, idx = idx[~no_k], idx[no_k]
         xs = x[idx]
         t2, l2, _, again, _, _, _ = _block_kept(xs, top_k[idx], top_p[idx], min_p[idx], width, base_norm[idx],
-                                                _top_p_views(xs, base_norm[idx], top_p[idx]))
+                                                _top_p_views(xs, top_vals[idx, 0], base_norm[idx], top_p[idx]))
         done = idx[~again]
         tau[done], log_norm[done] = t2[~again], l2[~again]
         inside[done] = top_vals[done, -1] < tau[done]

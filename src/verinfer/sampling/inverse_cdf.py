@@ -58,7 +58,8 @@ def replay_into(logits, params, profile, keys, claimed, s_idx: torch.Tensor, out
                        positions=keys.positions[pick], steps=keys.steps[pick], params=tuple(sub_params))
     dev = logits.device
     with torch.device("cpu"):  # a serial CDF walk per row (llama.cpp is a CPU engine): the rows come to the CPU
-        sub = replay(logits[s_idx].cpu(), sub_params, profile, sub_keys, None if claimed is None else claimed[s_idx].cpu())
+        sub = replay(logits[s_idx].cpu(), sub_params, profile, sub_keys,
+                     None if claimed is None else claimed[s_idx].cpu())
     out.token[s_idx] = sub.token.to(dev)
     if claimed is None:
         return

@@ -118,7 +118,8 @@ class SglangProfile(Profile):
 
     def gumbel_cols(self, keys, rows, cols, kept) -> torch.Tensor:
         """The hashed column of each pair: the token id, or its sorted rank on the sorted path."""
-        sorted_rows = torch.tensor([uses_sorted_path(p) for p in keys.params], dtype=torch.bool, device=rows.device)
+        sorted_rows = torch.tensor([uses_sorted_path(p) for p in keys.params], dtype=torch.bool,
+                                   device=rows.device)
         out = cols.clone()
         pick = sorted_rows[rows]
         if bool(pick.any()):

@@ -99,7 +99,12 @@ class VllmProfile(Profile):
         state, pos, fp64 = self._rows(keys)
         device = cols.device
         if device.type != "cpu":
-            return self._noised_torch(keys, state, pos, fp64, rows, cols, x)
+            if not fp64.any():
+                return self._noised_torch(state, rows, cols, x)
+            # fp64 mode hashes twice and takes fp64 logarithms with the C library's log: on the CPU
+            found = self._noised(keys, rows.cpu(), cols.cpu(), x.cpu(), vocab_size,
+                                 None if floor is None else floor.cpu())
+            return tuple(t.to(device) for t in found)
         rows_np, cols_np, x_np = rows.numpy(), cols.numpy(), x.numpy()
         vocab = max(vocab_size, int(cols_np.max()) + 1 if cols_np.size else 1)
         h = murmur3.hash_pairs_np(state, rows_np, cols_np, vocab)
@@ -117,9 +122,8 @@ class VllmProfile(Profile):
             scores[wide] = x_np[wide] - log_c(-log_c(uniform64(h[wide], hi)))
         return torch.from_numpy(keep), torch.from_numpy(scores[keep])
 
-    def _noised_torch(self, keys, state, pos, fp64, rows, cols, x):
-        if fp64.any():
-            raise NotImplementedError("vLLM's fp64 noise is computed on the CPU only; verify fp64 traces with --device cpu")
+    def _noised_torch(self, state, rows, cols, x):
+        """fp32 mode on the logits' device (torch Murmur3 and the kernel's series)."""
         h = murmur3.hash_pairs_torch(state, rows, cols)
         scores = (x.float() + _torch_gumbel32(h)).double()
         return torch.ones(rows.shape[0], dtype=torch.bool, device=cols.device), scores
@@ -145,16 +149,19 @@ class VllmProfile(Profile):
         words = murmur3.token_words(x.shape[1])
         out_r, out_c, out_s = [], [], []
         for i, r in enumerate(rows.tolist()):
-            xr = x[i].numpy()
-            h = murmur3.finish_np(state[r], words)
-            bound = reach(xr.astype(np.float64), float(floor[i]))
+            xr, tau = x[i].numpy(), threshold[i].item()
+            ids = None if tau == float("-inf") else np.flatnonzero(xr >= tau)  # a wide top-p row: its kept tokens
+            xs, w = (xr, words) if ids is None else (xr[ids], words[ids])
+            h = murmur3.finish_np(state[r], w)
+            bound = reach(xs.astype(np.float64), float(floor[i]))
             if fp64[r]:
-                hi = murmur3.finish_np(hi_state[r], words)
-                cols = np.flatnonzero((xr >= threshold[i].item()) & (hi >= (1.0 - bound) * 2.0**32 - 1.0))
-                scores = xr[cols] - log_c(-log_c(uniform64(h[cols], hi[cols])))
+                hi = murmur3.finish_np(hi_state[r], w)
+                sel = np.flatnonzero(hi >= (1.0 - bound) * 2.0**32 - 1.0)
+                scores = xs[sel] - log_c(-log_c(uniform64(h[sel], hi[sel])))
             else:
-                cols = np.flatnonzero((xr >= threshold[i].item()) & (h <= bound * 2.0**32))
-                scores = (xr[cols] + gumbel32(uniform32(h[cols]))).astype(np.float64)
+                sel = np.flatnonzero(h <= bound * 2.0**32)
+                scores = (xs[sel] + gumbel32(uniform32(h[sel]))).astype(np.float64)
+            cols = sel if ids is None else ids[sel]
             out_r.append(np.full(cols.size, i))
             out_c.append(cols)
             out_s.append(scores)
