@@ -1,11 +1,19 @@
-"""Test helpers: run any ASGI app on a real loopback socket in a background thread."""
+"""Test helpers: run any ASGI app on a real loopback socket in a background thread; start a real
+engine's server (or the seed-rewriting proxy) as a process and wait until it answers."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
+import httpx
+import pytest
 import uvicorn
 
 from verinfer.serve.runner import base_url, bind
@@ -27,3 +35,45 @@ def asgi_in_thread(app, prefix: str = "/v1"):
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving_process(argv: list[str], log: Path, url: str, env: dict | None = None, ready_s: float = 60):
+    """Start ``argv`` (output to ``log``), wait until ``url`` answers 200, yield; stop it afterwards."""
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + ready_s
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"{argv[2]} exited with {proc.returncode}: {log.read_text()[-3000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url, timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                pytest.fail(f"{argv[2]} not ready after {ready_s} s: {log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextmanager
+def seed_proxy(upstream: str, log_dir: Path):
+    """``engines/vllm_cpu/seed_proxy.py`` (every request's seed + 1) in front of ``upstream`` (``.../v1``);
+    yields its own ``.../v1`` URL."""
+    port = free_port()
+    argv = [sys.executable, str(Path(__file__).resolve().parents[1] / "engines" / "vllm_cpu" / "seed_proxy.py"),
+            "--upstream", upstream.removesuffix("/v1"), "--port", str(port)]
+    with serving_process(argv, log_dir / "proxy.log", f"http://127.0.0.1:{port}/v1/models"):
+        yield f"http://127.0.0.1:{port}/v1"

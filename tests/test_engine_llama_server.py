@@ -13,18 +13,16 @@ INCONSISTENT in seeded mode.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import socket
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
+
+from tests.audit_servers import free_port, seed_proxy, serving_process
 
 pytestmark = pytest.mark.engines
 
@@ -32,37 +30,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engines" / "llama_cpp"
 READY_S = 300  # the F32 model (540 MB) loads in a few seconds on the idle machine
 NEUTRAL = {"top_k": 0, "min_p": 0, "repeat_penalty": 1}  # llama-cpp-python's server defaults otherwise apply
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _process(argv: list[str], log: Path, url: str, env: dict | None = None, ready_s: float = 60):
-    """Start ``argv``, wait until ``url`` answers 200, yield; stop it afterwards."""
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + ready_s
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"{argv[2]} exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"{argv[2]} not ready after {ready_s} s: {log.read_text()[-3000:]}")
-            time.sleep(1)
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 @pytest.fixture(scope="module")
@@ -83,25 +50,21 @@ def f32_gguf(engine_python, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def llama_url(engine_python, f32_gguf, tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = tmp_path_factory.mktemp("llama") / "server.log"
     argv = [str(engine_python), "-m", "llama_cpp.server", "--model", str(f32_gguf), "--model_alias", "smollm2-135m",
             "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1", "--n_ctx", "1024",
             "--logits_all", "False", "--verbose", "False"]
     base = f"http://127.0.0.1:{port}"
-    with _process(argv, log, f"{base}/v1/models", env, READY_S):
+    with serving_process(argv, log, f"{base}/v1/models", env, READY_S):
         yield f"{base}/v1"
 
 
 @pytest.fixture(scope="module")
 def proxy_url(llama_url, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    argv = [sys.executable, str(ROOT / "engines" / "vllm_cpu" / "seed_proxy.py"), "--upstream",
-            llama_url.removesuffix("/v1"), "--port", str(port)]
-    with _process(argv, log, f"http://127.0.0.1:{port}/v1/models"):
-        yield f"http://127.0.0.1:{port}/v1"
+    with seed_proxy(llama_url, tmp_path_factory.mktemp("proxy")) as url:
+        yield url
 
 
 def _audit(backend, providers, out: Path, **kw):

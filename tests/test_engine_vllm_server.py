@@ -10,30 +10,20 @@ consistent and a smaller model of the same family (verinfer's own server, ``laye
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
+
+from tests.audit_servers import free_port, seed_proxy, serving_process
 
 pytestmark = pytest.mark.engines
 
 ENGINE = Path(__file__).resolve().parents[1] / "engines" / "vllm_cpu"
 READY_S = 900  # the CPU build loads in about 2.5 min on an idle 2-core machine
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run_module():
@@ -43,54 +33,25 @@ def _run_module():
     return module
 
 
-@contextlib.contextmanager
-def _process(argv: list[str], log: Path, url: str, env: dict | None = None, ready_s: float = 60):
-    """Start ``argv``, wait until ``url`` answers 200, yield; stop it afterwards."""
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + ready_s
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"{argv[2]} exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(url, timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                pytest.fail(f"{argv[2]} not ready after {ready_s} s: {log.read_text()[-3000:]}")
-            time.sleep(2)
-        yield
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory):
     run = _run_module()
     python, directory = run.engine_python(), run.model_dir("smollm2-135m")
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
             "--served-model-name", "smollm2-135m", "--dtype", "float32", "--enforce-eager",
             "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)]
     base = f"http://127.0.0.1:{port}"
-    with _process(argv, log, f"{base}/v1/models", env, READY_S):
+    with serving_process(argv, log, f"{base}/v1/models", env, READY_S):
         yield f"{base}/v1"
 
 
 @pytest.fixture(scope="module")
 def proxy_url(vllm_url, tmp_path_factory):
-    port = _free_port()
-    log = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    argv = [sys.executable, str(ENGINE / "seed_proxy.py"), "--upstream", vllm_url.removesuffix("/v1"),
-            "--port", str(port)]
-    with _process(argv, log, f"http://127.0.0.1:{port}/v1/models"):
-        yield f"http://127.0.0.1:{port}/v1"
+    with seed_proxy(vllm_url, tmp_path_factory.mktemp("proxy")) as url:
+        yield url
 
 
 def _audit(backend, providers, out: Path, **kw):
