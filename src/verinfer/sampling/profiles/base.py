@@ -32,9 +32,9 @@ def reach(x: np.ndarray, floor) -> np.ndarray:
 
 
 @njit(cache=True)
-def reaching(x, w, threshold, floor, complement):
+def reaching(x, w, threshold, floor, complement, scale=1.0):
     """Indices of a row's tokens with ``x >= threshold`` that may reach ``floor``, from each token's
-    uniform-like quantity ``w`` (``u``, or ``1 - u`` with ``complement``) that must be at most
+    uniform-like quantity ``w * scale`` (``u``, or ``1 - u`` with ``complement``) that must be at most
     ``exp(x - floor)`` (``reach``). Tested here against ``(1 + a / 8) ** -8 >= exp(-a)`` (a >= 0), a
     superset found in one compiled pass with no ``exp``; callers score every token found exactly, so
     the few extra tokens cost a logarithm each and never change a result."""
@@ -45,7 +45,7 @@ def reaching(x, w, threshold, floor, complement):
         a = a * a
         a = a * a
         a = a * a
-        v = (1.0 - w[i]) if complement else w[i]
+        v = (1.0 - w[i] * scale) if complement else w[i] * scale
         keep[i] = (x[i] >= threshold) & (v * a <= 1.0)
     return np.flatnonzero(keep)
 

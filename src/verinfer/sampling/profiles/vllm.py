@@ -36,7 +36,7 @@ import torch
 
 from verinfer.sampling import murmur3
 from verinfer.sampling.libm import log_c
-from verinfer.sampling.profiles.base import Profile, RowKeys, reach
+from verinfer.sampling.profiles.base import Profile, RowKeys, reach, reaching
 
 DRAFT_NOISE_SALT = 1 << 30
 FP64_HASH_SEED = 0x9E3779B9
@@ -153,13 +153,12 @@ class VllmProfile(Profile):
             ids = None if tau == float("-inf") else np.flatnonzero(xr >= tau)  # a wide top-p row: its kept tokens
             xs, w = (xr, words) if ids is None else (xr[ids], words[ids])
             h = murmur3.finish_np(state[r], w)
-            bound = reach(xs.astype(np.float64), float(floor[i]))
-            if fp64[r]:
+            if fp64[r]:  # 1 - u >= 1 - (hi + 1) 2**-32 must be at most exp(x - floor)
                 hi = murmur3.finish_np(hi_state[r], w)
-                sel = np.flatnonzero(hi >= (1.0 - bound) * 2.0**32 - 1.0)
+                sel = reaching(xs, hi.astype(np.float64) + 1.0, float("-inf"), float(floor[i]), True, 2.0**-32)
                 scores = xs[sel] - log_c(-log_c(uniform64(h[sel], hi[sel])))
-            else:
-                sel = np.flatnonzero(h <= bound * 2.0**32)
+            else:  # u >= h 2**-32 must be at most exp(x - floor)
+                sel = reaching(xs, h, float("-inf"), float(floor[i]), False, 2.0**-32)
                 scores = (xs[sel] + gumbel32(uniform32(h[sel]))).astype(np.float64)
             cols = sel if ids is None else ids[sel]
             out_r.append(np.full(cols.size, i))
