@@ -7,9 +7,9 @@ the first as the high word; an fp64 ``uniform_`` on [0, 1) keeps its low 53 bits
 (``core/DistributionsHelper.h``, serial on the CPU), as ``exponential_`` does before its
 ``-log1p(-u)`` (``profiles/vllm_v1.py``). Tested bit for bit against ``torch.Tensor.uniform_``.
 
-Why not torch's own: ``uniform_`` makes one serial call per entry (about 3.3 ns per fp64 entry here),
-and vLLM V1 draws a whole vocabulary per step; this twist and tempering are branch-free loops the
-compiler vectorizes (``benchmarks/verify_speed.py``, case ``vllm-v1, no filters``).
+Why not torch's own: ``uniform_`` makes one serial call per entry, and vLLM V1 draws a whole
+vocabulary per step; this twist and tempering are branch-free loops the compiler vectorizes
+(``benchmarks/verify_speed.py``, case ``vllm-v1, no filters``; RESULTS section 3).
 """
 
 from __future__ import annotations
