@@ -62,6 +62,12 @@ CASES = [
     ("sglang, no filters", SamplingParams("sglang", 1.0, -1, 1.0)),
     ("vllm-v1, no filters", SamplingParams("vllm-v1", 1.0, -1, 1.0)),
     ("vllm-v1-cuda, no filters", SamplingParams("vllm-v1-cuda", 1.0, -1, 1.0)),
+    # transformers: each request its own batch of one (stream vocab filled in from the model)
+    ("transformers, top-k 50, top-p 0.95", SamplingParams("transformers", 1.0, 50, 0.95,
+                                                          stream={"batch_size": 1, "row": 0})),
+    ("transformers, no filters", SamplingParams("transformers", 1.0, -1, 1.0, stream={"batch_size": 1, "row": 0})),
+    ("llama.cpp, top-k 50, top-p 0.95", SamplingParams("llama.cpp", 1.0, 50, 0.95)),
+    ("llama.cpp, no filters", SamplingParams("llama.cpp", 1.0, -1, 1.0)),
 ]
 GEN_CASE = 0  # the case whose generation is re-timed for (b)
 
@@ -195,6 +201,8 @@ def main() -> None:
 
     data = []
     for name, params in cases:
+        if params.stream is not None and "vocab" not in params.stream and params.profile == "transformers":
+            params = params.with_(stream={**params.stream, "vocab": be.vocab_size})
         reqs, traces, gen_s, cached = cached_traces(be, prompts, params, args, cache_dir)
         seqs = [t.prompt_token_ids + t.output_token_ids for t in traces]
         starts = [len(t.prompt_token_ids) for t in traces]

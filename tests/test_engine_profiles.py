@@ -71,6 +71,11 @@ def test_transformers_stream_is_validated():
     assert any("row" in p for p in params_problems(_hf_params(4, 4, 49152, 7)))
     assert any("unknown" in p for p in params_problems(ok.with_(stream={**ok.stream, "extra": 1})))
     assert any("min_p" in p for p in params_problems(ok.with_(min_p=0.1, top_p=0.9)))
+    # A stream as wide as another model's logits is refused by name, not replayed on a wrong layout.
+    wide = _hf_params(1, 0, 3001, 7)
+    keys = RowKeys(("r",), np.array([7], dtype=object), np.array([3]), np.array([0]), params=(wide,))
+    with pytest.raises(ValueError, match="stream.vocab is 3001 but the model's logits have 3000 columns"):
+        replay(torch.randn(1, 3000), [wide], get_profile("transformers"), keys)
 
 
 @pytest.fixture(scope="module")

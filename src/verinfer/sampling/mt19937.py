@@ -88,6 +88,12 @@ class Mt19937:
         self._mt = _init(np.uint32(int(seed) % 2**32))
         self._pos = N
 
+    def skip(self, n: int, chunk: int = 1 << 22) -> None:
+        """Advance past ``n`` uniforms (drawn in chunks, so memory stays bounded)."""
+        while n > 0:
+            self.uniforms(min(n, chunk))
+            n -= chunk
+
     def uniforms(self, n: int) -> np.ndarray:
         """The next ``n`` values ``torch.empty(n, dtype=torch.float64).uniform_(generator=gen)`` gives."""
         out, self._pos = _uniforms(self._mt, self._pos, int(n))

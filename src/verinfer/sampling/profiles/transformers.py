@@ -42,18 +42,16 @@ only on near-exact ties.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from verinfer.sampling.params import MIN_TEMPERATURE
-from verinfer.sampling.profiles.base import Profile
+from verinfer.sampling.profiles.vllm_v1 import VllmV1Profile
 
 STREAM_KEYS = ("batch_size", "row", "vocab")
 # -log(2**-53) = 36.74: the largest G except the 2**-53 chance of q = 0 (G = inf) per entry.
 MAX_GUMBEL = 36.75
-_CHUNK_FLOATS = 1 << 24  # draw at most this many exponentials per call (64 MiB)
 
 
 def stream_problems(stream) -> list[str]:
@@ -75,60 +73,21 @@ def stream_problems(stream) -> list[str]:
 
 
 @dataclass
-class _Stream:
-    gen: torch.Generator
-    next_step: int  # the [B, V] block the generator draws next
-    first: int = 0  # first step of the kept block
-    rows: torch.Tensor | None = None  # [steps, V] fp32: this request's row of each drawn block
-
-
-@dataclass
-class TransformersProfile(Profile):
-    """Replays the global CPU generator of one ``generate`` call, per request (trace)."""
+class TransformersProfile(VllmV1Profile):
+    """Replays the global CPU generator of one ``generate`` call, per request (trace): the same CPU
+    exponential race as vLLM V1's (``profiles/vllm_v1.py``: the generator's fp64 uniforms, ``q`` only
+    where a token can win), with each step drawing the whole ``[batch, vocab]`` block."""
 
     name = "transformers"
     aliases = ("hf-transformers",)
     description = "HF transformers generate(do_sample=True) on CPU: multinomial = exponential race over [batch, vocab]"
-    _streams: dict = field(default_factory=dict)
 
-    def _draws(self, request: str, seed: int, stream: dict, steps: np.ndarray) -> torch.Tensor:
-        batch, row, vocab = stream["batch_size"], stream["row"], stream["vocab"]
-        lo, hi = int(steps.min()), int(steps.max()) + 1
-        st = self._streams.get(request)
-        if st is not None and st.rows is not None and st.first <= lo and hi <= st.first + st.rows.shape[0]:
-            return st.rows[torch.from_numpy(steps - st.first)]
-        if st is None or lo < st.next_step:
-            st = _Stream(torch.Generator(device="cpu").manual_seed(int(seed) % 2**64), 0)
-        per_chunk = max(1, _CHUNK_FLOATS // (batch * vocab))
-        while st.next_step < lo:  # skip whole blocks nobody asked for
-            m = min(per_chunk, lo - st.next_step)
-            torch.empty(m, batch, vocab, device="cpu").exponential_(generator=st.gen)
-            st.next_step += m
-        parts = []
-        while st.next_step < hi:
-            m = min(per_chunk, hi - st.next_step)
-            parts.append(torch.empty(m, batch, vocab, device="cpu").exponential_(generator=st.gen)[:, row].clone())
-            st.next_step += m
-        st.first, st.rows = lo, torch.cat(parts)
-        self._streams[request] = st
-        return st.rows[torch.from_numpy(steps - lo)]
-
-    def gumbel(self, keys, rows, cols, vocab_size):
-        out = torch.empty(rows.shape[0], dtype=torch.float64, device="cpu")
-        rows_np = rows.cpu().numpy()
-        cols = cols.cpu()
-        requests = np.asarray(keys.requests)
-        for request in dict.fromkeys(keys.requests):
-            members = np.flatnonzero(requests == request)
-            stream = keys.params[members[0]].stream
-            q = self._draws(request, keys.seeds[members[0]], stream, keys.steps[members])
-            local = np.full(len(keys.requests), -1)
-            local[members] = np.arange(members.size)
-            sel = np.flatnonzero(np.isin(rows_np, members))
-            if sel.size and int(cols[sel].max()) >= stream["vocab"]:
-                raise ValueError(f"token id beyond stream.vocab={stream['vocab']} in request {request!r}")
-            out[sel] = -torch.log(q[local[rows_np[sel]], cols[sel]].double())
-        return out
+    def _layout(self, params, vocab_size):
+        stream = params.stream
+        if stream["vocab"] != vocab_size:
+            raise ValueError(f"stream.vocab is {stream['vocab']} but the model's logits have {vocab_size} columns "
+                             "(was the trace made with another model?)")
+        return stream["batch_size"], stream["row"]
 
     def noise_bound(self, keys):
         return torch.full((len(keys.requests),), MAX_GUMBEL, dtype=torch.float64, device="cpu")
@@ -142,6 +101,3 @@ class TransformersProfile(Profile):
         if 0 < params.temperature < MIN_TEMPERATURE and not params.is_greedy:
             out.append(f"temperature {params.temperature} < {MIN_TEMPERATURE}: transformers does not clamp it")
         return out
-
-    def forget(self, request: str) -> None:
-        self._streams.pop(request, None)

@@ -57,6 +57,7 @@ BLOCK = 256  # block_size_bound in DistributionTemplates.h
 INV_2_32 = np.float32(2.0 ** -32)  # CURAND_2POW32_INV
 NEAR_ONE = np.float32(1.0) - np.float32(2.0 ** -24)  # 1 - eps/2 for fp32
 _0, _4 = np.uint64(0), np.uint64(4)
+_CHUNK_UNIFORMS = 1 << 22  # fp64 uniforms drawn per call at most (32 MiB)
 MAX_GUMBEL = 16.7  # -log(2**-24) = 16.636...: the largest G the CUDA stream can give
 
 
@@ -126,9 +127,13 @@ def cuda_exponential(seed: int, steps: np.ndarray, cols: np.ndarray, vocab_size:
     return exponential_of(u)[0].reshape(cols.shape)
 
 
-def uniform_draws(gen: Mt19937, n_steps: int, vocab_size: int) -> torch.Tensor:
-    """The next ``n_steps`` draws of ``gen`` as the fp64 uniforms ``exponential_`` would transform."""
-    return torch.from_numpy(gen.uniforms(n_steps * vocab_size).reshape(n_steps, vocab_size))
+def uniform_draws(gen: Mt19937, n_steps: int, vocab_size: int, batch: int = 1, row: int = 0) -> torch.Tensor:
+    """Row ``row`` of the next ``n_steps`` draws of ``gen``, each ``[batch, vocab_size]``, as the fp64
+    uniforms ``exponential_`` would transform ([n_steps, vocab_size]; drawn in bounded chunks)."""
+    per = max(1, _CHUNK_UNIFORMS // (batch * vocab_size))
+    parts = [gen.uniforms(m * batch * vocab_size).reshape(m, batch, vocab_size)[:, row]
+             for m in (min(per, n_steps - a) for a in range(0, n_steps, per))]
+    return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts or [np.empty((0, vocab_size))]))
 
 
 def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
@@ -158,7 +163,13 @@ class VllmV1Profile(Profile):
     description = "vLLM V1 exponential race with a per-request torch.Generator (CPU stream)"
     _streams: dict = field(default_factory=dict)
 
-    def _uniforms(self, request: str, seed: int, steps: np.ndarray, vocab_size: int) -> torch.Tensor:
+    def _layout(self, params, vocab_size: int) -> tuple[int, int]:
+        """(batch, row): each step draws ``[batch, V]`` and the request reads row ``row`` (vLLM V1 draws
+        each request's own ``[V]``)."""
+        return 1, 0
+
+    def _uniforms(self, request: str, seed: int, steps: np.ndarray, vocab_size: int, batch: int = 1,
+                  row: int = 0) -> torch.Tensor:
         """[len(steps), V] uniforms of ``steps`` of ``request``'s stream."""
         next_step, gen, first, drawn = self._streams.get(request, (0, None, 0, None))
         lo, hi = int(steps.min()), int(steps.max()) + 1
@@ -168,8 +179,8 @@ class VllmV1Profile(Profile):
             gen = Mt19937(seed)
             next_step = 0
         if lo > next_step:  # skip draws nobody asked for
-            uniform_draws(gen, lo - next_step, vocab_size)
-        drawn = uniform_draws(gen, hi - lo, vocab_size)
+            gen.skip((lo - next_step) * batch * vocab_size)
+        drawn = uniform_draws(gen, hi - lo, vocab_size, batch, row)
         self._streams[request] = (hi, gen, lo, drawn)
         return _rows_of(drawn, steps - lo)
 
@@ -183,7 +194,8 @@ class VllmV1Profile(Profile):
         for request in dict.fromkeys(requests[rows_np].tolist()):
             members = np.flatnonzero(requests == request)
             lookup[members] = np.arange(members.size)
-            block = self._uniforms(request, keys.seeds[members[0]], keys.steps[members], vocab_size)
+            batch, row = self._layout(keys.params[members[0]] if keys.params else None, vocab_size)
+            block = self._uniforms(request, keys.seeds[members[0]], keys.steps[members], vocab_size, batch, row)
             at = np.flatnonzero(requests[rows_np] == request)
             yield torch.from_numpy(at), block, torch.from_numpy(lookup[rows_np[at]])
 
