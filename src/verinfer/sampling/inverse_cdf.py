@@ -8,7 +8,8 @@ probability units, 0 when the replay picks the claim), and the paper's Token-IPT
 ``-log(Phi((b - u) / s) - Phi((a - u) / s) + eps)`` (``ipt_likelihood``).
 
 A profile opts in with ``inverse_cdf = True`` and provides ``uniforms(keys)`` (one ``u`` per row)
-and ``candidate_order(kept_x, kept_ids)`` (the order the engine accumulates in). The kept set and
+``candidate_order(kept_x, kept_ids, params)`` (the order the engine accumulates in) and
+``sorts_candidates(params)`` (false: id order, so an unfiltered row is walked as is). The kept set and
 temperature are the shared ones (``filters.py``). ``replay`` returns the shared ``Replay`` with
 ``margin`` set to ``ipt_distance`` (so exact rows score 0 and every consumer of margins works;
 calibrations never mix profiles) and an extra ``ipt_distance`` attribute.
@@ -57,9 +58,8 @@ def replay_into(logits, params, profile, keys, claimed, s_idx: torch.Tensor, out
     sub_keys = RowKeys(requests=tuple(keys.requests[i] for i in pick.tolist()), seeds=keys.seeds[pick],
                        positions=keys.positions[pick], steps=keys.steps[pick], params=tuple(sub_params))
     dev = logits.device
-    with torch.device("cpu"):  # a serial CDF walk per row (llama.cpp is a CPU engine): the rows come to the CPU
-        sub = replay(logits[s_idx].cpu(), sub_params, profile, sub_keys,
-                     None if claimed is None else claimed[s_idx].cpu())
+    # a serial CDF walk per row (llama.cpp is a CPU engine): the rows come to the CPU
+    sub = replay(logits[s_idx].cpu(), sub_params, profile, sub_keys, None if claimed is None else claimed[s_idx].cpu())
     out.token[s_idx] = sub.token.to(dev)
     if claimed is None:
         return
@@ -76,32 +76,35 @@ def replay(logits: torch.Tensor, params, profile, keys, claimed: torch.Tensor | 
 
     logits = logits.float()
     n, vocab = logits.shape
-    temp = torch.tensor([p.effective_temperature for p in params], dtype=torch.float32)
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    temp = torch.tensor([p.effective_temperature for p in params], dtype=torch.float32, device="cpu")
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device="cpu")
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device="cpu")
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device="cpu")
     x = logits / temp[:, None]
     kept = kept_set(x, top_k, top_p, min_p)
     u = np.asarray(profile.uniforms(keys), dtype=np.float64)
-    token = torch.empty(n, dtype=torch.int64)
+    token = torch.empty(n, dtype=torch.int64, device="cpu")
     lo = np.full(n, np.nan)
     hi = np.full(n, np.nan)
     pick_pos = np.zeros(n, dtype=np.int64)
     claim_pos = np.full(n, -1, dtype=np.int64)
     for r in range(n):
-        ids = (x[r] >= kept.threshold[r]).nonzero().squeeze(1)
-        order = profile.candidate_order(x[r, ids], ids, params[r])
-        ids = ids[order]
-        xs = x[r, ids]
+        if kept.threshold[r] == -INF and not profile.sorts_candidates(params[r]):
+            ids, xs = None, x[r]  # every token, in id order: position = token id
+        else:
+            ids = (x[r] >= kept.threshold[r]).nonzero().squeeze(1)
+            ids = ids[profile.candidate_order(x[r, ids], ids, params[r])]
+            xs = x[r, ids]
         p = torch.exp(xs - xs.max()).double()  # the engine's fp32 expf, summed in double
         cum = torch.cumsum(p, 0)
         total = float(cum[-1])
-        i = int(torch.searchsorted(cum, torch.tensor([u[r] * total], dtype=torch.float64), right=False)[0])
-        i = min(i, ids.numel() - 1)
+        at = torch.tensor([u[r] * total], dtype=torch.float64, device="cpu")
+        i = int(torch.searchsorted(cum, at, right=False)[0])
+        i = min(i, xs.numel() - 1)
         pick_pos[r] = i
-        token[r] = ids[i]
+        token[r] = i if ids is None else ids[i]
         if claimed is not None:
-            where = (ids == claimed[r]).nonzero()
+            where = claimed[r:r + 1, None] if ids is None else (ids == claimed[r]).nonzero()
             if where.numel():
                 j = int(where[0, 0])
                 claim_pos[r] = j
@@ -117,9 +120,10 @@ def replay(logits: torch.Tensor, params, profile, keys, claimed: torch.Tensor | 
     xc = x.gather(1, claimed[:, None]).squeeze(1)
     t64 = temp.double()
     out.margin = torch.from_numpy(dist)
-    out.filter_distance = torch.where(is_kept, torch.zeros(n, dtype=torch.float64),
+    out.filter_distance = torch.where(is_kept, torch.zeros(n, dtype=torch.float64, device="cpu"),
                                       (kept.threshold - xc).double() * t64)
-    out.logprob = torch.where(is_kept, xc.double() - kept.log_norm, torch.full((n,), -INF, dtype=torch.float64))
+    out.logprob = torch.where(is_kept, xc.double() - kept.log_norm,
+                              torch.full((n,), -INF, dtype=torch.float64, device="cpu"))
     out.logit_rank = rank_in_row(x, kept.view, xc)
     # Candidates between the claim and the pick in the engine's order (0 = the claim was picked).
     n_kept = (x >= kept.threshold[:, None]).sum(-1)

@@ -64,11 +64,15 @@ class LlamaCppProfile(Profile):
             out[i] = have[step]
         return out
 
+    def sorts_candidates(self, params) -> bool:
+        """Whether the chain sorts the candidates (top-k or top-p set) or leaves them in id order."""
+        return params.top_k > 0 or params.top_p < 1
+
     def candidate_order(self, x: torch.Tensor, ids: torch.Tensor, params) -> torch.Tensor:
         """Positions of the kept candidates in the order llama.cpp accumulates them."""
-        if params.top_k > 0 or params.top_p < 1:
+        if self.sorts_candidates(params):
             return torch.sort(-x, stable=True).indices  # descending, ties by id (ids ascending)
-        return torch.arange(ids.numel())
+        return torch.arange(ids.numel(), device=ids.device)
 
     def gumbel(self, keys, rows, cols, vocab_size):
         raise NotImplementedError("llama.cpp samples by inverse CDF; replay it with sampling.inverse_cdf")
