@@ -455,3 +455,20 @@ def test_replay_creates_every_tensor_where_the_logits_are(name, filters):
     for f in fields(want):
         a, b = getattr(want, f.name), getattr(got, f.name)
         assert (a is None and b is None) or torch.equal(a, b), f.name
+
+
+def test_vllm_device_noise_equals_the_cpu_noise():
+    """On a GPU the ``vllm`` fp32 noise is computed with torch on the logits' device
+    (``hash_pairs_torch``, ``_torch_gumbel32``); run here on the CPU tensors, the hashes must equal
+    numpy's bit for bit and the Gumbel values agree to the last fp32 ulps of ``log``."""
+    from verinfer.sampling import murmur3
+    from verinfer.sampling.profiles.vllm import _torch_gumbel32, gumbel32, uniform32
+
+    rng = np.random.default_rng(5)
+    state = murmur3.prefix_ints(np.array([7, 2**40 + 3, 12345], dtype=object), np.array([3, 900, 17]))
+    rows = rng.integers(0, 3, 20_000)
+    cols = rng.integers(0, 49_152, 20_000)
+    h_np = murmur3.hash_pairs_np(state, rows, cols, 49_152)
+    h_t = murmur3.hash_pairs_torch(state, torch.from_numpy(rows), torch.from_numpy(cols))
+    np.testing.assert_array_equal(h_t.numpy(), h_np.astype(np.int64))
+    np.testing.assert_allclose(_torch_gumbel32(h_t).numpy(), gumbel32(uniform32(h_np)), rtol=2e-6, atol=2e-6)
