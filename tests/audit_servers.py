@@ -11,6 +11,7 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import pytest
@@ -69,11 +70,20 @@ def serving_process(argv: list[str], log: Path, url: str, env: dict | None = Non
 
 
 @contextmanager
+def openai_server(argv: Callable[[int], list[str]], log_dir: Path, env: dict | None = None, ready_s: float = 60):
+    """An OpenAI-compatible server started by ``argv(port)`` on a free loopback port (output to
+    ``log_dir/server.log``); yields its ``.../v1`` URL once ``/v1/models`` answers."""
+    base = f"http://127.0.0.1:{(port := free_port())}"
+    with serving_process(argv(port), log_dir / "server.log", f"{base}/v1/models", env, ready_s):
+        yield f"{base}/v1"
+
+
+@contextmanager
 def seed_proxy(upstream: str, log_dir: Path):
     """``engines/vllm_cpu/seed_proxy.py`` (every request's seed + 1) in front of ``upstream`` (``.../v1``);
     yields its own ``.../v1`` URL."""
-    port = free_port()
-    argv = [sys.executable, str(Path(__file__).resolve().parents[1] / "engines" / "vllm_cpu" / "seed_proxy.py"),
-            "--upstream", upstream.removesuffix("/v1"), "--port", str(port)]
-    with serving_process(argv, log_dir / "proxy.log", f"http://127.0.0.1:{port}/v1/models"):
-        yield f"http://127.0.0.1:{port}/v1"
+    script = Path(__file__).resolve().parents[1] / "engines" / "vllm_cpu" / "seed_proxy.py"
+    argv = lambda port: [sys.executable, str(script), "--upstream", upstream.removesuffix("/v1"),  # noqa: E731
+                         "--port", str(port)]
+    with openai_server(argv, log_dir) as url:
+        yield url

@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.audit_servers import free_port, seed_proxy, serving_process
+from tests.audit_servers import openai_server, seed_proxy
 
 pytestmark = pytest.mark.engines
 
@@ -48,17 +48,36 @@ def f32_gguf(engine_python, tmp_path_factory) -> Path:
     return out
 
 
+def test_the_f32_copy_holds_the_reference_weights(f32_gguf):
+    """Tensors llama.cpp and transformers store alike (no head permutation) equal verinfer's converted
+    reference weights bit for bit."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    from verinfer.models.load import local_dir, resolve
+
+    ref = {}
+    for f in sorted(Path(local_dir(resolve("smollm2-135m"))).glob("*.safetensors")):
+        ref.update(load_file(f))
+    ours = {t.name: np.asarray(t.data) for t in gguf.GGUFReader(f32_gguf).tensors}
+    pairs = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight"}
+    for i in range(30):
+        for g, h in (("ffn_down", "mlp.down_proj"), ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"),
+                     ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                     ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
+            pairs[f"blk.{i}.{g}.weight"] = f"model.layers.{i}.{h}.weight"
+    for g, h in pairs.items():
+        assert ours[g].dtype == np.float32 and np.array_equal(ours[g].reshape(ref[h].shape), ref[h]), g
+
+
 @pytest.fixture(scope="module")
 def llama_url(engine_python, f32_gguf, tmp_path_factory):
-    port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    log = tmp_path_factory.mktemp("llama") / "server.log"
-    argv = [str(engine_python), "-m", "llama_cpp.server", "--model", str(f32_gguf), "--model_alias", "smollm2-135m",
-            "--host", "127.0.0.1", "--port", str(port), "--n_threads", "1", "--n_ctx", "1024",
-            "--logits_all", "False", "--verbose", "False"]
-    base = f"http://127.0.0.1:{port}"
-    with serving_process(argv, log, f"{base}/v1/models", env, READY_S):
-        yield f"{base}/v1"
+    argv = lambda port: [str(engine_python), "-m", "llama_cpp.server", "--model", str(f32_gguf),  # noqa: E731
+                         "--model_alias", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port),
+                         "--n_threads", "1", "--n_ctx", "1024", "--logits_all", "False", "--verbose", "False"]
+    with openai_server(argv, tmp_path_factory.mktemp("llama"), env, READY_S) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

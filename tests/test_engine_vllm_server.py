@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.audit_servers import free_port, seed_proxy, serving_process
+from tests.audit_servers import openai_server, seed_proxy
 
 pytestmark = pytest.mark.engines
 
@@ -37,15 +37,12 @@ def _run_module():
 def vllm_url(tmp_path_factory):
     run = _run_module()
     python, directory = run.engine_python(), run.model_dir("smollm2-135m")
-    port = free_port()
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(directory),
-            "--served-model-name", "smollm2-135m", "--dtype", "float32", "--enforce-eager",
-            "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)]
-    base = f"http://127.0.0.1:{port}"
-    with serving_process(argv, log, f"{base}/v1/models", env, READY_S):
-        yield f"{base}/v1"
+    argv = lambda port: [str(python), "-m", "vllm.entrypoints.openai.api_server",  # noqa: E731
+                         "--model", str(directory), "--served-model-name", "smollm2-135m", "--dtype", "float32",
+                         "--enforce-eager", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)]
+    with openai_server(argv, tmp_path_factory.mktemp("vllm"), env, READY_S) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

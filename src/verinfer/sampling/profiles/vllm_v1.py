@@ -109,12 +109,15 @@ def _stream(seed: int, vocab_size: int, cuda_threads: int | None):
     return np.uint64(k0[0]), np.uint64(k1[0]), np.uint64(threads), np.uint64(-(-vocab_size // (4 * threads)))
 
 
-def exponential_of(u: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
-    """fp32 ``q = -log u`` as the CUDA ``exponential`` transform takes it (``-2**-24`` for ``log u``
-    near 1), and ``G = -log q`` in fp64."""
+def exponential_of(u: np.ndarray) -> np.ndarray:
+    """fp32 ``q = -log u`` as the CUDA ``exponential`` transform takes it (``-2**-24`` for ``log u`` near 1)."""
     log = np.where(u >= NEAR_ONE, np.float32(-(2.0 ** -24)), np.log(u, dtype=np.float32))
-    q = (-log).astype(np.float32)
-    return q, -torch.log(torch.from_numpy(q).double())
+    return (-log).astype(np.float32)
+
+
+def gumbel_of(q: np.ndarray) -> torch.Tensor:
+    """fp64 ``G = -log q`` of fp32 exponentials."""
+    return -torch.log(torch.from_numpy(q).double())
 
 
 def cuda_exponential(seed: int, steps: np.ndarray, cols: np.ndarray, vocab_size: int,
@@ -124,7 +127,7 @@ def cuda_exponential(seed: int, steps: np.ndarray, cols: np.ndarray, vocab_size:
     steps, cols = np.broadcast_arrays(np.asarray(steps, dtype=np.uint64), np.asarray(cols, dtype=np.uint64))
     k0, k1, threads, per_draw = _stream(seed, vocab_size, cuda_threads)
     u = _cuda_uniforms(k0, k1, steps.ravel(), cols.ravel(), threads, per_draw)
-    return exponential_of(u)[0].reshape(cols.shape)
+    return exponential_of(u).reshape(cols.shape)
 
 
 def uniform_draws(gen: Mt19937, n_steps: int, vocab_size: int, batch: int = 1, row: int = 0) -> torch.Tensor:
@@ -249,7 +252,7 @@ class VllmV1CudaProfile(VllmV1Profile):
         for (seed, t), g in groups.items():
             idx = np.flatnonzero(group == g)
             out[idx] = cuda_exponential(seed, keys.steps[rows_np[idx]], cols_np[idx], vocab_size, t)
-        return -torch.log(torch.from_numpy(out).double())
+        return gumbel_of(out)
 
     @dense_on_cpu
     def noised_dense_above(self, keys, rows, x, threshold, floor, kept=None):
@@ -267,7 +270,7 @@ class VllmV1CudaProfile(VllmV1Profile):
             u = u[cols]
             out_r.append(torch.full((cols.size,), i, device="cpu"))
             out_c.append(torch.from_numpy(cols))
-            out_s.append(torch.from_numpy(xr[cols].astype(np.float64)) + exponential_of(u)[1])
+            out_s.append(torch.from_numpy(xr[cols].astype(np.float64)) + gumbel_of(exponential_of(u)))
         return torch.cat(out_r), torch.cat(out_c), torch.cat(out_s)
 
     def noise_bound(self, keys):
