@@ -27,7 +27,8 @@ KEY = "sk-verinfer-hardening-" + "7f3a9c1e5b2d8046"
 PASSWORD = "hunter2-Pa55word-xyz"
 USER = "alice"
 BASIC = base64.b64encode(f"{USER}:{PASSWORD}".encode()).decode()
-SECRETS = (KEY, PASSWORD, BASIC)
+SUBSCRIPTION = "sub-3e8f0a6d91c2"  # a query-string secret under a name no list knows
+SECRETS = (KEY, PASSWORD, BASIC, SUBSCRIPTION)
 GOOD = {"model": "m", "choices": [{"message": {"role": "assistant", "content": "hi"}, "token_ids": [1, 2]}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
 
@@ -168,7 +169,7 @@ def test_query_string_credentials_stay_out_of_errors_and_echoes(tmp_path):
     with pytest.raises(ProviderError) as exc:
         c.fetch(one_call())
     assert secret not in str(exc.value) and secret not in c.endpoint.display_url
-    assert "region=eu" in c.endpoint.display_url  # only credential-named parameters lose their value
+    assert f"region={REDACTED}" in c.endpoint.display_url  # every value of the endpoint's query, whatever its name
     # a provider echoing the value elsewhere (no parameter name around it) is caught by registration
     assert redact_text(f"you sent {secret}") == f"you sent {REDACTED}"
     assert redact_text("https://h/v1?token=abc&monkey=1") == f"https://h/v1?token={REDACTED}&monkey=1"
@@ -274,7 +275,7 @@ def proxy_app(upstream: str):
         out = r.json()
         if mode == "echo":
             out["id"] = f"chatcmpl-{auth}"
-            out["system_fingerprint"] = f"you sent {auth}"
+            out["system_fingerprint"] = f"you sent {auth} to {request.url}"
         elif mode == "liar":
             out["model"] = "gpt-4-turbo"
             out["usage"]["completion_tokens"] = body["max_tokens"] + 5
@@ -310,7 +311,8 @@ def test_cli_audit_keeps_secrets_off_terminal_and_disk_and_warns_about_misreport
     host = base.split("://", 1)[1]
     out = tmp_path / "audit"
     proc = cli("-p", f"echo={base}/echo/v1", "-p", f"creds=http://{USER}:{PASSWORD}@{host}/echo/v1",
-               "-p", f"liar={base}/liar/v1", "--api-key-env", "VERINFER_HARDENING_KEY",
+               "-p", f"liar={base}/liar/v1", "-p", f"query={base}/echo/v1?subscription-key={SUBSCRIPTION}",
+               "--api-key-env", "VERINFER_HARDENING_KEY",
                "--n", "3", "--max-tokens", "6", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     sent = {mode: {a for m, a in app.state.auth if m == mode} for mode in ("echo", "liar")}
@@ -323,7 +325,10 @@ def test_cli_audit_keeps_secrets_off_terminal_and_disk_and_warns_about_misreport
     doc = json.loads((out / "audit.json").read_text())
     providers = {p["name"]: p for p in doc["providers"]}
     assert providers["creds"]["base_url"] == f"http://{REDACTED}@{host}/echo/v1"
-    for name in ("echo", "creds"):  # truthful claims: no warnings
+    assert providers["query"]["base_url"] == f"{base}/echo/v1?subscription-key={REDACTED}"
+    assert (out / "query" / "responses.jsonl").read_text().count(f"/echo/v1/chat/completions?subscription-key="
+                                                                 f"{REDACTED}") == 3
+    for name in ("echo", "creds", "query"):  # truthful claims: no warnings
         assert providers[name]["warnings"] == [] and providers[name]["served"]["returned_tokens"] > 0
     liar = providers["liar"]
     assert liar["served"]["models"] == {"gpt-4-turbo": 3}

@@ -240,8 +240,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
           top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0, seed: int = 1000, max_tokens: int = 48,
           endpoint: str = "chat", token_ids: bool = True, bands: str | Path | None = None,
           calibration: Calibrator | str | Path | None = None, batch_size: int | None = None, fpr: float = 0.01,
-          concurrency: int = 4, timeout: float = 120.0, retries: int = 4,
-          api_key_env: str | None = "OPENAI_API_KEY", reference_url: str | None = None,
+          concurrency: int = 4, timeout: float = 120.0, retries: int = 4, deadline: float = 600.0,
+          max_response_mb: float = 64.0, api_key_env: str | None = "OPENAI_API_KEY", reference_url: str | None = None,
           reference_api_model: str | None = None, reference_api_key_env: str | None = None,
           backend: Backend | None = None, on_stage: Callable[[str], None] | None = None, samples: int = 16,
           stream: bool = False, top_logprobs: int = 5, extra_body: Mapping[str, Any] | None = None):
@@ -254,7 +254,10 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     bands, or from a calibration, by the one verdict rule; both are checked against the audit's
     settings before any request is paid for (``mode="rank"`` / ``"mmd"`` audit sampled traffic without
     seeds against ``samples`` local draws per prompt and need neither). ``extra_body`` adds fields to
-    every generation request (``verinfer.auditing.plan``; the audit's own fields win). Returns
+    every generation request (``verinfer.auditing.plan``; the audit's own fields win). ``timeout`` bounds
+    each network operation, ``deadline`` each request as a whole and ``max_response_mb`` its body
+    (``verinfer.auditing.client.RetryPolicy``); everything is checked before the first request, and a
+    failed audit leaves no empty ``out``. Returns
     ``verinfer.auditing.run.AuditResult``; its reports (``audit.json``, ``audit.html``) are written to ``out``.
     """
     from verinfer.auditing.bands import Bands, bands_filename, find_bands
@@ -273,6 +276,11 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     if not 0 < fpr < 1:
         raise ValueError(f"fpr must be in (0, 1), got {fpr}")
     _positive("n", n)
+    _positive("concurrency", concurrency)
+    policy = RetryPolicy(retries=retries, timeout_s=timeout, deadline_s=deadline,
+                         max_response_bytes=int(max_response_mb * 2**20))
+    if policy.problems():
+        raise ValueError(policy.problems()[0])
     out = Path(out)
     backend = backend or load_model(reference_model, "float32", device)
     endpoints = ([Endpoint(name, url, model or backend.model_id, api_key_env) for name, url in providers.items()]
@@ -290,7 +298,6 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
         if band_set.signature != spec.signature():
             raise ValueError(f"{band_set.source}: bands were built for sampling {band_set.signature}, the audit "
                              f"uses {spec.signature()}")
-    policy = RetryPolicy(retries=retries, timeout_s=timeout)
     if reference_url:
         ref_endpoint = Endpoint("reference", reference_url, reference_api_model or backend.model_id,
                                 reference_api_key_env)

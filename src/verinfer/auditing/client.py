@@ -21,6 +21,7 @@ import random
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -72,7 +73,9 @@ class Endpoint:
         return redact_text(self.base_url)
 
     def url(self, path: str) -> str:
-        return self.base_url.rstrip("/") + "/" + path.lstrip("/")
+        """The request URL for ``path``: joined to the base URL's path, before its query string."""
+        parts = urlsplit(self.base_url)
+        return urlunsplit(parts._replace(path=parts.path.rstrip("/") + "/" + path.lstrip("/"), fragment=""))
 
 
 ENDPOINT_FIELDS = {"name": True, "url": True, "model": False, "api_key_env": False}  # field -> required
@@ -138,10 +141,27 @@ class Call:
 
 @dataclass(frozen=True)
 class RetryPolicy:
+    """How long and how much the client waits for a provider, and how often it tries again.
+
+    ``timeout_s`` bounds each network operation (connect, each read, write), so a provider that
+    trickles bytes (an endless event stream, a comment every few seconds) never trips it;
+    ``deadline_s`` bounds a whole attempt, from sending the request to the body's last byte, and
+    ``max_response_bytes`` the body read into memory. A response cut short by either is kept as
+    rejected (its head, like every rejected body) and stops the audit without a retry: asking again
+    would pay for the same endless answer."""
+
     retries: int = 4  # extra attempts after the first
     backoff_s: float = 0.5  # base of the exponential backoff
     max_backoff_s: float = 30.0
-    timeout_s: float = 120.0  # per attempt (connect, read, write, pool)
+    timeout_s: float = 120.0  # per network operation (connect, read, write, pool)
+    deadline_s: float = 600.0  # per attempt, request sent to last byte received
+    max_response_bytes: int = 64 * 2**20  # decoded body bytes read per response
+
+    def problems(self) -> list[str]:
+        out = [f"{name} must be > 0, got {value}" for name, value in
+               (("timeout", self.timeout_s), ("deadline", self.deadline_s), ("max response size", self.max_response_bytes))
+               if not value > 0]
+        return out + ([f"retries must be >= 0, got {self.retries}"] if self.retries < 0 else [])
 
     def delay(self, attempt: int, retry_after: float | None) -> float:
         """Full-jitter exponential backoff, or the server's Retry-After when it says more."""
@@ -184,6 +204,8 @@ class ProviderClient:
                  transport: httpx.AsyncBaseTransport | None = None):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+        if policy.problems():
+            raise ValueError(policy.problems()[0])
         self.endpoint, self.store, self.concurrency, self.policy, self.check = endpoint, store, concurrency, policy, check
         self.transport = transport
         self.rejected = ResponseStore(store.path.with_name("rejected.jsonl"))
@@ -227,13 +249,21 @@ class ProviderClient:
             self.sent += 1
             try:
                 started = time.monotonic()
-                resp = await http.post(url, json=call.body, headers=self.endpoint.headers())
+                resp, cut = await self._receive(http, url, call)
                 elapsed = time.monotonic() - started
             except httpx.TimeoutException:
                 problem = f"timed out after {self.policy.timeout_s:g} s"
             except httpx.TransportError as exc:
                 problem = f"connection failed ({type(exc).__name__}: {redact_text(str(exc))[:120] or 'no detail'})"
             else:
+                if cut is not None:  # kept (paid for) and final: a retry would get the same endless answer
+                    text = redact_text(resp.text)[:100_000] if resp is not None else ""
+                    self.rejected.append(call.key, call.path, call.body, text, **call.meta, cut=cut,
+                                         status=resp.status_code if resp is not None else None,
+                                         received_bytes=len(resp.content) if resp is not None else 0,
+                                         elapsed_s=round(elapsed, 4), attempts=attempt + 1, received_at=time.time())
+                    raise ProviderError(f"{where}: request {call.key} ({_describe(call)}): {cut}; what was received "
+                                        f"is kept in {self.rejected.path}")
                 if resp.status_code == 200:
                     break
                 problem = f"HTTP {resp.status_code}: {_error_text(resp)}"
@@ -268,6 +298,34 @@ class ProviderClient:
             raise ProviderError(f"{where}: request {call.key} ({_describe(call)}): malformed response: {problem}; "
                                 f"kept in {self.rejected.path}")
         self.store.append(call.key, call.path, call.body, payload, **meta)
+
+
+    async def _receive(self, http: httpx.AsyncClient, url: str, call: Call) -> tuple[httpx.Response | None, str | None]:
+        """The response with at most ``max_response_bytes`` of its body, read as it streams in, and why
+        it was cut short (the deadline passed, or the body is larger), or None when it is whole. The
+        response is None only when the deadline passed before the status line arrived."""
+        limit, received, head = self.policy.max_response_bytes, bytearray(), None
+        try:
+            async with asyncio.timeout(self.policy.deadline_s):
+                async with http.stream("POST", url, json=call.body, headers=self.endpoint.headers()) as head:
+                    async for chunk in head.aiter_bytes():
+                        received += chunk
+                        if len(received) > limit:
+                            del received[limit:]
+                            return _with_body(head, received), (f"the response is larger than the limit of "
+                                                                f"{limit:,} bytes")
+        except TimeoutError:  # asyncio's deadline (httpx's own timeouts are httpx.TimeoutException)
+            return (None if head is None else _with_body(head, received),
+                    f"no complete response within the deadline of {self.policy.deadline_s:g} s "
+                    f"({len(received):,} bytes received)")
+        return _with_body(head, received), None
+
+
+def _with_body(resp: httpx.Response, body: bytes | bytearray) -> httpx.Response:
+    """A finished response carrying ``body`` (already decoded) as its content, for ``.text`` and ``.json()``."""
+    headers = [(k, v) for k, v in resp.headers.multi_items()
+               if k.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+    return httpx.Response(resp.status_code, headers=headers, content=bytes(body), request=resp.request)
 
 
 def _describe(call: Call) -> str:

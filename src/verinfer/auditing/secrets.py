@@ -12,10 +12,14 @@ Two kinds of secret are removed:
 - Credentials in URLs: ``scheme://user:password@host`` becomes ``scheme://[REDACTED]@host`` in any
   string, registered or not; an endpoint's URL password (and the ``user:password`` pair, plain and
   base64 as HTTP basic auth sends it, so an echoed ``Authorization`` header is caught too) is
-  registered like a key. Query parameters that carry credentials by name (``api_key``, ``key``,
-  ``token``, ``access_token``, ``secret``, ``password``, ``sig``, ``signature``, ...; e.g.
-  ``?api-key=...`` as some gateways take it) keep their name and lose their value, in any string,
-  and an endpoint's own such values are registered like a key.
+  registered like a key.
+- Query strings. Parameters that carry credentials by name (``api_key``, ``key``, ``token``,
+  ``access_token``, ``secret``, ``password``, ``sig``, ``signature``, ...; e.g. ``?api-key=...`` as
+  some gateways take it) keep their name and lose their value, in any string. A provider's or
+  reference's own URL is trusted with nothing: every parameter of its query, whatever its name
+  (``?subscription-key=...``, ``?region=...``), loses its value wherever ``name=value`` follows a
+  ``?`` or ``&`` (also ``&amp;`` as HTML writes it), and each value is registered like a key, so a
+  bare echo of a value of ``MIN_SECRET_CHARS`` or more is caught too.
 
 The registry is process-wide on purpose: responses are redacted where they are written
 (``store.ResponseStore.append``), far from the endpoint that knows the key.
@@ -35,11 +39,21 @@ MIN_SECRET_CHARS = 8
 _URL_CREDENTIALS = re.compile(r"(?<=://)[^/\s@:'\"<>]+:[^/\s@'\"<>]*@")
 _SECRET_PARAMS = ("api_key", "api-key", "apikey", "key", "token", "access_token", "auth", "secret",
                   "password", "passwd", "sig", "signature", "x-api-key", "code")
-_QUERY_SECRET = re.compile(r"(?i)([?&](?:" + "|".join(re.escape(n) for n in _SECRET_PARAMS) + r")=)[^&#\s'\"<>]+")
 _lock = threading.Lock()
 _secrets: set[str] = set()  # replaced wherever they appear
 _bearer: set[str] = set()  # short keys: replaced only after "Bearer "
 _pattern: re.Pattern | None = None
+_params: set[str] = {n.lower() for n in _SECRET_PARAMS}  # query parameters whose values are replaced
+
+
+def _query_pattern(names: set[str]) -> re.Pattern:
+    """``?name=value`` / ``&name=value`` / ``&amp;name=value`` for any of ``names``, value up to the next
+    separator."""
+    alternatives = "|".join(re.escape(n) for n in sorted(names, key=len, reverse=True))
+    return re.compile(r"(?i)((?:[?&]|&amp;)(?:" + alternatives + r")=)[^&#\s'\"<>]+")
+
+
+_query_secret = _query_pattern(_params)
 
 
 def remember(secret: str | None) -> None:
@@ -58,15 +72,21 @@ def remember(secret: str | None) -> None:
 
 
 def remember_url(url: str) -> None:
-    """Register the password (and the ``user:password`` pair) embedded in ``url``, if any."""
+    """Register the password (and the ``user:password`` pair) embedded in ``url``, if any, and every
+    parameter of its query string: its name (so ``name=value`` is redacted in any string) and its value."""
+    global _query_secret
     try:
         parts = urlsplit(url)
     except ValueError:
         return
     for name, value in parse_qsl(parts.query, keep_blank_values=False):
-        if name.lower() in _SECRET_PARAMS:
-            remember(value)
-            remember(quote(value, safe=""))
+        remember(value)
+        remember(quote(value, safe=""))
+        for spelling in (name, quote(name, safe="")):
+            if spelling and spelling.lower() not in _params:
+                with _lock:
+                    _params.add(spelling.lower())
+                    _query_secret = _query_pattern(_params)
     if parts.password:
         user, password = unquote(parts.username or ""), unquote(parts.password)
         remember(password)
@@ -80,7 +100,7 @@ def redact_text(text: str) -> str:
     if "://" in text:
         text = _URL_CREDENTIALS.sub(REDACTED + "@", text)
     if "=" in text:
-        text = _QUERY_SECRET.sub(lambda m: m.group(1) + REDACTED, text)
+        text = _query_secret.sub(lambda m: m.group(1) + REDACTED, text)
     pattern = _pattern
     return pattern.sub(REDACTED, text) if pattern is not None else text
 

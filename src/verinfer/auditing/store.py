@@ -39,8 +39,7 @@ class ResponseStore:
     """Responses of one provider, by request key; appends are atomic per line and fsync'd."""
 
     def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(path)  # its directory is made by the first append: a failed audit leaves none
         self.damaged_lines = 0
         self._needs_newline = False
         self._records: dict[str, dict[str, Any]] = {}
@@ -83,6 +82,7 @@ class ResponseStore:
         if self._needs_newline:  # start on a fresh line after a cut-off one
             line = b"\n" + line
             self._needs_newline = False
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line)

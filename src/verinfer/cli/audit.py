@@ -142,7 +142,11 @@ def run(
     batch_size: Optional[int] = typer.Option(None, help="with --calibration: tokens per batch"),
     fpr: float = opt.fpr(),
     concurrency: int = typer.Option(4, help="requests in flight per provider"),
-    timeout: float = typer.Option(120.0, help="seconds per HTTP attempt"),
+    timeout: float = typer.Option(120.0, help="seconds per network operation (connect, each read)"),
+    deadline: float = typer.Option(600.0, help="seconds per request, sent to last byte received (a response "
+                                   "still arriving then is kept as rejected and stops the audit)"),
+    max_response_mb: float = typer.Option(64.0, help="largest response body read, in MiB (a larger one is kept "
+                                          "as rejected, cut there, and stops the audit)"),
     retries: int = typer.Option(4, help="retries on connection errors, timeouts, 5xx and 429"),
 ):
     """Audit providers: ask, persist, verify against the reference, judge against calibrated bands.
@@ -160,7 +164,8 @@ def run(
                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
                        max_tokens=max_tokens, endpoint=endpoint, token_ids=not no_token_ids, bands=bands_file,
                        calibration=calibration, batch_size=batch_size, fpr=fpr, concurrency=concurrency,
-                       timeout=timeout, retries=retries, reference_url=reference_url,
+                       timeout=timeout, retries=retries, deadline=deadline, max_response_mb=max_response_mb,
+                       reference_url=reference_url,
                        reference_api_model=reference_api_model, reference_api_key_env=reference_api_key_env,
                        backend=backend, on_stage=lambda s: err.print(s), samples=samples, stream=stream,
                        top_logprobs=top_logprobs, extra_body=_json_object("--extra-body", extra_body))
