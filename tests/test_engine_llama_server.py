@@ -132,6 +132,30 @@ def test_seeded_audit_of_a_real_llama_cpp_server_and_of_a_seed_rewriting_proxy(l
     print(f"\nseeded: llama {honest.verdict.text}; proxy {proxy.verdict.text}")
     assert honest.verdict.consistent, honest.verdict.text
     assert np.mean(honest.columns["exact_match"]) >= 0.95
+    assert honest.drift["count_mismatch"]["sequences"] == 0, honest.drift
     assert not proxy.verdict.consistent, proxy.verdict.text
     stored = json.loads((tmp_path / "audit" / "proxy" / "responses.jsonl").read_text().splitlines()[0])
     assert stored["request"]["repeat_penalty"] == 1 and stored["request"]["top_k"] == 50  # the claim wins
+
+
+def test_seeded_audit_where_retokenized_text_merges_sampled_tokens_is_consistent(llama_url, backend, tmp_path):
+    """Issue #27 item 0: 16 prompts x 32 tokens at T = 1, top-k 50, top-p 0.95, where sampled tokens
+    merge when the returned text is re-tokenized (the server returns no ids). Before the alignment
+    (``verinfer.auditing.alignment``) every token after a merge mismatched and this honest server was
+    called INCONSISTENT; now the merges are re-split where the replay sampled, reported as drift, and
+    left out of the verdict."""
+    from verinfer.auditing.bands import build_bands
+    from verinfer.auditing.plan import AuditSpec
+    from verinfer.prompts import load_prompts
+
+    seeded = dict(mode="seeded", sampler="llama.cpp", temperature=1.0, top_k=50, top_p=0.95, seed=100,
+                  max_tokens=32)
+    bands = tmp_path / "bands.json"
+    bands.write_text(json.dumps(build_bands(backend, load_prompts("chitchat", 8, seed=11), AuditSpec(**seeded),
+                                            variants=("honest", "bf16"))))
+    honest = _audit(backend, {"llama": llama_url}, tmp_path / "audit", n=16, bands=bands, **seeded).providers[0]
+    print(f"\nseeded, 16 prompts: llama {honest.verdict.text}; drift {honest.drift}")
+    assert honest.drift["realigned"]["sequences"] >= 1, honest.drift  # merges occurred: what this test is about
+    assert honest.drift["count_mismatch"]["sequences"] == 0, honest.drift
+    assert honest.verdict.consistent, honest.verdict.text
+    assert np.mean(honest.columns["exact_match"]) >= 0.95

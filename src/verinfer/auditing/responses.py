@@ -238,13 +238,24 @@ def summarize_served(claims: list[Claim]) -> dict[str, Any]:
             "returned_tokens": total("returned_tokens"), "contradictions": contradictions, "warnings": warnings}
 
 
+DRIFT_CHECKS = {  # drift name -> what it counts (a sequence's value: tokens, or 1 when it fails)
+    "prompt_mismatch": "prompt ids the provider reported that differ from our rendering",
+    "retokenize_mismatch": "returned ids that re-tokenizing the returned text does not give",
+    "decode_mismatch": "returned ids that do not decode to the returned text",
+    "round_trip_mismatch": "re-tokenized text that does not decode back to itself",
+    "realigned": "re-tokenized positions re-split where the text allowed the reference's token "
+                 "(verinfer.auditing.alignment; left out of the verdict)",
+    "count_mismatch": "re-tokenized outputs whose token count still disagrees with the provider's usage count",
+}
+
+
 def summarize_drift(claims: list[Claim]) -> dict[str, Any]:
     """Counts of tokenization drift over an audit, separate from any model divergence."""
     out: dict[str, Any] = {"sequences": len(claims),
                            "ids_returned": sum(c.source == "returned" for c in claims),
                            "retokenized": sum(c.source == "retokenized" for c in claims)}
-    for name in ("prompt_mismatch", "retokenize_mismatch", "decode_mismatch", "round_trip_mismatch"):
-        values = [c.drift[name] for c in claims if name in c.drift]
+    for name in DRIFT_CHECKS:
+        values = [len(v) if isinstance(v, list) else v for c in claims if (v := c.drift.get(name)) is not None]
         if values:
             out[name] = {"checked": len(values), "sequences": sum(v > 0 for v in values), "total": int(sum(values))}
     return out

@@ -15,6 +15,7 @@ the same speculative claim may judge (as ``verinfer verify`` requires of the sam
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from verinfer.auditing.alignment import align_claims, count_mismatch, unscored
 from verinfer.auditing.bands import Bands
 from verinfer.auditing.client import Endpoint, ProviderClient, ProviderError, RetryPolicy
 from verinfer.auditing.plan import AuditSpec, generation_calls
@@ -120,7 +122,8 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     names = [safe_name(e.name) for e in endpoints]
     if len(set(names)) != len(names):
         raise ValueError(f"provider names must be distinct, got {names}")
-    started = time.time()  # out_dir is made by the first file written in it (none when the audit fails first)
+    started = time.time()
+    out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = reference.tokenizer
     fetched = []
     for e in endpoints:
@@ -147,6 +150,12 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         if not claims:
             raise ProviderError(f"provider {e.name!r}: every response has an empty output; nothing to verify")
         model_id = getattr(getattr(reference, "backend", None), "model_id", e.model)
+        if getattr(reference, "backend", None) is not None and any(c.source == "retokenized" for c in claims):
+            stage(f"{e.name}: aligning re-tokenized text with the reference's replay")
+            scratch = out_dir / e.name / "alignment"
+            claims = align_claims(claims, _replayer(reference, e.name, model_id, spec, scratch), tokenizer)
+            shutil.rmtree(scratch, ignore_errors=True)
+        claims = [count_mismatch(c) for c in claims]
         traces = claim_traces(claims, e.name, model_id, spec.params)
         write_traces(traces, out_dir / e.name / "traces.jsonl")
         if calibrator is not None:  # the traces may claim speculative decoding: judged only by its calibration
@@ -156,7 +165,7 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
                 raise ValueError(f"provider {e.name!r}: the calibration does not match its traces "
                                  f"({out_dir / e.name / 'traces.jsonl'}; responses kept): {problem}")
         stage(f"{e.name}: scoring {sum(len(c.output_token_ids) for c in claims)} tokens with the reference")
-        columns = reference.score(traces, out_dir / e.name)
+        columns = _scored(reference.score(traces, out_dir / e.name), unscored(claims, e.name))
         seq = sequence_stats(columns, bands.clip if bands is not None else MARGIN_CLIP)
         if calibrator is not None:
             verdict = calibrated_verdict(columns["margin"], calibrator, batch_size)
@@ -169,6 +178,27 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     adjust([a.verdict for a in audits])  # Holm over providers, whatever the mode
     return AuditResult(audits, spec, reference.describe(), calibrator.fpr if calibrator else fpr, out_dir, bands,
                        started, time.time() - started)
+
+
+def _replayer(reference, provider: str, model_id: str, spec: AuditSpec, scratch: Path):
+    """Claims -> (claimed ids, the reference's replayed tokens) per claim, scored in ``scratch``."""
+    def replay(claims: list[Claim]) -> list[tuple[np.ndarray, np.ndarray]]:
+        traces = claim_traces(claims, provider, model_id, spec.params)
+        columns = reference.score(traces, scratch)
+        ids = np.asarray(columns["trace_id"])
+        return [(np.asarray(columns["claimed"])[ids == t.id], np.asarray(columns["verifier_token"])[ids == t.id])
+                for t in traces]
+
+    return replay
+
+
+def _scored(columns: dict[str, np.ndarray], skip: dict[str, set[int]]) -> dict[str, np.ndarray]:
+    """The rows a verdict judges: without the positions tokenization alignment re-split
+    (``verinfer.auditing.alignment``), which are drift, not evidence."""
+    if not skip:
+        return columns
+    keep = np.array([int(p) not in skip.get(t, ()) for t, p in zip(columns["trace_id"], columns["position"])], bool)
+    return {k: np.asarray(v)[keep] for k, v in columns.items()}
 
 
 def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, records: list[dict], spec: AuditSpec,

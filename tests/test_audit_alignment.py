@@ -1,0 +1,129 @@
+"""Re-tokenized text aligned with the sampled tokens (issue #27 item 0: an honest provider that
+returns text only was called INCONSISTENT because one merged token shifted every later seeded draw).
+
+Unit tests of the re-split on the real tokenizer, then seeded audits of a real ``verinfer serve`` over
+HTTP with token ids withheld (``token_ids=False``: the audit re-tokenizes the text, as it must for
+``llama_cpp.server``): the honest server is CONSISTENT although merges occur, and the same server
+behind the seed-rewriting proxy stays INCONSISTENT. The live ``llama_cpp.server`` version of the
+honest case is in tests/test_engine_llama_server.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.audit_servers import seed_proxy
+from verinfer.auditing.alignment import align_claims, count_mismatch, resplit
+from verinfer.auditing.responses import Claim
+
+
+def _claim(ids: list[int], text: str, **kw) -> Claim:
+    return Claim("p", 0, [1, 2], list(ids), "retokenized", text, kw.pop("finish_reason", "length"), **kw)
+
+
+@pytest.fixture(scope="module")
+def tok(backend):
+    return backend.tokenizer
+
+
+def test_a_merged_pair_is_split_where_the_reference_sampled_its_first_half(tok):
+    sampled = tok.encode(" Hi,", add_special_tokens=False) + [tok.convert_tokens_to_ids("Ġthe"),
+                                                                tok.convert_tokens_to_ids("re")]
+    text = tok.decode(sampled)
+    merged = tok.encode(text, add_special_tokens=False)
+    assert merged != sampled and len(merged) == len(sampled) - 1  # " the" + "re" re-tokenize as " there"
+    p = len(merged) - 1
+    assert resplit(tok, merged, text, p, sampled[p]) == sampled
+    # the reference's token must be where the text goes: another token, a stop token or the same one is no break
+    assert resplit(tok, merged, text, p, tok.convert_tokens_to_ids("Ġcat")) is None
+    assert resplit(tok, merged, text, p, tok.eos_token_id) is None
+    assert resplit(tok, merged, text, p, merged[p]) is None
+
+
+def test_align_claims_recovers_the_sampled_ids_and_leaves_unexplained_mismatches(tok):
+    words = [" the", "re", " is", " a", " cat"]
+    sampled = [tok.convert_tokens_to_ids(tok.tokenize(w)[0]) for w in words]
+    text = tok.decode(sampled)
+    honest = _claim(tok.encode(text, add_special_tokens=False), text)
+    lying = _claim(tok.encode(" I am a dog", add_special_tokens=False), " I am a dog")
+    calls = []
+
+    def replay(claims):  # a reference that samples `sampled` (the honest provider's tokens) after any prefix
+        calls.append(len(claims))
+        return [(np.array(c.output_token_ids), np.array([sampled[i] if i < len(sampled) else 0
+                                                        for i in range(len(c.output_token_ids))])) for c in claims]
+
+    out = align_claims([honest, lying], replay, tok)
+    assert out[0].output_token_ids == sampled and out[0].drift["realigned"] == [0]
+    assert out[1].output_token_ids == lying.output_token_ids and out[1].drift["realigned"] == []
+    assert calls == [2, 1]  # the second replay only for the claim that changed
+
+
+def test_a_returned_id_claim_is_never_realigned(tok):
+    c = Claim("p", 0, [1], [5, 6], "returned", "xy", "length")
+    assert align_claims([c], lambda cs: pytest.fail("no replay needed"), tok) == [c]
+
+
+@pytest.mark.parametrize("reported, finish, flagged", [(3, "length", 0), (4, "stop", 0), (4, "length", 1),
+                                                       (2, "stop", 1), (None, "length", None)])
+def test_count_mismatch_allows_a_stop_token_only(tok, reported, finish, flagged):
+    c = count_mismatch(_claim([5, 6, 7], "abc", finish_reason=finish, served={"completion_tokens": reported}))
+    assert c.drift.get("count_mismatch") == flagged
+
+
+SEEDED = dict(mode="seeded", sampler="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=100, max_tokens=32,
+              token_ids=False)
+
+
+@pytest.fixture(scope="module")
+def honest_url(backend):
+    import torch
+
+    from verinfer.serve import ServeConfig, serve_in_thread
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with serve_in_thread(backend, ServeConfig(max_batch=16)) as url:
+        yield url
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def seeded_audit(backend, honest_url, tmp_path_factory):
+    from verinfer.auditing.bands import Bands, build_bands
+    from verinfer.auditing.client import Endpoint
+    from verinfer.auditing.plan import AuditSpec
+    from verinfer.auditing.reference import LocalReference
+    from verinfer.auditing.run import run_audit
+    from verinfer.prompts import load_prompts
+
+    spec = AuditSpec(**SEEDED)
+    out = tmp_path_factory.mktemp("aligned")
+    (out / "bands.json").write_text(json.dumps(build_bands(backend, load_prompts("chitchat", 8, seed=11), spec,
+                                                           variants=("honest", "bf16"))))
+    with seed_proxy(honest_url, out) as proxy_url:
+        endpoints = [Endpoint("honest", honest_url, backend.model_id, None),
+                     Endpoint("proxy", proxy_url, backend.model_id, None)]
+        return run_audit(endpoints, load_prompts("chitchat", 16, seed=3), spec, LocalReference(backend), out / "audit",
+                         bands=Bands.load(out / "bands.json"), concurrency=4)
+
+
+def test_honest_text_only_seeded_audit_with_merged_tokens_is_consistent(seeded_audit):
+    honest = seeded_audit.providers[0]
+    print(f"\nhonest: {honest.verdict.text}; drift {honest.drift}")
+    assert honest.drift["retokenized"] == 16
+    assert honest.drift["realigned"]["sequences"] >= 1  # merges occurred: what this test is about
+    assert honest.drift["count_mismatch"]["sequences"] == 0  # after alignment every count agrees with usage
+    assert honest.verdict.consistent, honest.verdict.text
+    assert np.all(honest.columns["exact_match"])
+    assert honest.verdict.tokens == sum(len(c.output_token_ids) for c in honest.claims) \
+        - honest.drift["realigned"]["total"]  # re-split positions are drift, not evidence
+
+
+def test_wrong_seed_text_only_stays_inconsistent(seeded_audit):
+    proxy = seeded_audit.providers[1]
+    print(f"\nproxy: {proxy.verdict.text}; drift {proxy.drift}")
+    assert not proxy.verdict.consistent, proxy.verdict.text
+    assert np.mean(proxy.columns["exact_match"]) < 0.8
