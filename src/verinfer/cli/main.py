@@ -304,6 +304,7 @@ def _register_subcommands() -> None:
     app.add_typer(margingate, name="margingate", help="MarginGate: reproducible greedy decoding under dynamic batching")
     app.command(name="experiment")(_friendly(__import__("verinfer.cli.experiment", fromlist=["x"]).experiment))
     app.command(name="serve")(__import__("verinfer.cli.serve", fromlist=["serve"]).serve)
+    app.command(name="gateway")(__import__("verinfer.cli.gateway", fromlist=["gateway"]).gateway)
     app.add_typer(__import__("verinfer.cli.audit", fromlist=["app"]).app, name="audit", help="Audit OpenAI-compatible providers over HTTP")
 
 

@@ -1,0 +1,109 @@
+"""``verinfer gateway``: the recording reverse proxy in front of an engine (``verinfer.production.gateway``).
+
+``verinfer.cli.main`` registers it as a command.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from verinfer.cli.audit import _json_object  # one JSON-option parser for every command
+from verinfer.cli.errors import one_line_errors
+from verinfer.sampling.profiles import profile_names
+
+
+def _bool(name: str, value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
+def _tokenizer(spec: str):
+    """The claimed model's id, tokenizer and stop ids, offline (a GGUF file is converted once)."""
+    from transformers import AutoTokenizer
+
+    from verinfer.auditing.run import stop_ids
+    from verinfer.models.load import ModelNotAvailable, local_dir, resolve
+
+    source = resolve(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local_dir(source)), local_files_only=True)
+    except OSError as exc:
+        raise ModelNotAvailable(f"the tokenizer of {spec!r} is not available offline: {exc}".splitlines()[0]) from None
+    return source.model_id, tokenizer, frozenset(stop_ids(tokenizer))
+
+
+def _writable(directory: Path) -> None:
+    """Refuse a trace directory the gateway cannot write before any request is proxied."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = directory / f".verinfer-gateway-probe-{os.getpid()}"
+    try:
+        probe.write_bytes(b"")
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+@one_line_errors
+def gateway(
+    upstream: str = typer.Option(..., help="the engine's base URL, e.g. http://127.0.0.1:8000 (a trailing /v1 is "
+                                           "dropped)"),
+    port: int = typer.Option(8080, help="TCP port to listen on (0: a free one, logged at start)"),
+    traces: Path = typer.Option(..., help="directory for the trace shards (created if missing)"),
+    profile: str = typer.Option("vllm", help="sampler profile the traces claim: " + ", ".join(profile_names())),
+    assign_seeds: bool = typer.Option(False, "--assign-seeds",
+                                      help="give sampled requests without a seed one (recorded), so they verify"),
+    model: Optional[str] = typer.Option(
+        None, help="the claimed model (alias, .gguf, local directory): its id goes into the traces and its "
+                   "tokenizer re-tokenizes engines that return no token ids (default: the id the engine reports, "
+                   "returned ids only)"),
+    host: str = typer.Option("127.0.0.1", help="interface to listen on"),
+    provider: Optional[str] = typer.Option(None, help="provider name in the traces (default: the upstream's "
+                                                      "host:port)"),
+    shard_records: int = typer.Option(1000, help="close a shard after this many traces"),
+    shard_seconds: float = typer.Option(60.0, help="close a shard this many seconds after its first trace"),
+    queue_size: int = typer.Option(10000, help="exchanges waiting for the writer before --on-full applies"),
+    on_full: str = typer.Option("drop", help="full queue: drop (count and log; clients never wait) or block "
+                                             "(clients wait for room)"),
+    store_text: str = typer.Option("true", help="false: keep token ids only (no messages, prompts or output "
+                                                "text in the traces)"),
+    token_ids: bool = typer.Option(True, "--token-ids/--no-token-ids",
+                                   help="ask the engine for token ids (vLLM's return_token_ids)"),
+    request_defaults: Optional[str] = typer.Option(
+        None, help="JSON object of fields to add to requests that leave them out, e.g. llama_cpp.server's "
+                   "'{\"top_k\": 0, \"min_p\": 0, \"repeat_penalty\": 1}' so its defaults do not apply unrecorded"),
+    timeout: float = typer.Option(600.0, help="seconds an upstream request may take"),
+    access_log: bool = typer.Option(False, "--access-log", help="one JSON log line per request"),
+):
+    """Proxy an OpenAI-compatible engine unchanged for clients and record every exchange as traces
+    (Parquet shards that `verinfer verify DIR` reads)."""
+    import uvicorn
+
+    from verinfer.production.exchange import Recording
+    from verinfer.production.gateway import Gateway, GatewayConfig, create_app, json_log
+    from verinfer.sampling.profiles import get_profile
+    from verinfer.serve.runner import bind
+
+    get_profile(profile)  # an unknown name is refused here, naming the known ones
+    store = _bool("--store-text", store_text)
+    model_id, tokenizer, stops = _tokenizer(model) if model else (None, None, frozenset())
+    name = provider or upstream.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+    config = GatewayConfig(upstream, traces, Recording(name, profile, model_id, tokenizer, stops, store),
+                           assign_seeds=assign_seeds, token_ids=token_ids, defaults=_json_object("--request-defaults", request_defaults) or {},
+                           shard_records=shard_records, shard_seconds=shard_seconds, queue_size=queue_size,
+                           on_full=on_full, timeout_s=timeout, access_log=access_log)
+    if config.problems():
+        raise ValueError(config.problems()[0])
+    _writable(traces)
+    sock = bind(host, port)
+    log = json_log()
+    app = create_app(Gateway(config, log))
+    host_, port_ = sock.getsockname()[:2]
+    log("info", "listening", url=f"http://{host_}:{port_}", upstream=config.base)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                                  timeout_graceful_shutdown=30)).run(sockets=[sock])

@@ -1,0 +1,309 @@
+"""``verinfer gateway``: an OpenAI-compatible reverse proxy that records what an engine serves.
+
+Every request goes to the upstream engine (``httpx.AsyncClient``, connections kept alive) and its
+answer comes back unchanged: the status, the body (streams forwarded piece by piece as they arrive,
+never buffered first), the headers but hop-by-hop ones. ``Authorization`` reaches the engine and is
+never recorded. Generation requests (``POST /v1/chat/completions`` and ``/v1/completions``) are
+changed only as ``verinfer.production.exchange.prepare`` says (a seed for sampled requests without
+one, with ``assign_seeds``; ``return_token_ids``, whose ids are cut from the answer unless the client
+asked for them) and handed, once answered with 200, to the recorder
+(``verinfer.production.recorder``), which parses and writes them on its own thread.
+
+An engine that refuses the added ``return_token_ids`` (a 4xx whose body names it) gets the request
+again without it, once, and the gateway stops asking that engine for ids (then the recorder
+re-tokenizes); so no client ever sees an error the gateway caused. An engine that cannot be reached
+answers 502 in OpenAI's error shape. ``GET /gateway/health`` reports the upstream, the recorder's
+state and every counter (``recorder.Counters``). Logs are JSON lines on stderr (``json_log``);
+shutdown (SIGTERM or SIGINT, through uvicorn's lifespan) writes the open shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from verinfer.production.exchange import (ENDPOINTS, SEED_RANGE, EventSplitter, Exchange, Prepared, Recording,
+                                          iso, prepare, strip_ids, without_ids_request)
+from verinfer.production.recorder import POLICIES, Counters, Recorder
+
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+              "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
+NOT_FORWARDED_BACK = HOP_BY_HOP | {"content-encoding", "date", "server"}  # uvicorn sets date and server
+METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    upstream: str  # the engine's base URL (a trailing /v1 is dropped; client paths are appended)
+    traces: Path
+    recording: Recording
+    assign_seeds: bool = False
+    token_ids: bool = True  # ask the engine for token ids (return_token_ids)
+    defaults: dict[str, Any] = field(default_factory=dict)  # request fields filled in when absent
+    shard_records: int = 1000
+    shard_seconds: float = 60.0
+    queue_size: int = 10000
+    on_full: str = "drop"
+    timeout_s: float = 600.0  # per upstream request (connect, read, write, pool)
+    access_log: bool = False
+
+    def problems(self) -> list[str]:
+        out = []
+        if not self.upstream.startswith(("http://", "https://")):
+            out.append(f"--upstream must be an http(s) URL, got {self.upstream!r}")
+        if self.on_full not in POLICIES:
+            out.append(f"--on-full must be one of {', '.join(POLICIES)}, got {self.on_full!r}")
+        if self.shard_records < 1:
+            out.append(f"--shard-records must be at least 1, got {self.shard_records}")
+        if not self.shard_seconds > 0:
+            out.append(f"--shard-seconds must be > 0, got {self.shard_seconds}")
+        if self.queue_size < 1:
+            out.append(f"--queue-size must be at least 1, got {self.queue_size}")
+        if not self.timeout_s > 0:
+            out.append(f"--timeout must be > 0, got {self.timeout_s}")
+        return out
+
+    @property
+    def base(self) -> str:
+        return self.upstream.rstrip("/").removesuffix("/v1")
+
+
+class _JsonLines(logging.Formatter):
+    def format(self, r: logging.LogRecord) -> str:
+        return json.dumps({"ts": iso(r.created), "level": r.levelname.lower(), "event": r.getMessage(),
+                           **getattr(r, "fields", {})}, default=str)
+
+
+def json_log(stream=None) -> Callable[..., None]:
+    """``log(level, event, **fields)``: one JSON object per line on ``stream`` (stderr by default)."""
+    logger = logging.getLogger("verinfer.gateway")
+    if not logger.handlers:
+        handler = logging.StreamHandler(stream or sys.stderr)
+        handler.setFormatter(_JsonLines())
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+    def log(level: str, event: str, **fields: Any) -> None:
+        logger.log(getattr(logging, level.upper()), event, extra={"fields": fields})
+    return log
+
+
+def _error(status: int, message: str, code: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
+                        status_code=status)
+
+
+class Gateway:
+    """The proxy's state: the upstream client, the recorder, the counters."""
+
+    def __init__(self, config: GatewayConfig, log: Callable[..., None] | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None, write=None):
+        problems = config.problems()
+        if problems:
+            raise ValueError(problems[0])
+        self.config, self.log, self.counters = config, log or json_log(), Counters()
+        self.ask_ids = config.token_ids
+        self.transport = transport
+        self.http: httpx.AsyncClient | None = None
+        kw = {"write": write} if write is not None else {}
+        self.recorder = Recorder(config.traces, config.recording, self.log, self.counters, config.shard_records,
+                                 config.shard_seconds, config.queue_size, config.on_full, **kw)
+
+    async def start(self) -> None:
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.timeout_s), transport=self.transport,
+                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.log("info", "gateway_started", upstream=self.config.base, traces=str(self.config.traces),
+                 profile=self.config.recording.profile, assign_seeds=self.config.assign_seeds,
+                 store_text=self.config.recording.store_text, model=self.config.recording.model)
+
+    async def stop(self) -> None:
+        if self.http is not None:
+            await self.http.aclose()
+        await asyncio.to_thread(self.recorder.close)
+        self.log("info", "gateway_stopped", **self.counters.snapshot())
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok" if not self.recorder.stopped else "recording_stopped", "upstream": self.config.base,
+                "traces": str(self.config.traces), "recording": not self.recorder.stopped,
+                "recording_error": self.recorder.stopped, "token_ids_from_upstream": self.ask_ids,
+                **self.counters.snapshot()}
+
+    @staticmethod
+    def _headers(request: Request) -> dict[str, str]:
+        out = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+        out["accept-encoding"] = "identity"  # bodies are recorded as the engine sent them
+        return out
+
+    @staticmethod
+    def _back(resp: httpx.Response) -> dict[str, str]:
+        return {k: v for k, v in resp.headers.items() if k.lower() not in NOT_FORWARDED_BACK}
+
+    async def _send(self, method: str, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response | None:
+        try:
+            return await self.http.send(self.http.build_request(method, url, content=body, headers=headers),
+                                        stream=True)
+        except httpx.HTTPError as exc:
+            self.counters.add(upstream_unreachable=1)
+            self.log("error", "upstream_unreachable", url=url, error=f"{type(exc).__name__}: {exc}")
+            return None
+
+    async def handle(self, request: Request, path: str) -> Response:
+        self.counters.add(requests=1)
+        started = time.monotonic()
+        raw = await request.body()
+        url = f"{self.config.base}/{path}" + (f"?{request.url.query}" if request.url.query else "")
+        headers = self._headers(request)
+        kind = ENDPOINTS.get(path.removeprefix("v1/")) if request.method == "POST" and path.startswith("v1/") else None
+        prepared = None
+        if kind is not None:
+            seed = secrets.randbelow(SEED_RANGE) if self.config.assign_seeds else None
+            prepared = prepare(raw, self.ask_ids, seed, self.config.defaults)
+        requested_at = time.time()
+        resp = await self._send(request.method, url, prepared.body if prepared else raw, headers)
+        if resp is not None and prepared is not None and prepared.ids_added and 400 <= resp.status_code < 500:
+            body = await resp.aread()
+            await resp.aclose()
+            if b"return_token_ids" in body:  # the engine refuses the field we added: never the client's problem
+                self.ask_ids = False
+                self.counters.add(ids_refused=1)
+                self.log("warning", "token_ids_refused", upstream=self.config.base, status=resp.status_code,
+                         detail="retried without return_token_ids; outputs are re-tokenized from now on")
+                prepared = without_ids_request(prepared)
+                resp = await self._send(request.method, url, prepared.body, headers)
+            else:
+                self.counters.add(upstream_errors=1)
+                return self._done(request, path, resp.status_code, started,
+                                  Response(body, status_code=resp.status_code, headers=self._back(resp)))
+        if resp is None:
+            return self._done(request, path, 502, started,
+                              _error(502, f"the upstream engine {self.config.base} cannot be reached", "upstream_unreachable"))
+        if resp.status_code >= 400:
+            self.counters.add(upstream_errors=1)
+        record = prepared is not None and resp.status_code == 200
+        if prepared is not None and prepared.request.get("stream") is True and resp.status_code == 200:
+            return self._done(request, path, resp.status_code, started, StreamingResponse(
+                self._stream(resp, prepared, kind, requested_at), status_code=resp.status_code,
+                headers=self._back(resp)))
+        try:
+            body = await resp.aread()
+        except httpx.HTTPError as exc:
+            self.counters.add(upstream_unreachable=1)
+            self.log("error", "upstream_broke_off", url=url, error=f"{type(exc).__name__}: {exc}")
+            return _error(502, f"the upstream engine {self.config.base} broke off its answer", "upstream_unreachable")
+        finally:
+            await resp.aclose()
+        if record:
+            await self._submit(Exchange(uuid.uuid4().hex, kind, prepared.request, body, False, requested_at,
+                                        time.time(), prepared.seed_assigned))
+            if prepared.ids_added:
+                body = strip_ids(body, stream=False)
+        return self._done(request, path, resp.status_code, started,
+                          Response(body, status_code=resp.status_code, headers=self._back(resp)))
+
+    async def _stream(self, resp: httpx.Response, prepared: Prepared, kind: str,
+                      requested_at: float) -> AsyncIterator[bytes]:
+        """Forward the engine's events as they arrive (whole events when ids are cut out), keep a copy."""
+        seen = bytearray()
+        splitter = EventSplitter() if prepared.ids_added else None
+        complete = False
+        try:
+            async for piece in resp.aiter_bytes():
+                seen += piece
+                if splitter is None:
+                    yield piece
+                else:
+                    out = splitter.feed(piece)
+                    if out:
+                        yield strip_ids(out, stream=True)
+            if splitter is not None:
+                rest = splitter.flush()
+                if rest:
+                    yield strip_ids(rest, stream=True)
+            complete = True
+        except httpx.HTTPError as exc:
+            self.counters.add(upstream_unreachable=1)
+            self.log("error", "upstream_broke_off", upstream=self.config.base, error=f"{type(exc).__name__}: {exc}")
+        finally:
+            await resp.aclose()
+            if complete:  # a stream the client left or the engine cut has no [DONE]: nothing to record
+                await self._submit(Exchange(uuid.uuid4().hex, kind, prepared.request, bytes(seen), True,
+                                            requested_at, time.time(), prepared.seed_assigned))
+
+    async def _submit(self, ex: Exchange) -> None:
+        if self.config.on_full == "block":
+            await asyncio.to_thread(self.recorder.submit, ex)
+        else:
+            self.recorder.submit(ex)
+
+    def _done(self, request: Request, path: str, status: int, started: float, response: Response) -> Response:
+        if self.config.access_log:
+            self.log("info", "request", method=request.method, path=f"/{path}", status=status,
+                     ms=round((time.monotonic() - started) * 1000, 2))
+        return response
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    """The gateway's ASGI app: ``/gateway/health``, everything else proxied."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        await gateway.start()
+        try:
+            yield
+        finally:
+            await gateway.stop()
+
+    app = FastAPI(title="verinfer gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/gateway/health")
+    async def health() -> dict:
+        return gateway.health()
+
+    @app.api_route("/{path:path}", methods=METHODS)
+    async def proxy(request: Request, path: str) -> Response:
+        return await gateway.handle(request, path)
+
+    app.state.gateway = gateway
+    return app
+
+
+@contextlib.contextmanager
+def gateway_in_thread(gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Serve ``gateway`` on a real socket in a background thread (tests, benchmarks); yields its base
+    URL ending in ``/v1``. Leaving the block shuts it down as SIGTERM would (the open shard is written)."""
+    import uvicorn
+
+    from verinfer.serve.runner import base_url, bind
+
+    sock = bind(host, port)
+    server = uvicorn.Server(uvicorn.Config(create_app(gateway), log_level="warning", access_log=False,
+                                          lifespan="on", timeout_graceful_shutdown=30))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="verinfer-gateway-http",
+                              daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the gateway did not start")
+            time.sleep(0.01)
+        yield base_url(sock)
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        sock.close()

@@ -1,0 +1,402 @@
+"""``verinfer gateway`` on loopback: pass-through equality with talking to the engine directly, no
+field the client did not ask for, streams forwarded as they arrive, and the recorder's behaviour
+(full queue, failing writes, unrecordable exchanges, kill -9 and SIGTERM of the real command).
+
+The engine here is a small fake OpenAI server (``fake_engine``: vLLM's response shapes, instant),
+so these tests need no model; ``test_gateway_verify.py`` runs ``verinfer serve`` behind the gateway
+and verifies what it records."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from tests.audit_servers import asgi_in_thread, free_port
+from verinfer.production.exchange import (EventSplitter, Exchange, Recording, Unrecordable, claimed_params, prepare,
+                                          record, strip_ids, unverifiable_reason)
+from verinfer.production.gateway import Gateway, GatewayConfig, gateway_in_thread
+from verinfer.sharded import find_shards
+from verinfer.trace import read_traces
+
+PROMPT = [1, 9690, 2, 2683]  # fake prompt token ids the fake engine reports
+OUTPUT = [504, 3459, 17, 2]
+
+
+def fake_engine(seen: list | None = None, refuse_ids: bool = False, ids: bool = True, gate: threading.Event | None = None,
+                null_style: bool = True) -> FastAPI:
+    """vLLM's shapes: non-streamed responses serialize every optional field (null when not asked,
+    ``prompt_logprobs`` included); stream chunks only what is set. ``refuse_ids``: 400 naming
+    ``return_token_ids``; ``ids=False``: text only (as llama_cpp.server); ``gate``: the stream waits
+    for it after its first event."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        if seen is not None:
+            seen.append({"body": body, "auth": request.headers.get("authorization")})
+        if refuse_ids and "return_token_ids" in body:
+            return JSONResponse({"error": {"message": "return_token_ids: Extra inputs are not permitted",
+                                           "type": "BadRequestError", "param": None, "code": 400}}, status_code=400)
+        if body.get("temperature", 1) > 2:
+            return JSONResponse({"error": {"message": "temperature: must be <= 2", "type": "BadRequestError",
+                                           "param": "temperature", "code": 400}}, status_code=400)
+        want = ids and body.get("return_token_ids") is True
+        n = body.get("n", 1)
+        if body.get("stream"):
+            async def events():
+                head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "fake"}
+                first = {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""}}
+                                             for j in range(n)]}
+                if want:
+                    first["prompt_token_ids"] = PROMPT
+                yield f"data: {json.dumps(first, separators=(',', ':'))}\n\n"
+                if gate is not None:
+                    await asyncio.to_thread(gate.wait, 10)
+                for k, tok in enumerate(OUTPUT):
+                    choices = [{"index": j, "delta": {"content": f"t{tok}"}, **({"token_ids": [tok]} if want else {}),
+                                **({"finish_reason": "stop"} if k == len(OUTPUT) - 1 else {})} for j in range(n)]
+                    yield f"data: {json.dumps({**head, 'choices': choices}, separators=(',', ':'))}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        choices = [{"index": j, "message": {"role": "assistant", "content": "".join(f"t{t}" for t in OUTPUT)},
+                    "logprobs": None, "finish_reason": "stop"} for j in range(n)]
+        out = {"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "fake", "choices": choices,
+               "usage": {"prompt_tokens": len(PROMPT), "completion_tokens": n * len(OUTPUT)}}
+        for c in choices:
+            if want:
+                c["token_ids"] = OUTPUT
+            elif null_style:
+                c["token_ids"] = None
+        if null_style:
+            out["prompt_logprobs"] = None
+            out["prompt_token_ids"] = PROMPT if want else None
+        elif want:
+            out["prompt_token_ids"] = PROMPT
+        return out
+
+    return app
+
+
+def _gateway(upstream, traces, recording, log, write=None, **kw) -> Gateway:
+    return Gateway(GatewayConfig(upstream, traces, recording, **kw), log=log or (lambda *a, **k: None), write=write)
+
+
+CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "seed": 3}
+
+
+# ---------------------------------------------------------------------------------------------------
+# pure parts
+
+
+def test_strip_ids_cuts_only_the_ids_and_keeps_every_other_byte():
+    vllm = b'{"id":"x","choices":[{"index":0,"token_ids":[1,2,3],"text":"a \\"token_ids\\":[1]"}],' \
+           b'"prompt_logprobs":null,"prompt_token_ids":[4, 5]}'
+    assert strip_ids(vllm, stream=False) == b'{"id":"x","choices":[{"index":0,"token_ids":null,' \
+                                            b'"text":"a \\"token_ids\\":[1]"}],"prompt_logprobs":null,' \
+                                            b'"prompt_token_ids":null}'
+    chunk = b'data: {"choices":[{"token_ids":[7],"index":0,"delta":{"content":"x"}}],"prompt_token_ids":[1,2]}\n\n'
+    assert strip_ids(chunk, stream=True) == b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+    assert strip_ids(b'{"a":{"token_ids":[1]},"stop_token_ids":[2]}', stream=True) == b'{"a":{},"stop_token_ids":[2]}'
+
+
+def test_event_splitter_yields_whole_events_only():
+    s = EventSplitter()
+    assert s.feed(b"data: {") == b""
+    assert s.feed(b'"a":1}\n\ndata: {"b"') == b'data: {"a":1}\n\n'
+    assert s.feed(b":2}\n\n") == b'data: {"b":2}\n\n'
+    assert s.feed(b"data: [DONE]") == b"" and s.flush() == b"data: [DONE]"
+
+
+def test_prepare_assigns_seeds_to_sampled_requests_only_and_keeps_given_ones():
+    raw = json.dumps({"messages": [], "temperature": 0.7}).encode()
+    p = prepare(raw, ask_ids=True, seed=42)
+    assert p.seed_assigned and p.request["seed"] == 42 and p.ids_added and p.request["return_token_ids"] is True
+    kept = prepare(json.dumps({"messages": [], "seed": 5, "return_token_ids": True}).encode(), True, 42)
+    assert not kept.seed_assigned and kept.request["seed"] == 5 and not kept.ids_added
+    greedy = prepare(json.dumps({"messages": [], "temperature": 0}).encode(), False, 42)
+    assert not greedy.seed_assigned and "seed" not in greedy.request
+    untouched = b'{"messages": [], "seed": 1}'
+    assert prepare(untouched, False, None).body == untouched  # nothing to change: the client's own bytes
+    assert prepare(b"not json", True, 1) is None and prepare(b"[1]", True, 1) is None
+    filled = prepare(b'{"top_k": 40}', False, None, {"top_k": 0, "min_p": 0})
+    assert filled.request == {"top_k": 40, "min_p": 0}
+
+
+def test_claims_and_unverifiable_reasons():
+    assert claimed_params({"temperature": 0}, "vllm", 3).profile == "greedy"
+    p = claimed_params({"seed": 10, "top_k": 0, "temperature": 1}, "vllm-cpu", 2)
+    assert (p.seed, p.top_k, p.temperature, p.profile) == (12, -1, 1.0, "vllm-cpu")  # choice j: seed + j
+    assert "without a seed" in unverifiable_reason({"temperature": 1}, "vllm", 1)
+    assert unverifiable_reason({"temperature": 0}, "vllm", 1) is None  # greedy needs no seed
+    assert "presence_penalty" in unverifiable_reason({"seed": 1, "presence_penalty": 0.5}, "vllm", 1)
+    assert unverifiable_reason({"seed": 1, "presence_penalty": 0}, "vllm", 1) is None
+    assert "n=2" in unverifiable_reason({"seed": 1}, "llama.cpp", 2)
+    assert unverifiable_reason({"seed": 1}, "vllm-cpu", 2) is None
+
+
+def _exchange(response: dict | bytes, request: dict | None = None, stream: bool = False) -> Exchange:
+    body = response if isinstance(response, bytes) else json.dumps(response).encode()
+    return Exchange("r1", "chat", request or dict(CHAT), body, stream, 0.0, 1.0)
+
+
+def test_record_returned_ids_store_text_and_unrecordable():
+    response = {"model": "fake", "prompt_token_ids": PROMPT,
+                "choices": [{"index": 0, "message": {"content": "hello"}, "token_ids": OUTPUT, "finish_reason": "stop"}]}
+    out = record(_exchange(response), Recording("p", "vllm", "smollm2-135m"))
+    (t,) = out.traces
+    assert (t.prompt_token_ids, t.output_token_ids, t.model, t.provider) == (PROMPT, OUTPUT, "smollm2-135m", "p")
+    assert t.meta["token_source"] == "returned" and t.messages == [{"role": "user", "content": "Hi"}]
+    assert t.output_text == "hello" and t.meta["requested_at"] == "1970-01-01T00:00:00.000Z"
+    private = record(_exchange(response), Recording("p", store_text=False)).traces[0]
+    assert private.messages is None and private.output_text is None and private.prompt_text is None
+    assert "hello" not in json.dumps(private.to_dict()) and "Hi" not in json.dumps(private.to_dict())
+    text_only = {"model": "fake", "choices": [{"index": 0, "message": {"content": "hello"}, "finish_reason": "stop"}]}
+    with pytest.raises(Unrecordable, match="no prompt token ids and the gateway has no tokenizer"):
+        record(_exchange(text_only), Recording("p"))
+    with pytest.raises(Unrecordable, match="not JSON"):
+        record(_exchange(b"<html>"), Recording("p"))
+    with pytest.raises(Unrecordable, match="without 'data: \\[DONE\\]'"):
+        record(_exchange(b'data: {"choices":[]}\n\n', stream=True), Recording("p"))
+    unseeded = record(_exchange(response, {**CHAT, "seed": None}), Recording("p"))
+    assert not unseeded.traces and "without a seed" in unseeded.unverifiable[0].meta["unverifiable"]
+
+
+# ---------------------------------------------------------------------------------------------------
+# the proxy
+
+
+def _events(text: str) -> list:
+    return [line for line in text.splitlines() if line.startswith("data:")]
+
+
+def test_pass_through_equals_the_engine_directly(tmp_path):
+    seen: list = []
+    with asgi_in_thread(fake_engine(seen)) as engine, \
+            gateway_in_thread(_gateway(engine, tmp_path, Recording("fake"), None)) as gw:
+        for path, body, headers in [
+            ("chat/completions", CHAT, {}),
+            ("chat/completions", {**CHAT, "n": 2}, {"Authorization": "Bearer sk-secret-123"}),
+            ("chat/completions", {**CHAT, "return_token_ids": True}, {}),  # asked for: kept
+            ("chat/completions", {**CHAT, "stream": True, "n": 2}, {}),
+            ("chat/completions", {**CHAT, "stream": True, "return_token_ids": True}, {}),
+            ("chat/completions", {**CHAT, "temperature": 5}, {}),  # the engine's error, as it is
+        ]:
+            direct = httpx.post(f"{engine}/{path}", json=body, headers=headers, timeout=30)
+            proxied = httpx.post(f"{gw}/{path}", json=body, headers=headers, timeout=30)
+            assert (proxied.status_code, proxied.content) == (direct.status_code, direct.content), body
+            assert proxied.headers["content-type"] == direct.headers["content-type"]
+            if body.get("stream") and not body.get("return_token_ids"):
+                assert "token_ids" not in proxied.text and len(_events(proxied.text)) == len(OUTPUT) + 2
+        assert httpx.get(f"{gw}/models").content == httpx.get(f"{engine}/models").content
+        assert httpx.get(f"{gw}/nope").status_code == httpx.get(f"{engine}/nope").status_code == 404
+        health = httpx.get(gw.removesuffix("/v1") + "/gateway/health").json()
+    # what the engine saw: ids asked for, the client's seed kept, the key passed on
+    via = [s for s in seen if s["body"].get("return_token_ids") and s["body"]["seed"] == 3]
+    assert len(via) >= 6 and any(s["auth"] == "Bearer sk-secret-123" for s in via)
+    assert health["requests"] == 8 and health["upstream_errors"] == 2 and health["queue_depth"] >= 0
+    traces = [t for p in find_shards(tmp_path) for t in read_traces(p)]
+    assert len(traces) == 1 + 2 + 1 + 2 + 1  # one per choice of every answered generation
+    assert all(t.output_token_ids == OUTPUT and t.prompt_token_ids == PROMPT for t in traces)
+    assert not any("sk-secret" in p.read_bytes().decode("latin-1") for p in tmp_path.rglob("*.parquet"))
+
+
+def test_streams_are_forwarded_as_they_arrive(tmp_path):
+    """The engine holds its stream after the first event until the client has seen that event through
+    the gateway: a gateway that buffered the stream would never deliver it (the gate opens after 10 s
+    as a hang guard, and the test then fails)."""
+    for ids in (True, False):  # ids cut from whole events, or raw bytes forwarded
+        gate = threading.Event()
+        with asgi_in_thread(fake_engine(gate=gate)) as engine, \
+                gateway_in_thread(_gateway(engine, tmp_path / str(ids), Recording("fake"), None, token_ids=ids)) as gw:
+            with httpx.stream("POST", f"{gw}/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
+                lines = r.iter_lines()
+                first = next(line for line in lines if line.startswith("data:"))
+                early = not gate.is_set()
+                gate.set()
+                rest = [line for line in lines if line.startswith("data:")]
+        assert early and '"role":"assistant"' in first and rest[-1] == "data: [DONE]"
+
+
+def test_an_engine_refusing_return_token_ids_never_fails_the_client(tmp_path):
+    from verinfer.auditing.run import stop_ids
+    from verinfer.models.load import local_dir, resolve
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(local_dir(resolve("smollm2-135m"))), local_files_only=True)
+    seen: list = []
+    logs: list = []
+    with asgi_in_thread(fake_engine(seen, refuse_ids=True)) as engine:
+        g = _gateway(engine, tmp_path, Recording("fake", "vllm", "smollm2-135m", tok, frozenset(stop_ids(tok))),
+                     lambda level, event, **f: logs.append(event))
+        with gateway_in_thread(g) as gw:
+            replies = [httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30) for _ in range(3)]
+    assert [r.status_code for r in replies] == [200, 200, 200]
+    assert sum("return_token_ids" in s["body"] for s in seen) == 1  # refused once, then never asked again
+    assert g.counters.ids_refused == 1 and logs.count("token_ids_refused") == 1
+    traces = [t for p in find_shards(tmp_path) for t in read_traces(p)]
+    assert len(traces) == 3 and {t.meta["token_source"] for t in traces} == {"retokenized"}
+    assert {t.meta["prompt_source"] for t in traces} == {"rendered"}  # the chat template, applied here
+    assert traces[0].output_token_ids == tok.encode("".join(f"t{t}" for t in OUTPUT), add_special_tokens=False)
+
+
+def test_unrecordable_exchanges_are_counted_and_logged_and_an_unreachable_engine_is_a_502(tmp_path):
+    logs: list = []
+    with asgi_in_thread(fake_engine(ids=False)) as engine:
+        g = _gateway(engine, tmp_path, Recording("fake"), lambda level, event, **f: logs.append((event, f)))
+        with gateway_in_thread(g) as gw:
+            assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
+    assert g.counters.unrecordable == 1 and g.counters.recorded == 0
+    (reason,) = [f["reason"] for e, f in logs if e == "unrecordable"]
+    assert "no tokenizer" in reason
+    g = _gateway(f"http://127.0.0.1:{free_port()}", tmp_path / "x", Recording("fake"), None)
+    with gateway_in_thread(g) as gw:
+        r = httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
+
+
+def test_a_full_queue_drops_visibly_and_never_holds_the_client(tmp_path):
+    from verinfer.trace import write_traces
+
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_write(traces, path):
+        entered.set()
+        release.wait(30)
+        return write_traces(traces, path)
+
+    logs: list = []
+    with asgi_in_thread(fake_engine()) as engine:
+        g = _gateway(engine, tmp_path, Recording("fake"), lambda level, event, **f: logs.append(event),
+                     write=slow_write, queue_size=1, shard_records=1)
+        with gateway_in_thread(g) as gw:
+            assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
+            assert entered.wait(30)  # the writer holds exchange 1; the queue has room for one more
+            codes = [httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code for _ in range(3)]
+            health = httpx.get(gw.removesuffix("/v1") + "/gateway/health").json()
+            release.set()
+    assert codes == [200, 200, 200]
+    assert health["dropped"] == 2 and health["exchanges"] == 4 and logs.count("queue_full") == 1
+    assert g.counters.recorded == 2 and len(find_shards(tmp_path)) == 2
+
+
+def test_a_failing_disk_stops_recording_and_proxying_goes_on(tmp_path):
+    def full_disk(traces, path):
+        raise OSError(28, "No space left on device")
+
+    logs: list = []
+    with asgi_in_thread(fake_engine()) as engine:
+        g = _gateway(engine, tmp_path, Recording("fake"), lambda level, event, **f: logs.append((event, f)),
+                     write=full_disk, shard_records=1)
+        with gateway_in_thread(g) as gw:
+            codes = [httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code for _ in range(3)]
+            deadline = time.monotonic() + 30
+            while g.recorder.stopped is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            codes += [httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code]
+            health = httpx.get(gw.removesuffix("/v1") + "/gateway/health").json()
+    assert codes == [200] * 4
+    assert health["status"] == "recording_stopped" and health["write_errors"] == 1 and health["recorded"] == 0
+    assert "No space left" in health["recording_error"] and health["dropped"] >= 2
+    stops = [f for e, f in logs if e == "recording_stopped"]
+    assert len(stops) == 1 and "No space left on device" in stops[0]["error"]
+
+
+def test_a_trace_directory_that_turns_into_a_file_stops_recording(tmp_path):
+    """The real failure path (no fake writer): the directory is replaced by a file while running."""
+    traces = tmp_path / "traces"
+    with asgi_in_thread(fake_engine()) as engine:
+        g = _gateway(engine, traces, Recording("fake"), None, shard_records=1)
+        with gateway_in_thread(g) as gw:
+            traces.rmdir()
+            traces.write_text("not a directory")
+            assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
+            deadline = time.monotonic() + 30
+            while g.recorder.stopped is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
+    assert g.recorder.stopped and str(traces) in g.recorder.stopped and g.counters.write_errors == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# the command
+
+
+def test_bad_options_are_one_line_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from verinfer.cli.main import app
+
+    (tmp_path / "file").write_text("x")
+    for args, phrase in [(["--traces", str(tmp_path / "file")], "file"),
+                         (["--traces", str(tmp_path), "--profile", "nope"], "unknown sampler profile 'nope'"),
+                         (["--traces", str(tmp_path), "--on-full", "wait"], "--on-full must be one of drop, block"),
+                         (["--traces", str(tmp_path), "--store-text", "maybe"], "--store-text must be true or false"),
+                         (["--traces", str(tmp_path), "--request-defaults", "[1]"], "expected a JSON object"),
+                         (["--traces", str(tmp_path), "--upstream", "localhost:8000"], "must be an http(s) URL")]:
+        result = CliRunner().invoke(app, ["gateway", "--upstream", "http://127.0.0.1:9", *args])
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, (args, result.output)
+        assert lines[0].startswith("error:") and phrase in lines[0], (args, result.output)
+
+
+def _start(engine: str, traces: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "verinfer.cli", "gateway", "--upstream", engine, "--port", str(port),
+                             "--traces", str(traces), "--shard-records", "2", *extra],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/gateway/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+        time.sleep(0.2)
+
+
+def _records(directory: Path) -> int:
+    return sum(len(read_traces(p)) for p in find_shards(directory))
+
+
+def test_kill_9_keeps_finished_shards_and_sigterm_writes_the_open_one(tmp_path):
+    with asgi_in_thread(fake_engine()) as engine:
+        for how, expect_shards, expect_records in ((signal.SIGKILL, 2, 4), (signal.SIGTERM, 3, 5)):
+            traces, port = tmp_path / how.name, free_port()
+            proc = _start(engine, traces, port, tmp_path / f"{how.name}.log")
+            try:
+                for _ in range(5):
+                    assert httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT,
+                                      timeout=30).status_code == 200
+                deadline = time.monotonic() + 30
+                while len(list(traces.glob("*.parquet"))) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                os.kill(proc.pid, how)
+                assert proc.wait(60) is not None
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+            shards = find_shards(traces)
+            assert len(shards) == expect_shards and _records(traces) == expect_records, how
+            assert not [p for p in traces.iterdir() if p.is_file() and p.suffix not in (".parquet",)]
+            log = [json.loads(line) for line in (tmp_path / f"{how.name}.log").read_text().splitlines()
+                   if line.startswith("{")]
+            assert log[0]["event"] == "listening" and sum(e["event"] == "shard_written" for e in log) == expect_shards
+            if how == signal.SIGTERM:
+                assert log[-1]["event"] == "gateway_stopped" and log[-1]["recorded"] == 5
