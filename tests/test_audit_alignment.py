@@ -127,3 +127,16 @@ def test_wrong_seed_text_only_stays_inconsistent(seeded_audit):
     print(f"\nproxy: {proxy.verdict.text}; drift {proxy.drift}")
     assert not proxy.verdict.consistent, proxy.verdict.text
     assert np.mean(proxy.columns["exact_match"]) < 0.8
+
+
+def test_a_count_still_off_after_alignment_scores_up_to_the_first_mismatch_only(tok):
+    from verinfer.auditing.alignment import unscored
+
+    text = " I am a dog"
+    ids = tok.encode(text, add_special_tokens=False)
+    c = _claim(ids, text, served={"completion_tokens": len(ids) + 1})  # the provider counts one token more
+    replayed = np.array(ids[:2] + [tok.convert_tokens_to_ids("Ġcat")] * (len(ids) - 2))  # no break the text explains
+    (out,) = align_claims([c], lambda cs: [(np.array(ids), replayed)], tok)
+    assert out.output_token_ids == ids and out.drift["count_mismatch"] == 1
+    assert out.drift["unaligned_from"] == 3 and out.drift["unaligned"] == len(ids) - 3  # the mismatch at 2 is scored
+    assert unscored([out], "x") == {"x/p": set(range(3, len(ids)))}

@@ -75,13 +75,14 @@ def align_claims(claims: Sequence[Claim], replay: Replay, tokenizer, limit: int 
     """
     out = list(claims)
     todo = [i for i, c in enumerate(out) if c.source == "retokenized" and c.text and c.output_token_ids]
-    start = dict.fromkeys(todo, 0)
+    aligned, start, last = list(todo), dict.fromkeys(todo, 0), {}
     for i in todo:
         out[i] = replace(out[i], drift={**out[i].drift, "realigned": []})
     while todo:
         changed = []
         for i, (claimed, replayed) in zip(todo, replay([out[i] for i in todo])):
-            found = first_break(tokenizer, out[i], np.asarray(claimed), np.asarray(replayed), start[i])
+            last[i] = np.asarray(claimed), np.asarray(replayed)
+            found = first_break(tokenizer, out[i], *last[i], start[i])
             if found is None:
                 continue
             p, ids = found
@@ -91,12 +92,33 @@ def align_claims(claims: Sequence[Claim], replay: Replay, tokenizer, limit: int 
             if len(out[i].drift["realigned"]) < limit:
                 changed.append(i)
         todo = changed
+    for i in aligned:
+        out[i] = _cut_at_break(count_mismatch(out[i]), *last.get(i, (None, None)))
     return out
 
 
+def _cut_at_break(claim: Claim, claimed: np.ndarray | None, replayed: np.ndarray | None) -> Claim:
+    """A claim whose count still disagrees with the provider's is known to be misaligned somewhere the
+    replay could not repair: its tokens are scored up to and including the first mismatch left (before
+    it the alignment holds: a merge or split there would have been a mismatch) and the rest is counted
+    as ``drift["unaligned"]``, never as model divergence."""
+    if not claim.drift.get("count_mismatch") or claimed is None or len(claimed) != len(claim.output_token_ids):
+        return claim
+    mismatches = np.flatnonzero(claimed != replayed)
+    cut = int(mismatches[0]) + 1 if len(mismatches) else len(claimed)
+    return replace(claim, drift={**claim.drift, "unaligned": len(claimed) - cut, "unaligned_from": cut})
+
+
 def unscored(claims: Sequence[Claim], provider: str) -> dict[str, set[int]]:
-    """Positions of each claim's trace (``claim_traces`` ids) left out of the verdict: the re-split ones."""
-    return {f"{provider}/{c.prompt_id}": set(c.drift["realigned"]) for c in claims if c.drift.get("realigned")}
+    """Positions of each claim's trace (``claim_traces`` ids) left out of the verdict: the re-split ones
+    and those after an alignment break the replay could not repair."""
+    out = {}
+    for c in claims:
+        skip = set(c.drift.get("realigned", ())) | set(range(c.drift.get("unaligned_from", len(c.output_token_ids)),
+                                                             len(c.output_token_ids)))
+        if skip:
+            out[f"{provider}/{c.prompt_id}"] = skip
+    return out
 
 
 def count_mismatch(claim: Claim) -> Claim:

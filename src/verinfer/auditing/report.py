@@ -153,8 +153,18 @@ def rank_plot(audit: ProviderAudit) -> str:
 
 
 def warning_lines(audit: ProviderAudit) -> list[str]:
-    """The contradictions between what the provider said it served and what was asked (redacted)."""
-    return [redact_text(w) for w in audit.served.get("warnings", [])]
+    """The contradictions between what the provider said it served and what was asked (redacted), and
+    the re-tokenization drift that left tokens out of the verdict (``verinfer.auditing.alignment``)."""
+    lines = [redact_text(w) for w in audit.served.get("warnings", [])]
+    realigned, unaligned = audit.drift.get("realigned") or {}, audit.drift.get("unaligned") or {}
+    if realigned.get("total"):
+        lines.append(f"{realigned['total']} re-tokenized position(s) in {realigned['sequences']} sequence(s) re-split "
+                     "where the text allowed the reference's token (tokenization drift, not scored)")
+    if unaligned.get("total"):
+        lines.append(f"{unaligned['sequences']} re-tokenized output(s) disagree with the provider's usage count "
+                     f"after alignment: {unaligned['total']} token(s) after their first mismatch not scored "
+                     "(ask the provider for token ids)")
+    return lines
 
 
 def to_json(result: AuditResult, tokenizer) -> dict:

@@ -246,6 +246,8 @@ DRIFT_CHECKS = {  # drift name -> what it counts (a sequence's value: tokens, or
     "realigned": "re-tokenized positions re-split where the text allowed the reference's token "
                  "(verinfer.auditing.alignment; left out of the verdict)",
     "count_mismatch": "re-tokenized outputs whose token count still disagrees with the provider's usage count",
+    "unaligned": "tokens after such an output's first mismatch, left out of the verdict (the alignment is broken "
+                 "somewhere the replay could not repair)",
 }
 
 
