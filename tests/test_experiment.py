@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from verinfer.cli.main import app
-from verinfer.experiments import detection
-from verinfer.experiments.detection_report import analyse, markdown
+from verinfer.studies import detection
+from verinfer.studies.detection_report import analyse, markdown
 from verinfer.stats.calibration import Calibrator
 from verinfer.stats.power import Detector, power_curves, random_batch_means, tokens_to_reach
 

@@ -6,7 +6,7 @@ from scipy.stats import binomtest
 from transformers import DynamicCache
 
 from verinfer.simulate.generate import Request
-from verinfer.experiments.adversary import match_cross_entropy, score_traces
+from verinfer.studies.adversary import match_cross_entropy, score_traces
 from verinfer.models import derived, fp8_kv
 from verinfer.simulate import variants as V
 from verinfer.simulate.generate import build_requests

@@ -41,8 +41,8 @@ def experiment(
     import torch
 
     n_prompts = opt.alias(n, n_prompts, "--n-prompts", "--n")
-    from verinfer.experiments import detection
-    from verinfer.experiments.detection_report import analyse, write_report
+    from verinfer.studies import detection
+    from verinfer.studies.detection_report import analyse, write_report
     from verinfer.machine import describe
     from verinfer.models.load import cache_root
     from verinfer.stats.power import BATCH_SIZES

@@ -31,7 +31,7 @@ import torch
 
 import verinfer
 from verinfer.simulate import variants
-from verinfer.experiments.adversary import match_cross_entropy
+from verinfer.studies.adversary import match_cross_entropy
 from verinfer.stats.pooling import MARGIN_CLIP
 from verinfer.models.backend import Backend
 from verinfer.models.load import DEFAULT_MODEL

@@ -15,7 +15,7 @@ from typing import Sequence
 import numpy as np
 
 from verinfer.stats.summary import token_statistics
-from verinfer.experiments.detection import ConfigData, Matrix, pool, split, split_ids
+from verinfer.studies.detection import ConfigData, Matrix, pool, split, split_ids
 from verinfer.stats.power import (BATCH_SIZES, COMBINED, DETECTORS, fit_transforms, held_out, power_curves,
                                   tokens_to_reach)
 
