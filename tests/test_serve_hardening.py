@@ -1,13 +1,13 @@
 """``verinfer serve`` under hostile or unlucky traffic, over real loopback HTTP.
 
 One bad request never fails another: bounds at the boundary (400 naming the field), isolation in
-the worker (a request that fails inside the model fails alone), abandoned requests stop costing
-the worker, the queue times out, the prefill budget splits batches, and a schema fuzz
+the scheduler (a request that fails inside the model fails alone), abandoned requests stop costing
+the scheduler, the queue times out, the prefill budget bounds the running batch, and a schema fuzz
 (schemathesis, against the server's own OpenAPI document) finds no 5xx.
 
-Tests that need the worker in a known state gate ``decode_batch`` (``Gate``): a batch holding a
-request with the gate's seed waits until the test opens the gate, so other requests queue behind
-it deterministically, and every batch the worker decodes is recorded.
+Tests that need the scheduler in a known state gate its decoding steps (``Gate``): a step holding
+a row with the gate's seed waits until the test opens the gate, so other requests queue behind it
+deterministically, and the rows of every step are recorded.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ schemathesis = pytest.importorskip("schemathesis")
 
 from schemathesis.generation import GenerationMode  # noqa: E402
 
-import verinfer.serve.worker as worker_module  # noqa: E402
+import verinfer.serve.batch as batch_module  # noqa: E402
+import verinfer.serve.jobs as jobs_module  # noqa: E402
 from verinfer.serve import ServeConfig, serve_in_thread  # noqa: E402
 
 GATE_SEED = 777_000
@@ -68,32 +69,31 @@ def _error(r: httpx.Response, status: int) -> dict:
 
 
 class Gate:
-    """Wraps ``decode_batch``: records every batch; holds a batch with ``GATE_SEED`` until ``open``;
-    raises inside decoding (after the first step) for a batch holding ``POISON_SEED``."""
+    """Wraps ``RunningBatch.sample`` (each decoding step): records the rows of every step; holds a
+    step with a ``GATE_SEED`` row until ``open``; raises inside the step where a ``POISON_SEED`` row
+    samples its second token (alone or not)."""
 
     def __init__(self, monkeypatch):
-        self.real = worker_module.decode_batch
-        self.batches: list[list[tuple[int, int]]] = []  # per batch: (seed, prompt length) of each row
+        real = batch_module.RunningBatch.sample
+        self.steps: list[list[tuple[int, int]]] = []  # per step: (seed, prompt length) of each row
         self.opened = threading.Event()
-        monkeypatch.setattr(worker_module, "decode_batch", self)
+
+        def sample(batch):
+            rows = [(r.job.request.params.seed, r.job.prompt_len, len(r.tokens)) for r in batch.rows]
+            self.steps.append([(seed, n) for seed, n, _ in rows])
+            if any(seed == GATE_SEED for seed, _, _ in rows):
+                assert self.opened.wait(HANG_GUARD_S)
+            if any(seed == POISON_SEED and k == 1 for seed, _, k in rows):
+                raise RuntimeError("poisoned row")
+            return real(batch)
+
+        monkeypatch.setattr(batch_module.RunningBatch, "sample", sample)
 
     def open(self):
         self.opened.set()
 
     def seeds(self) -> list[list[int]]:
-        return [[s for s, _ in b] for b in self.batches]
-
-    def __call__(self, backend, batch, steps, stop_ids, profiles, hook=None, capture=False, **chunking):
-        self.batches.append([(r.params.seed, len(r.prompt_token_ids)) for r in batch])
-        if any(r.params.seed == GATE_SEED for r in batch):
-            assert self.opened.wait(HANG_GUARD_S)
-
-        def poisoned(logits, tokens, requests, step):
-            if step == 1 and any(r.params.seed == POISON_SEED for r in requests):
-                raise RuntimeError("poisoned row")
-            return hook(logits, tokens, requests, step) if hook is not None else tokens
-
-        return self.real(backend, batch, steps, stop_ids, profiles, poisoned, capture, **chunking)
+        return [[s for s, _ in step] for step in self.steps]
 
 
 def _open_request(url: str, path: str, body: dict) -> socket.socket:
@@ -202,7 +202,7 @@ def test_a_request_failing_inside_the_model_fails_alone(backend, monkeypatch):
     with serve_in_thread(backend, ServeConfig(max_batch=8, batch_wait_s=0.0)) as url, \
             httpx.Client(base_url=url, timeout=HANG_GUARD_S) as client, cf.ThreadPoolExecutor(5) as pool:
         blocker = pool.submit(client.post, "/completions", json=_body(ids, 2, seed=GATE_SEED))
-        _until(client, lambda h: len(gate.batches) == 1, "the gated batch started")
+        _until(client, lambda h: len(gate.steps) == 1, "the gated step started")
         futures = [pool.submit(client.post, "/completions", json=_body(ids, 3, seed=s)) for s in seeds]
         _until(client, lambda h: h["queued"] == len(seeds), "all requests queued behind the gate")
         gate.open()
@@ -211,7 +211,7 @@ def test_a_request_failing_inside_the_model_fails_alone(backend, monkeypatch):
         alone = {s: client.post("/completions", json=_body(ids, 3, seed=s)).json()["choices"][0]["token_ids"]
                  for s in seeds if s != POISON_SEED}
         h = _health(client)
-    assert sorted(gate.seeds()[1]) == sorted(seeds)  # the poisoned request shared a batch with the others
+    assert any(POISON_SEED in step and len(step) > 1 for step in gate.seeds())  # it shared steps with others
     for s, r in zip(seeds, replies):
         if s == POISON_SEED:
             err = _error(r, 500)
@@ -264,7 +264,7 @@ def test_a_client_leaving_during_a_long_prefill_stops_it_between_chunks(backend,
     ids = backend.tokenizer.encode("A long story about the sea, the wind and the ships. " * 50)[:5 * chunk]
     first_chunk, abandoned = threading.Event(), threading.Event()
     widths: list[int] = []
-    real_hidden, real_abandon = type(backend).hidden, worker_module.Job.abandon
+    real_hidden, real_abandon = type(backend).hidden, jobs_module.Job.abandon
 
     def hidden(self, input_ids, attention_mask, position_ids=None, cache=None):
         widths.append(input_ids.shape[1])
@@ -280,7 +280,7 @@ def test_a_client_leaving_during_a_long_prefill_stops_it_between_chunks(backend,
         return dropped
 
     monkeypatch.setattr(type(backend), "hidden", hidden)  # on the class: copies of the backend keep theirs
-    monkeypatch.setattr(worker_module.Job, "abandon", abandon)
+    monkeypatch.setattr(jobs_module.Job, "abandon", abandon)
     config = ServeConfig(batch_wait_s=0.0, prefill_chunk_tokens=chunk)
     with serve_in_thread(backend, config) as url, httpx.Client(base_url=url, timeout=HANG_GUARD_S) as client:
         sock = _open_request(url, "/completions", _body(ids, 8, seed=5))
@@ -349,19 +349,19 @@ def test_an_abandoned_row_leaves_the_batch_and_the_others_decode_as_alone(backen
 def test_a_queued_request_whose_client_left_is_dropped(backend, monkeypatch):
     gate = Gate(monkeypatch)
     abandoned = threading.Event()
-    real_abandon = worker_module.Job.abandon
+    real_abandon = jobs_module.Job.abandon
 
     def abandon(job):
         dropped = real_abandon(job)
         abandoned.set()
         return dropped
 
-    monkeypatch.setattr(worker_module.Job, "abandon", abandon)
+    monkeypatch.setattr(jobs_module.Job, "abandon", abandon)
     ids = backend.tokenizer.encode("Once upon a time")
     with serve_in_thread(backend, ServeConfig(batch_wait_s=0.0)) as url, \
             httpx.Client(base_url=url, timeout=HANG_GUARD_S) as client, cf.ThreadPoolExecutor(1) as pool:
         blocker = pool.submit(client.post, "/completions", json=_body(ids, 2, seed=GATE_SEED))
-        _until(client, lambda h: len(gate.batches) == 1, "the gated batch started")
+        _until(client, lambda h: len(gate.steps) == 1, "the gated step started")
         sock = _open_request(url, "/completions", _body(ids, 2, seed=31))
         _until(client, lambda h: h["queued"] == 1, "the second request is queued")
         sock.close()
@@ -379,7 +379,7 @@ def test_queue_timeout_is_503_and_the_job_never_runs(backend, monkeypatch):
     with serve_in_thread(backend, ServeConfig(queue_timeout_s=0.3, batch_wait_s=0.0)) as url, \
             httpx.Client(base_url=url, timeout=HANG_GUARD_S) as client, cf.ThreadPoolExecutor(1) as pool:
         blocker = pool.submit(client.post, "/completions", json=_body(ids, 2, seed=GATE_SEED))
-        _until(client, lambda h: len(gate.batches) == 1, "the gated batch started")
+        _until(client, lambda h: len(gate.steps) == 1, "the gated step started")
         err = _error(client.post("/completions", json=_body(ids, 2, seed=41)), 503)  # waits while the gate is shut
         gate.open()
         assert blocker.result().status_code == 200
@@ -397,7 +397,7 @@ def test_prefill_budget_splits_batches_and_long_prompts_are_400(backend, monkeyp
     with serve_in_thread(backend, config) as url, httpx.Client(base_url=url, timeout=HANG_GUARD_S) as client, \
             cf.ThreadPoolExecutor(4) as pool:
         blocker = pool.submit(client.post, "/completions", json=_body(ids[:5], 2, seed=GATE_SEED))
-        _until(client, lambda h: len(gate.batches) == 1, "the gated batch started")
+        _until(client, lambda h: len(gate.steps) == 1, "the gated step started")
         futures = [pool.submit(client.post, "/completions", json=_body(ids, 2, seed=50 + i)) for i in range(3)]
         _until(client, lambda h: h["queued"] == 3, "three requests queued behind the gate")
         gate.open()
@@ -407,9 +407,12 @@ def test_prefill_budget_splits_batches_and_long_prompts_are_400(backend, monkeyp
         long_prompt = _error(client.post("/completions", json=_body(ids * 4, 2)), 400)
         long_chat = _error(client.post("/chat/completions", json={
             "messages": [{"role": "user", "content": "word " * 200}], "max_tokens": 2}), 400)
-    budgets = [len(b) * max(n for _, n in b) for b in gate.batches[1:]]
-    assert [len(b) for b in gate.batches[1:]] == [2, 1, 1]  # two 40-token prompts fit 100; the third waits
-    assert budgets == [80, 40, 120]
+    for step in gate.steps:  # rows x longest prompt within the budget, or a row alone
+        assert len(step) == 1 or len(step) * max(n for _, n in step) <= 100, step
+    forties = [sum(n == 40 for _, n in step) for step in gate.steps]
+    assert max(forties) == 2  # two 40-token prompts fit 100 and decoded together; a third waited
+    over = [step for step in gate.steps if any(n == 120 for _, n in step)]
+    assert over and all(len(step) == 1 for step in over)  # over the budget on its own: ran, alone
     assert long_prompt["param"] == "prompt" and "at most 150" in long_prompt["message"]
     assert long_chat["param"] == "messages" and "at most 150" in long_chat["message"]
 

@@ -145,11 +145,12 @@ def test_a_malformed_value_fails_at_start_with_one_line_error(backend):
 
 
 def test_an_abandoned_speculative_request_stops_at_its_next_token(backend):
-    from verinfer.serve.app import _Drafts
-    from verinfer.serve.worker import Abandoned, BatchWorker, Job
+    from verinfer.serve.jobs import Abandoned, Job
+    from verinfer.serve.scheduler import Scheduler
+    from verinfer.serve.served import Drafts
     from verinfer.simulate.generate import Request
 
-    worker = BatchWorker(backend, drafts=_Drafts(backend)).start()
+    worker = Scheduler(backend, drafts=Drafts(backend)).start()
     try:
         params = SamplingParams(seed=3, speculative=CLAIM, **SAMPLING)
         job = Job(Request("r", tuple(backend.tokenizer.encode("Once upon a time")), params), max_tokens=200)

@@ -117,20 +117,21 @@ def test_malformed_streams_are_named(stream, problem):
 
 
 def test_stream_sends_tokens_while_the_request_is_still_decoding(backend, monkeypatch):
-    """The worker is held after its third decode step until the client has read a token's chunk: a
-    server that streamed only finished responses would leave the worker waiting until its timeout."""
-    from verinfer.serve import worker as worker_module
+    """The scheduler is held after its third decoding step until the client has read a token's chunk:
+    a server that streamed only finished responses would leave it waiting until its timeout."""
+    from verinfer.serve import batch as batch_module
 
-    release, held_too_long = threading.Event(), []
-    original = worker_module.StepHook.__call__
+    release, held_too_long, steps = threading.Event(), [], []
+    original = batch_module.RunningBatch.step
 
-    def held(self, logits, tokens, requests, step):
-        out = original(self, logits, tokens, requests, step)
-        if self.steps == 3:
+    def held(self):
+        out = original(self)
+        steps.append(1)
+        if len(steps) == 3:
             held_too_long.append(not release.wait(timeout=30))
         return out
 
-    monkeypatch.setattr(worker_module.StepHook, "__call__", held)
+    monkeypatch.setattr(batch_module.RunningBatch, "step", held)
     body = {**CHAT, "max_tokens": 12, "logprobs": True, "top_logprobs": 2, "n": 2,
             "stream": True, "stream_options": {"include_usage": True}}
     with serve_in_thread(backend, ServeConfig(max_batch=4)) as url:
@@ -143,7 +144,7 @@ def test_stream_sends_tokens_while_the_request_is_still_decoding(backend, monkey
                     release.set()  # a token arrived before the worker went past step 3
         release.set()
         plain = _post(url, "chat/completions", {k: v for k, v in body.items() if k not in ("stream", "stream_options")})
-    assert held_too_long[0] is False  # the first batch (the streamed request) was released by its client
+    assert held_too_long[0] is False  # the streamed request's third step was released by its client
     joined = assemble(events("\n".join(lines)))
     plain = plain.json()
     assert joined["usage"] == plain["usage"]

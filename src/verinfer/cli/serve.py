@@ -32,7 +32,8 @@ SPECULATIVE_HELP = (
     "DRAFT:K: decode every sampled request (T > 0) with vLLM 0.32's speculative decoding (model runner V2), "
     "a draft model proposing K tokens per step (1-32), and claim it in verinfer_sampling.speculative. "
     "DRAFT is layers:N (the served model's first N decoder layers) or wN (its N-bit RTN weights): "
-    "layers:28:4, w4:2. Sampled requests then decode one at a time; greedy ones still batch (same tokens). "
+    "layers:28:4, w4:2. Each sampled request then steps speculatively beside the batch (its own KV caches); "
+    "greedy ones decode in the batch (same tokens). "
     "Each choice reports verinfer_spec_modes (a accepted draft, r resampled, b bonus per token). "
     "Needs --sampler vllm."
 )
@@ -62,19 +63,24 @@ def serve(
     device: str = opt.device(),
     batch_size: int = opt.batch_size(8, "most requests decoded together"),
     max_batch: Optional[int] = opt.hidden("--max-batch"),
-    batch_wait_ms: float = typer.Option(5.0, help="how long the worker waits for companions before decoding"),
+    batch_wait_ms: float = typer.Option(5.0, help="how long an idle server waits for companions of a first request"),
     max_tokens_limit: int = typer.Option(1024, help="largest max_tokens a request may ask for"),
     max_model_len: Optional[int] = typer.Option(None, help="context length (default: the model's)"),
     max_prompt_tokens: Optional[int] = typer.Option(
         None, help="longest prompt a request may send, in tokens (default: the context length); longer: 400"),
     max_batch_prompt_tokens: int = typer.Option(
-        8192, help="prefill budget of one batch: rows x longest prompt (left padding); a request over it "
-                   "on its own runs alone"),
+        8192, help="prefill budget of the running batch: rows x longest prompt (left padding); a request "
+                   "over it on its own runs alone"),
     prefill_chunk: int = typer.Option(
-        512, help="prompt tokens prefilled per chunk; a batch whose clients all left stops between chunks "
-                  "(0: one pass)"),
+        512, help="prompt tokens prefilled per chunk and per decoding step; a prompt whose clients all left "
+                  "stops between chunks (0: one pass)"),
     queue_timeout: float = typer.Option(
-        60.0, help="seconds a request may wait in the queue before it gets 503 (0: no limit)"),
+        60.0, help="seconds a request may wait for its first row to be admitted before it gets 503 (0: no limit)"),
+    stream_buffer: int = typer.Option(
+        256, help="decoded chunks a live stream may hold for a client that does not read them (beyond the "
+                  "OS socket buffers); past it the client is dropped and its rows stop"),
+    result_ttl: float = typer.Option(
+        600.0, help="seconds the result of a request with an Idempotency-Key header is kept for its retries"),
     max_request_bytes: int = typer.Option(1 << 20, help="largest request body in bytes; larger: 413"),
     misconfig: list[str] = typer.Option([], help=MISCONFIG_HELP),
     speculative: Optional[str] = typer.Option(None, "--speculative", metavar="DRAFT:K", help=SPECULATIVE_HELP),
@@ -94,7 +100,7 @@ def serve(
         _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
                misconfig, served_model_name, threads, max_prompt_tokens=max_prompt_tokens,
                max_batch_prompt_tokens=max_batch_prompt_tokens, prefill_chunk_tokens=prefill_chunk,
-               queue_timeout_s=queue_timeout,
+               queue_timeout_s=queue_timeout, stream_buffer_events=stream_buffer, result_ttl_s=result_ttl,
                max_request_bytes=max_request_bytes, speculative=speculative)
     except (ValueError, OSError) as exc:
         err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
@@ -133,5 +139,5 @@ def _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait
     if served.speculative:
         state += f"; speculative: draft {served.speculative['draft']}, k={served.speculative['k']}"
     err.print(f"serving {served.name} ({state}; sampler {sampler}, {dtype}, batches of up to "
-              f"{served.worker.max_batch}) at {base_url(sock)}", highlight=False)
+              f"{served.scheduler.max_batch}) at {base_url(sock)}", highlight=False)
     uvicorn.Server(uvicorn.Config(create_app(backend, config, served), log_level="info")).run(sockets=[sock])

@@ -61,11 +61,17 @@ class ServeConfig:
 
     Limits that keep one request from costing the others (see README, "Limits and errors"):
     ``max_prompt_tokens``: longest prompt a request may send (default: the context length);
-    ``max_batch_prompt_tokens``: prefill budget of one batch, counted as rows times the longest
-    prompt (left padding); a request over it on its own still runs, alone;
-    ``queue_timeout_s``: a request still queued after this long gets 503 (0: wait forever);
-    ``prefill_chunk_tokens``: prompt tokens prefilled per chunk; a batch whose clients all left
-    stops between chunks (0: one-pass prefill, not interruptible);
+    ``max_batch``: rows decoded at once (the running batch; ``serve.scheduler``);
+    ``max_batch_prompt_tokens``: prefill budget of the running batch, counted as rows times the
+    longest prompt (left padding); a request over it on its own still runs, alone;
+    ``queue_timeout_s``: a request none of whose rows was admitted after this long gets 503 (0:
+    wait forever); the rows of one request are one unit (``serve.jobs``);
+    ``prefill_chunk_tokens``: prompt tokens prefilled per chunk and per scheduling step; a prompt
+    whose clients all left stops between chunks (0: one-pass prefill, not interruptible);
+    ``stream_buffer_events``: decoded chunks a live stream may hold for a client that does not read
+    them (beyond the OS socket buffers); past it the client is dropped and its rows stop;
+    ``result_ttl_s`` / ``max_kept_results``: how long and how many results of requests with an
+    ``Idempotency-Key`` are kept for their retries (``serve.results``);
     ``max_request_bytes``: largest request body (413 above it);
     ``disconnect_poll_s``: how often a waiting handler checks whether its client is gone.
     """
@@ -76,11 +82,14 @@ class ServeConfig:
     served_model_name: str | None = None
     max_tokens_limit: int = 1024
     max_model_len: int | None = None  # default: the model's context length
-    batch_wait_s: float = 0.005  # how long the worker waits for companions before decoding a batch
+    batch_wait_s: float = 0.005  # how long an idle scheduler waits for companions of a first arrival
     max_prompt_tokens: int | None = None  # default: the context length
     max_batch_prompt_tokens: int = 8192
     prefill_chunk_tokens: int = 512
     queue_timeout_s: float = 60.0
+    stream_buffer_events: int = 256
+    result_ttl_s: float = 600.0
+    max_kept_results: int = 1024
     max_request_bytes: int = 1 << 20
     disconnect_poll_s: float = 0.1
     host: str = "127.0.0.1"
@@ -120,6 +129,12 @@ class ServeConfig:
             out.append(f"prefill_chunk_tokens must be >= 0 (0: one pass), got {self.prefill_chunk_tokens}")
         if not self.queue_timeout_s >= 0:
             out.append(f"queue_timeout_s must be >= 0 seconds (0: no timeout), got {self.queue_timeout_s}")
+        if self.stream_buffer_events < 1:
+            out.append(f"stream_buffer_events must be >= 1, got {self.stream_buffer_events}")
+        if not self.result_ttl_s >= 0:
+            out.append(f"result_ttl_s must be >= 0 seconds, got {self.result_ttl_s}")
+        if self.max_kept_results < 1:
+            out.append(f"max_kept_results must be >= 1, got {self.max_kept_results}")
         if self.max_request_bytes < 1024:
             out.append(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if not 0 < self.disconnect_poll_s <= 10:

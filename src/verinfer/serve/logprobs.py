@@ -1,4 +1,6 @@
-"""Logprobs in the two OpenAI response formats, from the worker's ``TokenLogprobs``.
+"""Logprobs: the provider's own (``top_logprobs``, ``prompt_logprobs``: log-softmax of the raw logits,
+before temperature and filters, as vLLM returns them by default) and the two OpenAI response
+formats they are sent in.
 
 Completions (``logprobs: N``): ``{tokens, token_logprobs, top_logprobs, text_offset}``; each
 ``top_logprobs`` entry maps token strings to logprobs for the top N tokens plus the chosen one (as
@@ -18,7 +20,34 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any, Sequence
 
-from verinfer.serve.worker import TokenLogprobs
+import torch
+
+from verinfer.models.backend import Backend
+from verinfer.serve.jobs import TokenLogprobs
+
+
+def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, k: int) -> list[TokenLogprobs]:
+    """TokenLogprobs rows from a [R, V] log-softmax and the chosen token of each row (top ``k`` kept)."""
+    picked = logprobs.gather(1, chosen[:, None])[:, 0].tolist()
+    if k > 0:
+        vals, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+    else:
+        vals = ids = [[] for _ in picked]
+    return [TokenLogprobs(int(t), float(p), tuple(i), tuple(v))
+            for t, p, i, v in zip(chosen.tolist(), picked, ids, vals)]
+
+
+def prompt_logprobs(backend: Backend, rows: torch.Tensor, prompt: Sequence[int], k: int,
+                    block: int = 512) -> list[TokenLogprobs]:
+    """Logprobs of prompt tokens 1 .. L-1 from the prompt's hidden rows (lm_head in row blocks)."""
+    out: list[TokenLogprobs] = []
+    targets = torch.as_tensor(prompt[1:], dtype=torch.long)
+    for lo in range(0, len(prompt) - 1, block):
+        hi = min(lo + block, len(prompt) - 1)
+        lp = torch.log_softmax(backend.logits(rows[lo:hi]), dim=-1)
+        out += top_logprobs(lp, targets[lo:hi], k)
+    return out
 
 
 @lru_cache(maxsize=1)

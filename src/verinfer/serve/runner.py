@@ -6,7 +6,7 @@
         httpx.post(f"{base_url}/completions", json={...})   # base_url == "http://127.0.0.1:<port>/v1"
 
 The socket is bound before the thread starts (port 0 picks a free one), so the URL is valid as
-soon as it is yielded; leaving the block stops uvicorn, drains the model worker and joins both.
+soon as it is yielded; leaving the block stops uvicorn, drains the model's schedulers and joins them.
 """
 
 from __future__ import annotations
@@ -79,6 +79,6 @@ def serve_in_thread(backend: Backend, config: ServeConfig = ServeConfig(), start
     finally:
         server.should_exit = True
         thread.join(60)
-        for w in served.workers:
-            w.close()
+        for s in served.schedulers:
+            s.close()
         sock.close()

@@ -1,6 +1,6 @@
 """Responses as OpenAI-style server-sent events (``stream: true``).
 
-Live (``LiveChoice``, ``token_chunk``): each token is sent as soon as the worker has decoded it
+Live (``LiveChoice``, ``token_chunk``): each token is sent as soon as the scheduler has decoded it
 (batching is unchanged), its text piece from vLLM's incremental detokenization (decode a window
 of tokens with and without the newest; hold back an incomplete UTF-8 sequence), then the final
 chunks once the request is finished. Requests whose text could still be cut or rewritten (stop
@@ -21,7 +21,7 @@ import json
 from typing import Any, AsyncIterator, Iterator
 
 from verinfer.serve.logprobs import TokenText, chat_logprobs, completion_logprobs
-from verinfer.serve.worker import TokenLogprobs
+from verinfer.serve.jobs import TokenLogprobs
 
 HELD = "\ufffd"  # an incomplete UTF-8 sequence decodes to this: wait for the next token
 

@@ -35,9 +35,14 @@ class Request:
     messages: tuple[dict[str, str], ...] | None = None
 
 
-def _sample_rows(logits, rows: list[int], batch: Sequence[Request], profiles: dict[str, Profile], step: int):
-    """Sample every active row, grouping rows by profile (each profile owns its noise state)."""
+def sample_rows(logits, rows: list[int], batch: Sequence[Request], profiles: dict[str, Profile],
+                step: int | Sequence[int]):
+    """Sample every active row, grouping rows by profile (each profile owns its noise state).
+
+    ``step``: the output index each row samples, one for all or one per row (a continuously
+    batched server's rows joined at different steps)."""
     tokens = torch.empty(len(rows), dtype=torch.long)
+    steps = np.broadcast_to(np.asarray(step, dtype=np.int64), (len(rows),))
     by_profile: dict[str, list[int]] = {}
     for j, r in enumerate(rows):
         by_profile.setdefault(batch[r].params.profile, []).append(j)
@@ -46,8 +51,8 @@ def _sample_rows(logits, rows: list[int], batch: Sequence[Request], profiles: di
         keys = RowKeys(
             requests=tuple(r.id for r in reqs),
             seeds=np.array([r.params.seed for r in reqs], dtype=object),
-            positions=np.array([len(r.prompt_token_ids) - 1 + step for r in reqs], dtype=np.int64),
-            steps=np.full(len(reqs), step, dtype=np.int64),
+            positions=np.array([len(r.prompt_token_ids) - 1 for r in reqs], dtype=np.int64) + steps[js],
+            steps=steps[js].copy(),
         )
         idx = torch.as_tensor([rows[j] for j in js])
         profile = profiles.setdefault(name, get_profile(name))
@@ -108,7 +113,7 @@ def decode_batch(backend: Backend, batch: Sequence[Request], max_new_tokens: int
     active = list(range(len(batch)))  # cache rows still decoding
     for step in range(max_new_tokens):
         view = [batch[b] for b in live]
-        tokens = _sample_rows(logits, active, view, profiles, step)
+        tokens = sample_rows(logits, active, view, profiles, step)
         if token_hook is not None:
             tokens = token_hook(logits[active], tokens, [view[j] for j in active], step)
         step_tokens = torch.full((len(live),), backend.pad_id, dtype=torch.long)

@@ -18,7 +18,7 @@ target's argmax), so they need no speculative replay.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -86,13 +86,12 @@ class SpecDecoded:
     finish_reason: str
 
 
-def decode_speculative(target: Backend, draft: Backend, request: Request, max_new_tokens: int, stop_ids: set[int],
-                       rule: str = "vllm", prefill_chunk: int | None = None,
-                       between_chunks: Callable[[], None] | None = None) -> SpecDecoded:
-    """Decode one request speculatively; the output is cut at a stop token or ``max_new_tokens``.
-
-    ``prefill_chunk`` / ``between_chunks``: the prompt is cached in chunks of at most that many
-    tokens, ``between_chunks`` running between them (it may raise to stop), as in ``decode_batch``."""
+def speculative_blocks(target: Backend, draft: Backend, request: Request, rule: str = "vllm",
+                       prefill_chunk: int | None = None) -> Iterator[SpecBlock | None]:
+    """Decode one request speculatively a step at a time, without end: ``None`` after each prompt
+    chunk but the last (the prompt is cached in chunks of at most ``prefill_chunk`` tokens), then one
+    ``SpecBlock`` per step. The caller stops at a stop token or its length (``decode_speculative``;
+    ``verinfer serve`` interleaves the steps of several requests)."""
     if rule not in RULES:
         raise ValueError(f"unknown speculative rule {rule!r}; known: {', '.join(RULES)}")
     params = request.params
@@ -101,22 +100,38 @@ def decode_speculative(target: Backend, draft: Backend, request: Request, max_ne
     context = list(request.prompt_token_ids)
     chunk = prefill_chunk if prefill_chunk and prefill_chunk > 0 else len(context)
     for end in range(chunk, len(context) - 1 + chunk, chunk):  # cache the prompt but its last token, fed each step
-        if end > chunk and between_chunks is not None:
-            between_chunks()
+        if end > chunk:
+            yield None
         t_model.feed(context[:min(end, len(context) - 1)], 1)
         d_model.feed(context[:min(end, len(context) - 1)], 1)
-    out, modes = [], ""
     while True:
         block = _step(t_model, d_model, context, params, k, rule)
+        yield block
+        kept = len(context) + block.num_accepted  # cached positions still valid: the accepted drafts
+        context += block.tokens
+        t_model.crop(kept)
+        d_model.crop(kept)
+
+
+def decode_speculative(target: Backend, draft: Backend, request: Request, max_new_tokens: int, stop_ids: set[int],
+                       rule: str = "vllm", prefill_chunk: int | None = None,
+                       between_chunks: Callable[[], None] | None = None) -> SpecDecoded:
+    """Decode one request speculatively; the output is cut at a stop token or ``max_new_tokens``.
+
+    ``prefill_chunk`` / ``between_chunks``: the prompt is cached in chunks of at most that many
+    tokens, ``between_chunks`` running between them (it may raise to stop), as in ``decode_batch``."""
+    out, modes = [], ""
+    for block in speculative_blocks(target, draft, request, rule, prefill_chunk):
+        if block is None:
+            if between_chunks is not None:
+                between_chunks()
+            continue
         for tok, mode in zip(block.tokens, block.modes):
             out.append(tok)
             modes += mode
             if tok in stop_ids or len(out) >= max_new_tokens:
                 return SpecDecoded(out, modes, "stop" if tok in stop_ids else "length")
-        kept = len(context) + block.num_accepted  # cached positions still valid: the accepted drafts
-        context += block.tokens
-        t_model.crop(kept)
-        d_model.crop(kept)
+    raise AssertionError("unreachable: speculative_blocks never ends")  # pragma: no cover
 
 
 def generate_speculative(target: Backend, requests: Sequence[Request], max_new_tokens: int = 64,
