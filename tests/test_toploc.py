@@ -160,6 +160,23 @@ def test_sign_flip_is_reported_but_accepted_by_reference_thresholds() -> None:
     assert not verify_proofs(-h, 0, build_proofs(h, 0), thresholds=Thresholds(sign_mismatches=10))[0].passed
 
 
+@pytest.mark.parametrize(
+    ("errors", "median", "passes"),
+    [
+        ([0, 7, 9, 9], 9.0, False),  # even count: the upper middle (9), not the mean of 7 and 9 (8, would pass)
+        ([0, 1, 7, 9], 7.0, True),  # the mean of the middle values (4) would pass too; the rule is still 7
+        ([3, 8, 8], 8.0, True),  # odd count: the middle value
+    ],
+)
+def test_median_is_the_upper_middle_value_as_the_reference(errors: list[int], median: float, passes: bool) -> None:
+    """The reference's C++ check sorts the mantissa errors and takes element size / 2."""
+    claimed = bf16_from_bits(np.full(len(errors), 0x3F80))[None]  # 1.0: exponent 127, mantissa 0
+    own = bf16_from_bits(0x3F80 + np.array(errors))[None]  # same exponent, mantissa off by each error
+    check = verify_proofs(own, 0, build_proofs(claimed, 0, k=len(errors)), k=len(errors))[0]
+    assert check.exp_mismatches == 0 and check.mean_mantissa_err == sum(errors) / len(errors)
+    assert check.median_mantissa_err == median and check.passed is passes
+
+
 def test_injective_modulus_below_p_still_verifies() -> None:
     h = gaussian((32, 4096), 9) * 0.01
     flat = h.view(-1)
@@ -214,6 +231,25 @@ def test_select_topk_is_the_reference_selection(bits: np.ndarray, k: int) -> Non
         assert len(set(picked.tolist())) == k
         assert sorted(mag[picked], reverse=True) == sorted(mag, reverse=True)[:k]  # a top-k set
         flat = bf16_from_bits(row)  # the reference: flat.abs().topk(k) per chunk, 1-D
+        assert set(picked.tolist()) == set(flat.abs().topk(k).indices.tolist())
+
+
+@pytest.mark.parametrize("values", ["gaussian", "coarse grid", "few magnitudes", "all equal", "ascending"])
+@pytest.mark.parametrize("k", [1, 2, 7, 128])
+def test_heap_selection_is_torch_topk_on_wide_tied_rows(values: str, k: int) -> None:
+    """Rows with 64k <= n go through the compiled libstdc++ heap selection: the set torch.topk keeps."""
+    rng = np.random.default_rng(k)
+    n = max(64 * k, 18432)  # 32 x 576: a decode chunk of the bundled model
+    rows = {
+        "gaussian": lambda: gaussian((8, n), k).bfloat16().view(torch.int16).numpy().view(np.uint16),
+        "coarse grid": lambda: (torch.round(gaussian((8, n), k) * 4) / 4).bfloat16().view(torch.int16).numpy().view(np.uint16),
+        "few magnitudes": lambda: rng.choice(np.array([0x3F80, 0xBF80, 0x3F81, 0x4000, 0], np.uint16), (4, n)),
+        "all equal": lambda: np.full((4, n), 0x3F80, np.uint16),
+        "ascending": lambda: np.tile((0x3F00 + np.arange(n) // 97).astype(np.uint16), (4, 1)),
+    }[values]()
+    chosen = select_topk(rows, k)
+    for row, picked in zip(rows, chosen):
+        flat = bf16_from_bits(row)
         assert set(picked.tolist()) == set(flat.abs().topk(k).indices.tolist())
 
 

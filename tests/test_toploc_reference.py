@@ -112,10 +112,16 @@ def test_checks_of_reference_proofs_agree_with_reference(name: str) -> None:
                 assert math.isinf(ours.mean_mantissa_err), where
                 continue
             assert ours.mean_mantissa_err == pytest.approx(ref["mean"], rel=1e-12), where
-            if ref["median"] is not None:  # its Python path: statistics.median, as ours
-                assert ours.median_mantissa_err == ref["median"], where
-            median = ref["median"] if ref["median"] is not None else ref["median_upper"]
-            assert ours.passed == Thresholds().accepts(ref["exp_mismatches"], ref["mean"], median, 0), where
+            assert ours.median_mantissa_err == ref["median_upper"], where  # its C++ check: the upper middle
+            assert ours.passed == Thresholds().accepts(ref["exp_mismatches"], ref["mean"], ref["median_upper"], 0), where
+
+
+def test_fixture_has_even_counts_where_the_median_rules_differ() -> None:
+    """The check above tells the upper middle value (the reference's C++ check) from the mean of
+    the two middle values (its Python path, ``statistics.median``) on these recorded chunks."""
+    records = [r for case in CASES.values() for rs in case["reference_verdicts"].values() for r in rs]
+    differ = [r for r in records if r["median"] is not None and r["median"] != r["median_upper"]]
+    assert len(differ) >= 5
 
 
 def test_cross_acceptance_and_expected_verdicts() -> None:

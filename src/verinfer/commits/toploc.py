@@ -13,16 +13,16 @@ at least k elements.
 Top-k: the reference's index set. ``toploc`` 0.1.6 (sdist, ``toploc/poly.py``: ``build_proofs``
 and the Python ``verify_proofs``; ``toploc/C/csrc/poly.cpp``: the C++ ``verify_proofs``) takes the
 indices of ``torch.topk(k)`` (largest, sorted) of the absolute values of the flattened chunk, in the
-chunk's dtype (bf16). We make the same call on the same bf16 magnitudes, one chunk per row (rows are
-independent). When entries tie at the k-th magnitude (524 of 600 random 32x4096 chunks, 83 of 172
-real SmolLM2 chunks) the set is the one torch's kernel picks; on CPU
-(``aten/src/ATen/native/TopKImpl.h``) a heap selection, ``std::partial_sort``, over the row in index
-order when 64k <= n, else ``std::nth_element``, both comparing magnitudes only, and ``sorted`` only
-orders the set afterwards. No simple rule describes the result, so byte-identical proofs need the
-same kernel: the tests check them against recorded reference proofs (``tests/fixtures/toploc/``,
-torch 2.13 CPU). Only the set matters: the interpolant through k points and the modulus do not depend
-on their order. Verification uses the same selection, so its statistics are the reference's. (The
-reference on a GPU runs CUDA's top-k, which may keep other tied entries; not covered here.)
+chunk's dtype (bf16). When entries tie at the k-th magnitude (524 of 600 random 32x4096 chunks, 83
+of 172 real SmolLM2 chunks) the set is the one torch's CPU kernel picks: a heap selection
+(``std::partial_sort``) over the row in index order when 64k <= n, else ``std::nth_element``. No
+simple rule describes the result, so byte-identical proofs need the same algorithm: ``toploc_topk``
+runs libstdc++'s heap selection itself (compiled, one chunk per row; rows are independent) and
+calls ``torch.topk`` for the rest. The tests check both against ``torch.topk`` and against recorded
+reference proofs (``tests/fixtures/toploc/``, torch 2.13 CPU). Only the set matters: the
+interpolant through k points and the modulus do not depend on their order. Verification uses the
+same selection, so its statistics are the reference's. (The reference on a GPU runs CUDA's top-k,
+which may keep other tied entries; not covered here.)
 
 Proof (reference layout, 2 + 2k bytes). Points (index mod m, u16 bit pattern of the signed bf16
 value), with m the largest modulus <= 65497 making ``index mod m`` injective on the chunk's top-k;
@@ -33,10 +33,12 @@ so no value is lost to the field. Base64: standard alphabet with padding, one st
 Verification. For its own top-k indices i and own bit patterns v, the verifier evaluates the proof
 polynomial at ``i mod m`` (always reduced mod m: the reference's Python path is not, so its honest
 proofs with m != 65497 fail) and compares bits: exponent mismatches (bits 7..14), and the 7-bit
-mantissa error |m_a - m_b| over positions whose exponents match, as mean and median (numpy median:
-the mean of the two middle values for even counts, as the reference's Python path; its C++ path
-takes the upper middle value; both are inf if no exponent matches, 2**64 in the reference). Sign
-mismatches are reported too; the reference ignores signs, and so do the default thresholds.
+mantissa error |m_a - m_b| over positions whose exponents match, as mean and median. The median is
+the reference's C++ check's (``verify_proofs`` in ``toploc/C/csrc/poly.cpp``): element size / 2 of
+the sorted errors, the upper middle value for even counts (its Python path's ``statistics.median``
+averages the two middle values; byte-identical proofs get the C++ path's verdicts). Both are inf
+if no exponent matches (2**64 in the reference). Sign mismatches are reported too; the reference
+ignores signs, and so do the default thresholds.
 Reference bf16 acceptance: exp_mismatches <= 38, mean <= 10, median <= 8.
 
 Strict parsing (differs from the reference, which accepts or crashes on these): a proof must be
@@ -74,8 +76,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from numba import njit
 
 from verinfer.commits.toploc_poly import MAX_POINTS, P, evaluate, injective_modulus, interpolate
+from verinfer.commits.toploc_topk import select_topk
 
 FORMAT_VERSION = 1
 MAGIC = b"VTLC"
@@ -187,20 +191,8 @@ def _check_layout(
     return count_chunks(n_tokens, prefill_len, decode_chunk)
 
 
-def select_topk(bits: np.ndarray, k: int) -> np.ndarray:
-    """Indices [B, k] of the k largest bf16 magnitudes per row of u16 patterns [B, n] (k <= n).
-
-    The reference's selection (module docstring): ``torch.topk`` of the magnitudes, row by row
-    (rows are independent, so a batch gives each chunk the same set as a call of its own). Ties at
-    the k-th magnitude go the way the torch kernel takes them; the order within the set is
-    unspecified (nothing downstream depends on it).
-    """
-    mags = torch.from_numpy((bits & 0x7FFF).view(np.int16)).view(torch.bfloat16)
-    return torch.topk(mags, k, dim=-1, sorted=False).indices.numpy()
-
-
 def _chunk_topk(bits: np.ndarray, prefill_len: int, decode_chunk: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k indices and their u16 bit patterns per chunk, [n_chunks, k] each, in chunk order."""
+    """Top-k indices and their u16 bit patterns (int64) per chunk, [n_chunks, k] each, in chunk order."""
     n_tokens = bits.shape[0]
     full_end = prefill_len + (n_tokens - prefill_len) // decode_chunk * decode_chunk
     groups = [bits[:prefill_len].reshape(1, -1)] if prefill_len else []
@@ -212,7 +204,9 @@ def _chunk_topk(bits: np.ndarray, prefill_len: int, decode_chunk: int, k: int) -
     for group in groups:
         chosen = select_topk(group, k)
         idx.append(chosen)
-        vals.append(np.take_along_axis(group, chosen, axis=-1).astype(np.int64))
+        vals.append(group[np.arange(len(group))[:, None], chosen].astype(np.int64))
+    if len(groups) == 1:
+        return idx[1], vals[1]
     return np.concatenate(idx), np.concatenate(vals)
 
 
@@ -248,6 +242,22 @@ def decode_proof(data: object, k: int, index: int = 0) -> tuple[int, np.ndarray]
     return modulus, coeffs
 
 
+def decode_proofs(raws: Sequence[bytes], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(moduli [n], coefficients [n, k]) of many proofs in one pass, int64; CommitError names the first
+    malformed one (the message ``decode_proof`` gives it)."""
+    k = _require_int(k, "k", 1, MAX_POINTS, "toploc proofs")
+    for i, raw in enumerate(raws):
+        if not isinstance(raw, (bytes, bytearray)) or len(raw) != proof_size(k):
+            decode_proof(raw, k, i)  # raises
+    table = np.frombuffer(b"".join(raws), dtype=">u2").reshape(len(raws), k + 1).astype(np.int64)
+    moduli, coeffs = table[:, 0], table[:, 1:]
+    bad = (moduli < k) | (moduli > P) | (coeffs >= P).any(axis=1)
+    if bad.any():
+        first = int(np.argmax(bad))
+        decode_proof(raws[first], k, first)  # raises
+    return moduli, coeffs
+
+
 def _b64decode(text: object, where: str) -> bytes:
     """Strict standard base64 (alphabet, padding, canonical trailing bits)."""
     if not isinstance(text, str):
@@ -271,8 +281,7 @@ def proofs_from_base64(texts: Sequence[str], k: int = 128) -> list[bytes]:
     if isinstance(texts, (str, bytes)) or not isinstance(texts, Sequence):
         raise CommitError(f"toploc proofs: expected a list of base64 strings, got {type(texts).__name__}")
     raws = [_b64decode(t, f"toploc proof {i}") for i, t in enumerate(texts)]
-    for i, raw in enumerate(raws):
-        decode_proof(raw, k, i)
+    decode_proofs(raws, k)
     return raws
 
 
@@ -306,15 +315,44 @@ def _modulus(indices: np.ndarray, chunk: int) -> int:
     return modulus
 
 
-def _compare(claimed: np.ndarray, own: np.ndarray, thresholds: Thresholds) -> ChunkCheck:
-    """Bit-level statistics of claimed vs own u16 patterns at the verifier's top-k."""
-    exp_match = (claimed >> 7 & 0xFF) == (own >> 7 & 0xFF)
-    errors = np.abs((claimed & 0x7F) - (own & 0x7F))[exp_match]
-    exp = int(claimed.size - exp_match.sum())
-    mean = float(errors.mean()) if errors.size else float("inf")
-    median = float(np.median(errors)) if errors.size else float("inf")
-    signs = int(((claimed ^ own) >> 15 & 1).sum())
-    return ChunkCheck(exp, mean, median, signs, thresholds.accepts(exp, mean, median, signs))
+@njit(cache=True)
+def _statistics(claimed: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per chunk: exponent mismatches, mean and upper-middle median mantissa error, sign mismatches."""
+    n_chunks, k = claimed.shape
+    exps, signs = np.zeros(n_chunks, np.int64), np.zeros(n_chunks, np.int64)
+    means, medians = np.full(n_chunks, np.inf), np.full(n_chunks, np.inf)
+    counts = np.empty(0x80, np.int64)
+    for chunk in range(n_chunks):
+        counts[:] = 0
+        total = 0
+        for i in range(k):
+            a, b = claimed[chunk, i], own[chunk, i]
+            signs[chunk] += (a ^ b) >> 15 & 1
+            if (a >> 7 & 0xFF) != (b >> 7 & 0xFF):
+                exps[chunk] += 1
+            else:
+                error = abs((a & 0x7F) - (b & 0x7F))
+                counts[error] += 1
+                total += error
+        matched = k - exps[chunk]
+        if matched:
+            means[chunk] = total / matched
+            seen, error = counts[0], 0
+            while seen <= matched // 2:  # the sorted errors' element number matched // 2
+                error += 1
+                seen += counts[error]
+            medians[chunk] = error
+    return exps, means, medians, signs
+
+
+def _compare(claimed: np.ndarray, own: np.ndarray, thresholds: Thresholds) -> list[ChunkCheck]:
+    """Bit-level statistics of claimed vs own u16 patterns [chunks, k] at the verifier's top-k.
+
+    The reference's C++ check (``verify_proofs`` in ``toploc/C/csrc/poly.cpp``): the median is the
+    upper middle value, ``errors[size / 2]`` of the sorted errors.
+    """
+    stats = zip(*(column.tolist() for column in _statistics(claimed, own)))
+    return [ChunkCheck(e, a, b, s, thresholds.accepts(e, a, b, s)) for e, a, b, s in stats]
 
 
 def verify_proofs(
@@ -335,12 +373,10 @@ def verify_proofs(
     raws = _as_proof_bytes(proofs)
     if len(raws) != n_chunks:
         raise CommitError(f"toploc proofs: got {len(raws)} proofs for {n_chunks} chunks")
-    parsed = [decode_proof(raw, int(k), i) for i, raw in enumerate(raws)]
+    moduli, coeffs = decode_proofs(raws, k)
     idx, own = _chunk_topk(bits, int(prefill_len), int(decode_chunk), int(k))
-    moduli = np.array([m for m, _ in parsed], dtype=np.int64).reshape(-1, 1)
-    coeffs = np.stack([c for _, c in parsed]) if parsed else np.empty((0, int(k)), np.int64)
-    claimed = evaluate(coeffs, idx % moduli)
-    return [_compare(c, o, thresholds) for c, o in zip(claimed, own)]
+    claimed = evaluate(coeffs, idx % moduli[:, None])
+    return _compare(claimed, own, thresholds)
 
 
 # --- envelope ----------------------------------------------------------------------------------
@@ -393,8 +429,7 @@ class ToplocCommit:
         proofs = _as_proof_bytes(self.proofs)
         if len(proofs) != n_chunks:
             raise CommitError(f"{where}: {len(proofs)} proofs for {n_chunks} chunks")
-        for i, proof in enumerate(proofs):
-            decode_proof(proof, int(self.k), i)
+        decode_proofs(proofs, self.k)
         for name in ("version", "k", "decode_chunk", "hidden_size", "prefill_len", "n_tokens"):
             object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "proofs", tuple(bytes(p) for p in proofs))

@@ -1,122 +1,131 @@
-"""Polynomial arithmetic over GF(65497) for TOPLOC proofs, batched over chunks.
+"""Polynomial arithmetic over GF(65497) for TOPLOC proofs, batched over chunks and compiled (numba).
 
-Every function takes arrays whose leading axes are a batch of chunks, so one call serves a whole
-trace. Arithmetic is exact integer arithmetic carried in float64: residues are < 2**16, products
-< 2**32, and every sum adds at most ``MAX_POINTS`` products (< 2**44) before reduction.
-float64 lets the k x k sums run as BLAS matrix products (integers below 2**53 add exactly in any
-order), and ``_mod`` reduces with a multiply by 1/P instead of int64 division, which is ~4x slower.
+Every kernel takes [chunks, points] arrays and loops over chunks, so one call serves a whole trace.
+Arithmetic is exact integer arithmetic carried in float64: residues are < 2**16, a product plus a
+residue < 2**33, and every sum adds at most ``MAX_POINTS`` products (< 2**44) before reduction.
+float64 lets the inner loops over points run as SIMD lanes, and ``_mod`` reduces with a multiply by
+1/P instead of an integer division, which does not vectorize.
 
 The interpolant through k points with distinct x is unique, so the coefficients equal those of the
 reference library's Newton interpolation (``toploc`` 0.1.6, ``compute_newton_coefficients`` in
-``toploc/C/csrc/ndd.cpp``, whatever order the points come in); we compute them in the Lagrange form
-instead because it needs no Python loop over the k**2 divided differences:
+``toploc/C/csrc/ndd.cpp``, whatever order the points come in); we compute them in the Lagrange form,
+in O(k**2) per chunk with one field inversion:
 
-    M(x) = prod_i (x - x_i),  w_i = 1 / M'(x_i),  a_i = y_i * w_i,  S_t = sum_i a_i * x_i**t
-    c_d  = sum_{t=0}^{k-1-d} m_{d+1+t} * S_t          (m_e: monomial coefficients of M)
+    M(X) = prod_i (X - x_i),  w_i = 1 / M'(x_i),  a_i = y_i * w_i,  c(X) = sum_i a_i * M(X) / (X - x_i)
 
-which follows from M(x) / (x - x_i) = sum_d (sum_{e>d} m_e x_i**(e-d-1)) x**d.
+M by multiplying in one factor at a time, every M'(x_i) by Horner's rule, the k inverses by one
+Fermat power and prefix products (Montgomery's batch inversion), and M(X) / (X - x_i) by synthetic
+division, its coefficients from the highest down: b_{k-1} = 1, b_{d-1} = m_d + x_i * b_d.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
+from numba import njit
 
 P = 65497
 """The prime field of the reference library (the largest prime below 2**16 - 38)."""
 
 MAX_POINTS = 4096
-"""Largest supported k; bounds memory (k x k work per chunk) and keeps every sum below 2**44."""
+"""Largest supported k; keeps every sum of products below 2**44."""
 
+_P_FLOAT = float(P)
 _INV_P = 1.0 / P
 _MODULUS_BLOCK = 64
 
 
-def _mod(a: np.ndarray) -> np.ndarray:
-    """``a mod P`` for non-negative integer-valued float64 a < 2**50.
+@njit(cache=True, inline="always")
+def _mod(a: float) -> float:
+    """``a mod P`` for a non-negative integer-valued float64 a < 2**50.
 
     (a + 0.5) / P keeps its fractional part at least 0.5/P away from an integer, more than the
     float error of (a + 0.5) * (1/P) below 2**50, so the floor is the exact quotient.
     """
-    return a - np.floor((a + 0.5) * _INV_P) * P
+    return a - np.floor((a + 0.5) * _INV_P) * _P_FLOAT
 
 
-@lru_cache(maxsize=1)
-def _inverse_table() -> np.ndarray:
-    """Multiplicative inverses of 0..P-1 (0 maps to 0), by Fermat: a**(P-2)."""
-    base = np.arange(P, dtype=np.float64)
-    result = np.ones(P)
-    exponent = P - 2
+@njit(cache=True, inline="always")
+def _inverse(a: float) -> float:
+    """1 / a mod P for a residue a != 0, by Fermat: a**(P-2)."""
+    result, exponent = 1.0, P - 2
     while exponent:
         if exponent & 1:
-            result = _mod(result * base)
-        base = _mod(base * base)
+            result = _mod(result * a)
+        a = _mod(a * a)
         exponent >>= 1
     return result
 
 
-def powers(x: np.ndarray, n: int) -> np.ndarray:
-    """``x[..., i] ** t mod P`` for t in 0..n-1 as ``[..., len, n]`` float64, by doubling."""
-    x = np.asarray(x, dtype=np.float64)
-    out = np.empty(x.shape + (n,))
-    out[..., 0] = 1.0
-    width = 1
-    while width < n:
-        step = _mod(out[..., width - 1] * x)  # x ** width
-        span = min(width, n - width)
-        out[..., width : width + span] = _mod(out[..., :span] * step[..., None])
-        width += span
+@njit(cache=True)
+def _interpolate(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    n_chunks, k = x.shape
+    out = np.empty((n_chunks, k), np.int64)
+    xs, values = np.empty(k), np.empty(k)
+    m, grown = np.empty(k + 1), np.empty(k + 1)
+    prefix, quotient = np.empty(k), np.empty(k)
+    for chunk in range(n_chunks):
+        xs[:] = x[chunk]
+        m[0] = 1.0  # M(X), ascending, one factor (X - x_i) at a time
+        for i in range(k):
+            neg = _P_FLOAT - xs[i]
+            grown[0] = _mod(neg * m[0])
+            for d in range(1, i + 1):
+                grown[d] = _mod(m[d - 1] + neg * m[d])
+            grown[i + 1] = 1.0
+            m, grown = grown, m
+        values[:] = float(k)  # M'(x_i) by Horner; M' leads with k * m_k = k
+        for d in range(k - 1, 0, -1):
+            coeff = _mod(d * m[d])
+            for i in range(k):
+                values[i] = _mod(values[i] * xs[i] + coeff)
+        running = 1.0  # batch inversion: w_i = prefix_i * (prod_{j<=i} M'(x_j))**-1 * suffix
+        for i in range(k):
+            prefix[i] = running
+            running = _mod(running * values[i])
+        inverse = _inverse(running)
+        for i in range(k - 1, -1, -1):
+            weight = _mod(inverse * prefix[i])
+            inverse = _mod(inverse * values[i])
+            values[i] = _mod(float(y[chunk, i]) * weight)  # a_i
+        quotient[:] = 1.0  # b_{k-1} of every M(X) / (X - x_i)
+        for d in range(k - 1, -1, -1):
+            total, md = 0.0, m[d]
+            for i in range(k):
+                total += values[i] * quotient[i]
+                quotient[i] = _mod(md + xs[i] * quotient[i])
+            out[chunk, d] = np.int64(_mod(total))
     return out
-
-
-def _polymul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Product of equal-length ascending coefficient vectors, batched: [..., n] x [..., n] -> [..., 2n-1].
-
-    The outer product's anti-diagonals are summed by the skew-reshape trick: padding each row with n
-    zeros and re-reading the buffer with row width 2n-1 shifts row i right by i.
-    """
-    n = a.shape[-1]
-    lead = a.shape[:-1]
-    outer = a[..., :, None] * b[..., None, :]
-    padded = np.concatenate([outer, np.zeros(outer.shape)], axis=-1)
-    flat = padded.reshape(lead + (2 * n * n,))[..., : n * (2 * n - 1)]
-    return _mod(flat.reshape(lead + (n, 2 * n - 1)).sum(axis=-2))
-
-
-def vanishing_poly(x: np.ndarray) -> np.ndarray:
-    """Ascending coefficients of prod_i (X - x_i) for x of shape [..., k] -> [..., k+1] (tree product)."""
-    k = x.shape[-1]
-    width = 1 << max(k - 1, 0).bit_length()
-    factors = np.zeros(x.shape[:-1] + (width, 2))
-    factors[..., 0] = 1.0  # padding factors are the constant 1
-    factors[..., :k, 0] = _mod(P - np.asarray(x, dtype=np.float64))
-    factors[..., :k, 1] = 1.0
-    while factors.shape[-2] > 1:
-        factors = _polymul(factors[..., 0::2, :], factors[..., 1::2, :])
-    return factors[..., 0, : k + 1]
 
 
 def interpolate(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Coefficients (ascending, length k, int64) of the degree < k polynomial through (x, y) mod P.
 
-    x: [..., k] distinct residues in [0, P); y: [..., k] residues in [0, P).
+    x: [chunks, k] distinct residues in [0, P); y: [chunks, k] residues in [0, P) (integer arrays).
     """
-    k = x.shape[-1]
-    m = vanishing_poly(x)
-    xp = powers(x, k)
-    derivative = _mod(np.arange(1, k + 1) * m[..., 1:])
-    weights = _inverse_table()[_mod(xp @ derivative[..., None])[..., 0].astype(np.int64)]
-    sums = _mod((_mod(y * weights)[..., None, :] @ xp)[..., 0, :])
-    shifted = np.concatenate([m[..., 1:], np.zeros(m[..., 1:].shape)], axis=-1)
-    hankel = shifted[..., np.add.outer(np.arange(k), np.arange(k))]
-    return _mod(hankel @ sums[..., None])[..., 0].astype(np.int64)
+    return _interpolate(np.asarray(x, dtype=np.int64), np.asarray(y, dtype=np.int64))
+
+
+@njit(cache=True)
+def _evaluate(coeffs: np.ndarray, x: np.ndarray) -> np.ndarray:
+    n_chunks, n = coeffs.shape
+    out = np.empty(x.shape, np.int64)
+    xs, values = np.empty(x.shape[1]), np.empty(x.shape[1])
+    for chunk in range(n_chunks):
+        xs[:] = x[chunk]
+        values[:] = coeffs[chunk, n - 1] if n else 0.0
+        for d in range(n - 2, -1, -1):
+            coeff = float(coeffs[chunk, d])
+            for i in range(xs.size):
+                values[i] = _mod(values[i] * xs[i] + coeff)
+        for i in range(xs.size):
+            out[chunk, i] = np.int64(values[i])
+    return out
 
 
 def evaluate(coeffs: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """Values (int64) mod P of polynomials coeffs [..., n] at points x [..., j] -> [..., j]."""
-    values = powers(x, coeffs.shape[-1]) @ np.asarray(coeffs, dtype=np.float64)[..., None]
-    return _mod(values)[..., 0].astype(np.int64)
+    """Values (int64) mod P of polynomials coeffs [chunks, n] at points x [chunks, j] (Horner; residues
+    in [0, P), integer arrays)."""
+    return _evaluate(np.asarray(coeffs, dtype=np.int64), np.asarray(x, dtype=np.int64))
 
 
 def _injective_in(indices: np.ndarray, moduli: np.ndarray) -> np.ndarray:
