@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from tests.audit_servers import asgi_in_thread, free_port
 from verinfer.production.exchange import (EventSplitter, Exchange, Recording, Unrecordable, claimed_params, prepare,
-                                          record, strip_ids, unverifiable_reason)
+                                          record, strip_ids, unverifiable_reason, writes_nulls)
 from verinfer.production.gateway import Gateway, GatewayConfig, gateway_in_thread
 from verinfer.sharded import find_shards
 from verinfer.trace import read_traces
@@ -36,15 +37,17 @@ OUTPUT = [504, 3459, 17, 2]
 
 def fake_engine(seen: list | None = None, refuse_ids: bool = False, ids: bool = True, gate: threading.Event | None = None,
                 null_style: bool = True) -> FastAPI:
-    """vLLM's shapes: non-streamed responses serialize every optional field (null when not asked,
-    ``prompt_logprobs`` included); stream chunks only what is set. ``refuse_ids``: 400 naming
+    """vLLM's shapes (``null_style``): fields not asked for are written as null (every optional field of
+    a non-streamed response, ``token_ids`` in each stream chunk, ``prompt_token_ids`` in the first),
+    and ``/v1/models`` says ``owned_by: vllm``; else (``verinfer serve``) they are left out. ``refuse_ids``: 400 naming
     ``return_token_ids``; ``ids=False``: text only (as llama_cpp.server); ``gate``: the stream waits
     for it after its first event."""
     app = FastAPI()
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "fake", "object": "model"}]}
+        return {"object": "list", "data": [{"id": "fake", "object": "model",
+                                            "owned_by": "vllm" if null_style else "fake"}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -64,13 +67,14 @@ def fake_engine(seen: list | None = None, refuse_ids: bool = False, ids: bool = 
                 head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "fake"}
                 first = {**head, "choices": [{"index": j, "delta": {"role": "assistant", "content": ""}}
                                              for j in range(n)]}
-                if want:
-                    first["prompt_token_ids"] = PROMPT
+                if want or null_style:
+                    first["prompt_token_ids"] = PROMPT if want else None
                 yield f"data: {json.dumps(first, separators=(',', ':'))}\n\n"
                 if gate is not None:
                     await asyncio.to_thread(gate.wait, 10)
                 for k, tok in enumerate(OUTPUT):
-                    choices = [{"index": j, "delta": {"content": f"t{tok}"}, **({"token_ids": [tok]} if want else {}),
+                    ids = {"token_ids": [tok] if want else None} if want or null_style else {}
+                    choices = [{"index": j, "delta": {"content": f"t{tok}"}, **ids,
                                 **({"finish_reason": "stop"} if k == len(OUTPUT) - 1 else {})} for j in range(n)]
                     yield f"data: {json.dumps({**head, 'choices': choices}, separators=(',', ':'))}\n\n"
                 yield "data: [DONE]\n\n"
@@ -108,12 +112,14 @@ CHAT = {"model": "fake", "messages": [{"role": "user", "content": "Hi"}], "max_t
 def test_strip_ids_cuts_only_the_ids_and_keeps_every_other_byte():
     vllm = b'{"id":"x","choices":[{"index":0,"token_ids":[1,2,3],"text":"a \\"token_ids\\":[1]"}],' \
            b'"prompt_logprobs":null,"prompt_token_ids":[4, 5]}'
-    assert strip_ids(vllm, stream=False) == b'{"id":"x","choices":[{"index":0,"token_ids":null,' \
-                                            b'"text":"a \\"token_ids\\":[1]"}],"prompt_logprobs":null,' \
-                                            b'"prompt_token_ids":null}'
+    assert strip_ids(vllm, null=True) == b'{"id":"x","choices":[{"index":0,"token_ids":null,' \
+                                         b'"text":"a \\"token_ids\\":[1]"}],"prompt_logprobs":null,' \
+                                         b'"prompt_token_ids":null}'
     chunk = b'data: {"choices":[{"token_ids":[7],"index":0,"delta":{"content":"x"}}],"prompt_token_ids":[1,2]}\n\n'
-    assert strip_ids(chunk, stream=True) == b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
-    assert strip_ids(b'{"a":{"token_ids":[1]},"stop_token_ids":[2]}', stream=True) == b'{"a":{},"stop_token_ids":[2]}'
+    assert strip_ids(chunk, null=False) == b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+    assert strip_ids(b'{"a":{"token_ids":[1]},"stop_token_ids":[2]}', null=False) == b'{"a":{},"stop_token_ids":[2]}'
+    assert writes_nulls({"data": [{"id": "m", "owned_by": "vllm"}]})
+    assert not writes_nulls({"data": [{"id": "m", "owned_by": "verinfer"}]}) and not writes_nulls([])
 
 
 def test_event_splitter_yields_whole_events_only():
@@ -163,7 +169,7 @@ def test_record_returned_ids_store_text_and_unrecordable():
     (t,) = out.traces
     assert (t.prompt_token_ids, t.output_token_ids, t.model, t.provider) == (PROMPT, OUTPUT, "smollm2-135m", "p")
     assert t.meta["token_source"] == "returned" and t.messages == [{"role": "user", "content": "Hi"}]
-    assert t.output_text == "hello" and t.meta["requested_at"] == "1970-01-01T00:00:00.000Z"
+    assert t.output_text == "hello" and t.meta["request_time"] == "1970-01-01T00:00:00.000Z"
     private = record(_exchange(response), Recording("p", store_text=False)).traces[0]
     assert private.messages is None and private.output_text is None and private.prompt_text is None
     assert "hello" not in json.dumps(private.to_dict()) and "Hi" not in json.dumps(private.to_dict())
@@ -186,9 +192,10 @@ def _events(text: str) -> list:
     return [line for line in text.splitlines() if line.startswith("data:")]
 
 
-def test_pass_through_equals_the_engine_directly(tmp_path):
+@pytest.mark.parametrize("null_style", [True, False], ids=["vllm-nulls", "omitted"])
+def test_pass_through_equals_the_engine_directly(tmp_path, null_style):
     seen: list = []
-    with asgi_in_thread(fake_engine(seen)) as engine, \
+    with asgi_in_thread(fake_engine(seen, null_style=null_style)) as engine, \
             gateway_in_thread(_gateway(engine, tmp_path, Recording("fake"), None)) as gw:
         for path, body, headers in [
             ("chat/completions", CHAT, {}),
@@ -202,8 +209,10 @@ def test_pass_through_equals_the_engine_directly(tmp_path):
             proxied = httpx.post(f"{gw}/{path}", json=body, headers=headers, timeout=30)
             assert (proxied.status_code, proxied.content) == (direct.status_code, direct.content), body
             assert proxied.headers["content-type"] == direct.headers["content-type"]
-            if body.get("stream") and not body.get("return_token_ids"):
-                assert "token_ids" not in proxied.text and len(_events(proxied.text)) == len(OUTPUT) + 2
+            if not body.get("return_token_ids"):
+                assert not re.search(r'token_ids":\[', proxied.text)  # no ids the client did not ask for
+            if body.get("stream"):
+                assert len(_events(proxied.text)) == len(OUTPUT) + 2
         assert httpx.get(f"{gw}/models").content == httpx.get(f"{engine}/models").content
         assert httpx.get(f"{gw}/nope").status_code == httpx.get(f"{engine}/nope").status_code == 404
         health = httpx.get(gw.removesuffix("/v1") + "/gateway/health").json()

@@ -10,15 +10,18 @@ The gateway (``verinfer.production.gateway``) changes a request in two ways only
   values the trace can claim).
 - ``strip_ids``: the ids the client did not ask for are cut out of the response bytes (and of
   each event of a stream) textually, so everything else reaches the client byte for byte. vLLM
-  serializes every optional field of a non-streamed response (``"token_ids": null`` when not
-  asked; it always carries ``prompt_logprobs``), so there the ids become ``null``; in stream chunks
-  (vLLM: ``exclude_unset``) and in servers that omit unasked fields they are removed.
+  writes the fields it was not asked for as ``null`` (its non-streamed responses dump every field;
+  its stream chunks set ``token_ids`` and the first chunk's ``prompt_token_ids`` explicitly, read in
+  vLLM 0.32's ``chat_completion/serving.py`` and ``completion/serving.py``), so for vLLM (its
+  ``/v1/models`` says ``owned_by: vllm``) the ids become ``null``; servers that omit unasked fields
+  (``verinfer serve``) get them removed.
 
 ``record`` turns an exchange into traces, one per choice, with the parsers the audit uses
 (``verinfer.auditing.stream.assemble`` for streams, ``verinfer.auditing.responses.parse_generation``
 for each choice, ``verinfer.auditing.reference.claim_traces`` for the claim): returned ids when the
 engine gives them (``token_source: returned``), else the text re-tokenized with the claimed model's
-tokenizer (``retokenized``; the prompt rendered with its chat template). A trailing stop token is
+tokenizer (``retokenized``; the prompt rendered with its chat template; ``meta.drift`` counts what the
+round trip loses). A trailing stop token is
 kept as the engine returned it, as ``verinfer audit`` does (``verinfer verify`` scores it like any
 token); re-tokenized text has none. Choice j of an ``n > 1`` request claims ``seed + j``: vLLM
 seeds its children that way (REFERENCE.md sections 1.2 and 8); for other profiles such choices are
@@ -29,7 +32,6 @@ kept apart by the recorder; an exchange that yields no trace at all raises ``Unr
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from dataclasses import dataclass, field, replace
@@ -114,13 +116,20 @@ _BEFORE = re.compile(_IDS + rb"\s*,?")  # first (or only) key of its object
 _NULL = re.compile(rb'("(?:prompt_)?token_ids"\s*:\s*)\[[0-9,\s]*\]')
 
 
-def strip_ids(data: bytes, stream: bool) -> bytes:
-    """``data`` without the ``token_ids`` / ``prompt_token_ids`` lists (module docstring: null in
-    vLLM's non-streamed responses, removed elsewhere); every other byte unchanged. A quote inside a
-    JSON string is escaped, so the pattern only meets object keys."""
-    if not stream and re.search(rb'"prompt_logprobs"\s*:', data):
+def strip_ids(data: bytes, null: bool) -> bytes:
+    """``data`` without the ``token_ids`` / ``prompt_token_ids`` lists: ``null`` in their place
+    (vLLM) or the keys removed (module docstring); every other byte unchanged. A quote inside a JSON
+    string is escaped, so the pattern only meets object keys."""
+    if null:
         return _NULL.sub(rb"\1null", data)
     return _BEFORE.sub(b"", _AFTER.sub(b"", data))
+
+
+def writes_nulls(models: object) -> bool:
+    """Whether an engine writes unasked fields as ``null``, from its ``/v1/models`` answer (vLLM's
+    model cards say ``owned_by: vllm``)."""
+    data = models.get("data") if isinstance(models, dict) else None
+    return isinstance(data, list) and any(isinstance(m, dict) and m.get("owned_by") == "vllm" for m in data)
 
 
 class EventSplitter:
@@ -274,13 +283,14 @@ def record(ex: Exchange, rec: Recording) -> Recorded:
     """Traces for every choice of ``ex`` (module docstring); Unrecordable when there are none."""
     response = _response(ex)
     prompt, prompt_source = _prompt_ids(ex, response, rec)
-    parsed = response
-    if rec.tokenizer is None:  # ids only: no text to re-tokenize or to measure drift against
-        parsed = copy.deepcopy(response)
-        for c in parsed["choices"]:
-            if isinstance(c, dict):
-                c.pop("text", None)
-                c.pop("message", None)
+    # The text goes to the parser only to be re-tokenized: with returned ids (or no tokenizer) it is
+    # left out, which skips the audit's text-drift measures (a tokenizer pass per choice, off the
+    # request path but on the gateway's CPU) and keeps the text for the trace.
+    texts = [_choice_text(c) for c in response["choices"]]
+    parsed = {**response, "choices": [
+        {k: v for k, v in c.items() if k not in ("text", "message")}
+        if isinstance(c, dict) and (rec.tokenizer is None or isinstance(c.get("token_ids"), list)) else c
+        for c in response["choices"]]}
     vocab = len(rec.tokenizer) if rec.tokenizer is not None else 2**63
     claims = []
     for i in range(len(response["choices"])):
@@ -293,8 +303,7 @@ def record(ex: Exchange, rec: Recording) -> Recorded:
             raise Unrecordable(str(exc)) from None
         except (KeyError, TypeError, AttributeError) as exc:
             raise Unrecordable(f"{where}: malformed choice ({type(exc).__name__}: {exc})") from None
-        if rec.tokenizer is None:
-            claim.text = _choice_text(response["choices"][i])
+        claim.text = texts[i]
         claims.append(claim)
     model = rec.model or str(response.get("model") or ex.request.get("model") or "unknown")
     traces = claim_traces(claims, rec.provider, model, lambda i: claimed_params(ex.request, rec.profile, i))
@@ -304,8 +313,8 @@ def record(ex: Exchange, rec: Recording) -> Recorded:
     out = Recorded()
     for claim, trace in zip(claims, traces):
         meta = {**trace.meta, "request_id": ex.request_id, "upstream_id": response.get("id"),
-                "endpoint": ex.endpoint, "stream": ex.stream, "requested_at": iso(ex.requested_at),
-                "responded_at": iso(ex.responded_at), "prompt_source": prompt_source,
+                "endpoint": ex.endpoint, "stream": ex.stream, "request_time": iso(ex.requested_at),
+                "response_time": iso(ex.responded_at), "prompt_source": prompt_source,
                 "seed_assigned": ex.seed_assigned, "served_model": response.get("model")}
         if claim.drift:
             meta["drift"] = claim.drift

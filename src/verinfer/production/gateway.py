@@ -37,7 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from verinfer.production.exchange import (ENDPOINTS, SEED_RANGE, EventSplitter, Exchange, Prepared, Recording,
-                                          iso, prepare, strip_ids, without_ids_request)
+                                          iso, prepare, strip_ids, without_ids_request, writes_nulls)
 from verinfer.production.recorder import POLICIES, Counters, Recorder
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
@@ -118,6 +118,7 @@ class Gateway:
             raise ValueError(problems[0])
         self.config, self.log, self.counters = config, log or json_log(), Counters()
         self.ask_ids = config.token_ids
+        self.null_ids: bool | None = None  # how the engine writes unasked fields (exchange.writes_nulls), once known
         self.transport = transport
         self.http: httpx.AsyncClient | None = None
         kw = {"write": write} if write is not None else {}
@@ -162,6 +163,16 @@ class Gateway:
             self.log("error", "upstream_unreachable", url=url, error=f"{type(exc).__name__}: {exc}")
             return None
 
+    async def _learn_style(self, headers: dict[str, str]) -> None:
+        """Ask the engine's ``/v1/models`` once how it writes fields it was not asked for."""
+        try:
+            resp = await self.http.get(f"{self.config.base}/v1/models", headers=headers)
+            if resp.status_code == 200:
+                self.null_ids = writes_nulls(resp.json())
+                self.log("info", "upstream_style", unasked_fields="null" if self.null_ids else "omitted")
+        except (httpx.HTTPError, ValueError) as exc:  # unknown for now: removed, asked again next time
+            self.log("warning", "upstream_style_unknown", error=f"{type(exc).__name__}: {exc}")
+
     async def handle(self, request: Request, path: str) -> Response:
         self.counters.add(requests=1)
         started = time.monotonic()
@@ -173,6 +184,8 @@ class Gateway:
         if kind is not None:
             seed = secrets.randbelow(SEED_RANGE) if self.config.assign_seeds else None
             prepared = prepare(raw, self.ask_ids, seed, self.config.defaults)
+            if prepared is not None and prepared.ids_added and self.null_ids is None:
+                await self._learn_style(headers)
         requested_at = time.time()
         resp = await self._send(request.method, url, prepared.body if prepared else raw, headers)
         if resp is not None and prepared is not None and prepared.ids_added and 400 <= resp.status_code < 500:
@@ -211,7 +224,7 @@ class Gateway:
             await self._submit(Exchange(uuid.uuid4().hex, kind, prepared.request, body, False, requested_at,
                                         time.time(), prepared.seed_assigned))
             if prepared.ids_added:
-                body = strip_ids(body, stream=False)
+                body = strip_ids(body, bool(self.null_ids))
         return self._done(request, path, resp.status_code, started,
                           Response(body, status_code=resp.status_code, headers=self._back(resp)))
 
@@ -220,6 +233,7 @@ class Gateway:
         """Forward the engine's events as they arrive (whole events when ids are cut out), keep a copy."""
         seen = bytearray()
         splitter = EventSplitter() if prepared.ids_added else None
+        null = bool(self.null_ids)
         complete = False
         try:
             async for piece in resp.aiter_bytes():
@@ -229,11 +243,11 @@ class Gateway:
                 else:
                     out = splitter.feed(piece)
                     if out:
-                        yield strip_ids(out, stream=True)
+                        yield strip_ids(out, null)
             if splitter is not None:
                 rest = splitter.flush()
                 if rest:
-                    yield strip_ids(rest, stream=True)
+                    yield strip_ids(rest, null)
             complete = True
         except httpx.HTTPError as exc:
             self.counters.add(upstream_unreachable=1)
@@ -258,7 +272,7 @@ class Gateway:
 
 
 def create_app(gateway: Gateway) -> FastAPI:
-    """The gateway's ASGI app: ``/gateway/health``, everything else proxied."""
+    """The gateway's ASGI app: ``/gateway/health``, ``/gateway/metrics`` (Prometheus), everything else proxied."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -273,6 +287,13 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.get("/gateway/health")
     async def health() -> dict:
         return gateway.health()
+
+    @app.get("/gateway/metrics")
+    async def metrics() -> Response:  # /metrics itself is the engine's (vLLM serves one): proxied
+        from verinfer.production.metrics import exposition, gateway_metrics
+
+        body, content_type = exposition(lambda: gateway_metrics(gateway.counters.snapshot()))
+        return Response(body, media_type=content_type)
 
     @app.api_route("/{path:path}", methods=METHODS)
     async def proxy(request: Request, path: str) -> Response:

