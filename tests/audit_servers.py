@@ -28,8 +28,10 @@ def asgi_in_thread(app, prefix: str = "/v1"):
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
+        deadline = time.monotonic() + 600  # a hang guard: a loaded machine may take long to start it
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                pytest.fail(f"the test server did not start (thread alive: {thread.is_alive()})")
             time.sleep(0.01)
         yield base_url(sock)[: -len("/v1")] + prefix
     finally:

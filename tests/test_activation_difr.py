@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verinfer.commits.activation_difr import (
@@ -67,7 +67,7 @@ def test_nan_values_rejected():
         decode(data, "fp32", 2, 1)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])  # no wall-clock checks
 @given(st.dictionaries(st.sampled_from(["method", "version", "dim", "seed", "precision", "stride", "hidden_size",
                                         "n_tokens", "values", "layer"]),
                        st.one_of(st.integers(-5, 2000), st.text(max_size=12), st.none(), st.booleans())))

@@ -114,7 +114,7 @@ def test_html_report_as_a_person_sees_it(audit, prompts, tmp_path):
     args = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
             f"--user-data-dir={tmp_path / 'profile'}"]
     dom = subprocess.run([*args, "--dump-dom", html_path.as_uri()], capture_output=True, text=True,
-                         timeout=120).stdout
+                         timeout=600).stdout
     assert "verinfer audit report" in dom
     assert dom.count('class="prompt-row"') == len(MISCONFIGS) * len(prompts)
     assert len(re.findall(r"\bCONSISTENT with the claimed configuration", dom)) == 1
@@ -128,7 +128,7 @@ def test_html_report_as_a_person_sees_it(audit, prompts, tmp_path):
     assert not re.search(r'(src|href)\s*=\s*"(https?:)?//', page)
     shot = tmp_path / "page.png"
     subprocess.run([*args, "--hide-scrollbars", "--window-size=1100,1400", f"--screenshot={shot}",
-                    html_path.as_uri()], capture_output=True, timeout=120)
+                    html_path.as_uri()], capture_output=True, timeout=600)
     img = np.asarray(Image.open(shot).convert("RGB")).astype(int)
     assert img.shape[0] >= 1000
     non_white = (img.sum(axis=2) < 720).mean()
