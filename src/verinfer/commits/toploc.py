@@ -140,7 +140,7 @@ def chunk_score(exp_mismatches, mean_mantissa_err):
 
 def _require_int(value: object, name: str, lo: int, hi: int, where: str) -> int:
     """An integer in lo..hi (numpy integers allowed, bool not), else CommitError."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise CommitError(f"{where}: {name} must be an integer, got {type(value).__name__}")
     value = int(value)
     if not lo <= value <= hi:
@@ -251,8 +251,8 @@ def decode_proofs(raws: Sequence[bytes], k: int) -> tuple[np.ndarray, np.ndarray
             decode_proof(raw, k, i)  # raises
     table = np.frombuffer(b"".join(raws), dtype=">u2").reshape(len(raws), k + 1).astype(np.int64)
     moduli, coeffs = table[:, 0], table[:, 1:]
-    bad = (moduli < k) | (moduli > P) | (coeffs >= P).any(axis=1)
-    if bad.any():
+    if len(raws) and (moduli.min() < k or moduli.max() > P or coeffs.max() >= P):
+        bad = (moduli < k) | (moduli > P) | (coeffs >= P).any(axis=1)
         first = int(np.argmax(bad))
         decode_proof(raws[first], k, first)  # raises
     return moduli, coeffs
@@ -287,7 +287,8 @@ def proofs_from_base64(texts: Sequence[str], k: int = 128) -> list[bytes]:
 
 def _as_proof_bytes(proofs: object) -> list[bytes]:
     """Accept a list of raw proofs or base64 strings."""
-    if isinstance(proofs, (str, bytes, bytearray)) or not isinstance(proofs, Sequence):
+    if type(proofs) not in (list, tuple) and (isinstance(proofs, (str, bytes, bytearray))
+                                              or not isinstance(proofs, Sequence)):
         raise CommitError(f"toploc proofs: expected a list of proofs, got {type(proofs).__name__}")
     return [_b64decode(p, f"toploc proof {i}") if isinstance(p, str) else p for i, p in enumerate(proofs)]
 
