@@ -175,3 +175,28 @@ def test_a_retried_request_finds_its_result_by_idempotency_key(endless):
     assert retry.json()["choices"][0]["token_ids"] == fresh.json()["choices"][0]["token_ids"]
     assert other_body.status_code == 422 and other_body.json()["error"]["code"] == "idempotency_key_reused"
     assert bad_key.status_code == 400 and bad_key.json()["error"]["param"] == "Idempotency-Key"
+
+
+def test_the_audit_client_reports_retries_and_resends_the_same_key(tmp_path):
+    """Issue 27.16, the client's side: every attempt of one request carries the same ``Idempotency-Key``
+    (its store key), and each timeout that is retried is reported as it happens."""
+    from verinfer.auditing.client import Call, Endpoint, ProviderClient, RetryPolicy
+    from verinfer.auditing.store import ResponseStore
+
+    keys, heard = [], []
+
+    def provider(request: httpx.Request) -> httpx.Response:
+        keys.append(request.headers.get("idempotency-key"))
+        if len(keys) == 1:
+            raise httpx.ReadTimeout("no answer yet", request=request)
+        return httpx.Response(200, json={"choices": [{"index": 0, "text": "ok"}]})
+
+    call = Call("/completions", {"prompt": "Hi", "max_tokens": 2, "seed": 1}, {"prompt_id": "p0"})
+    client = ProviderClient(Endpoint("slow", "http://127.0.0.1:9/v1", "m", None), ResponseStore(tmp_path / "r.jsonl"),
+                            policy=RetryPolicy(backoff_s=0.0), transport=httpx.MockTransport(provider),
+                            on_retry=heard.append)
+    [record] = client.fetch([call])
+    assert record["response"]["choices"][0]["text"] == "ok"
+    assert keys == [call.key, call.key]
+    [line] = heard
+    assert line.startswith(f"slow: request {call.key} (prompt_id p0): timed out") and "retry 1 of 4" in line

@@ -201,13 +201,14 @@ class ProviderClient:
 
     def __init__(self, endpoint: Endpoint, store: ResponseStore, concurrency: int = 4,
                  policy: RetryPolicy = RetryPolicy(), check: Callable[[Any], str | None] = has_choices,
-                 transport: httpx.AsyncBaseTransport | None = None):
+                 transport: httpx.AsyncBaseTransport | None = None, on_retry: Callable[[str], None] | None = None):
         if concurrency < 1:
             raise ValueError(f"concurrency must be >= 1, got {concurrency}")
         if policy.problems():
             raise ValueError(policy.problems()[0])
         self.endpoint, self.store, self.concurrency, self.policy, self.check = endpoint, store, concurrency, policy, check
         self.transport = transport
+        self.on_retry = on_retry  # hears each timeout or failure that is retried, as it happens
         self.rejected = ResponseStore(store.path.with_name("rejected.jsonl"))
         self.sent = 0  # HTTP attempts made by this client (retries included)
 
@@ -273,7 +274,11 @@ class ProviderClient:
             if attempt >= self.policy.retries:
                 raise ProviderError(f"{where}: request {call.key} ({_describe(call)}) failed after "
                                     f"{attempt + 1} attempt(s): {problem}")
-            await asyncio.sleep(self.policy.delay(attempt, retry_after))
+            delay = self.policy.delay(attempt, retry_after)
+            if self.on_retry is not None:
+                self.on_retry(f"{self.endpoint.name}: request {call.key} ({_describe(call)}): {problem}; "
+                              f"retry {attempt + 1} of {self.policy.retries} in {delay:.1f} s")
+            await asyncio.sleep(delay)
             attempt += 1
         meta = {**call.meta, "elapsed_s": round(elapsed, 4), "attempts": attempt + 1, "received_at": time.time()}
         try:  # redacted before anything is cut short, so no prefix of a key survives
@@ -307,7 +312,10 @@ class ProviderClient:
         limit, received, head = self.policy.max_response_bytes, bytearray(), None
         try:
             async with asyncio.timeout(self.policy.deadline_s):
-                async with http.stream("POST", url, json=call.body, headers=self.endpoint.headers()) as head:
+                # The key lets a server that keeps results per key (``verinfer serve``) hand a retry the
+                # decoding its timed-out attempt started, instead of starting again.
+                headers = {**self.endpoint.headers(), "Idempotency-Key": call.key}
+                async with http.stream("POST", url, json=call.body, headers=headers) as head:
                     async for chunk in head.aiter_bytes():
                         received += chunk
                         if len(received) > limit:

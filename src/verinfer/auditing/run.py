@@ -128,7 +128,7 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     fetched = []
     for e in endpoints:
         store = ResponseStore(out_dir / e.name / "responses.jsonl")
-        client = ProviderClient(e, store, concurrency, policy)
+        client = ProviderClient(e, store, concurrency, policy, on_retry=stage)
         asked = generation_calls(spec, prompts, tokenizer, e.model)
         calls = list({c.key: c for c in asked[::-1]}.values())  # identical prompts: asked and counted once,
         calls.sort(key=lambda c: c.meta["index"])  # keeping the first of each
