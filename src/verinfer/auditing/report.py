@@ -13,7 +13,6 @@ Both files are written atomically (``verinfer.files.write_atomic``) and redacted
 
 from __future__ import annotations
 
-import html
 import io
 import json
 from pathlib import Path
@@ -36,8 +35,8 @@ def prompt_rows(audit: ProviderAudit, tokenizer, clip: float) -> list[dict]:
         first = {}
         for c in audit.claims:
             first.setdefault(c.prompt_id, c)
-        return [{**r, "tokens_html": html.escape(tokenizer.decode(first[r["prompt_id"]].output_token_ids,
-                                                                  skip_special_tokens=True)).replace("\n", "⏎<br>")}
+        return [{**r, "pieces": [(tokenizer.decode(first[r["prompt_id"]].output_token_ids, skip_special_tokens=True),
+                                  None)]}
                 for r in audit.prompts]
     ids = np.asarray(audit.columns["trace_id"], dtype=object)
     margin = np.asarray(audit.columns["margin"], dtype=np.float64)
@@ -50,20 +49,8 @@ def prompt_rows(audit: ProviderAudit, tokenizer, clip: float) -> list[dict]:
                      "divergent_positions": [int(i) for i in np.flatnonzero(m > 0)],
                      "token_source": c.source, "drift": c.drift,
                      "served": {k: v for k, v in c.served.items() if k not in ("requested_model", "max_tokens")},
-                     "tokens_html": _tokens_html(pieces, m, clip)})
+                     "pieces": list(zip(pieces, m.tolist()))})  # rendered by templates/tokens.html.j2
     return rows
-
-
-def _tokens_html(pieces: list[str], margin: np.ndarray, clip: float) -> str:
-    out = []
-    for piece, m in zip(pieces, margin):
-        text = html.escape(piece).replace("\n", "⏎<br>")
-        if m > 0:
-            level = "hi" if m >= clip else "lo"
-            out.append(f'<mark class="div {level}" title="margin {m:.3g}">{text or "␣"}</mark>')
-        else:
-            out.append(f"<span>{text}</span>")
-    return "".join(out)
 
 
 def _svg(fig) -> str:
@@ -181,7 +168,7 @@ def to_json(result: AuditResult, tokenizer) -> dict:
             "verdict": a.verdict.to_dict(), "warnings": a.served.get("warnings", []), "served": a.served,
             "drift": a.drift, "requests_sent": a.requests_sent,
             "responses_stored": a.responses_stored, "damaged_lines": a.damaged_lines, "empty_outputs": a.empty_outputs,
-            "prompts": [{k: v for k, v in r.items() if k != "tokens_html"} for r in prompt_rows(a, tokenizer, clip)],
+            "prompts": [{k: v for k, v in r.items() if k != "pieces"} for r in prompt_rows(a, tokenizer, clip)],
             **({"reference_draws": display_path(result.out_dir / "reference" / "draws.jsonl", result.out_dir)}
                if a.prompts is not None else {}),
         } for a in result.providers],
@@ -212,9 +199,10 @@ def write_reports(result: AuditResult, tokenizer) -> tuple[Path, Path]:
     providers = [{"audit": a, "json": d, "bands_svg": bands_plot(a) if a.verdict.band_ranges else None,
                   "hist_svg": histogram_plot(a, honest), "rows": prompt_rows(a, tokenizer, clip)}
                  for a, d in zip(result.providers, doc["providers"])]
-    env = jinja2.Environment(autoescape=jinja2.select_autoescape(["html", "j2"]), undefined=jinja2.StrictUndefined)
-    page = env.from_string(TEMPLATE.read_text()).render(result=result, doc=doc, providers=providers,
-                                                        several=len(result.providers) > 1)
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE.parent), undefined=jinja2.StrictUndefined,
+                             autoescape=jinja2.select_autoescape(["html", "j2"]))
+    page = env.get_template(TEMPLATE.name).render(result=result, doc=doc, providers=providers, clip=clip,
+                                                  several=len(result.providers) > 1)
     html_path = result.out_dir / "audit.html"
     write_atomic(html_path, redact_text(page))
     return json_path, html_path

@@ -1,0 +1,120 @@
+"""Prometheus metrics (prometheus-client, text exposition format): the verification history for the
+dashboard's ``/metrics``, and the gateway's own counters for its ``/gateway/metrics``.
+
+Both are custom collectors read at scrape time (nothing is kept in process state that could drift
+from the database or from ``recorder.Counters``), registered in their own ``CollectorRegistry``.
+Names follow Prometheus conventions: ``verinfer_`` prefix, ``_total`` counters, base units
+(``_seconds``, ``_timestamp_seconds``), one label set per series: provider, model, profile and window
+length (``window_seconds``). The verdict is a state set: ``verinfer_verdict{verdict=...}`` is 1 for
+the series' current state (``CONSISTENT``, ``INCONSISTENT`` or ``none``: no verdict, e.g. too few tokens)
+and 0 for the others, so ``verinfer_verdict{verdict="INCONSISTENT"} == 1`` is an alert rule.
+"""
+
+from __future__ import annotations
+
+import calendar
+import datetime as dt
+from typing import Callable, Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session
+
+from verinfer.production import views
+
+LABELS = ["provider", "model", "profile", "window_seconds"]
+STATES = (*views.VERDICTS, "none")
+
+# recorder.Counters field -> (metric name without the verinfer_gateway_ prefix, help)
+GATEWAY = {
+    "requests": ("requests_total", "Requests proxied to the upstream engine."),
+    "upstream_errors": ("upstream_errors_total", "Requests the engine answered with a status >= 400 (passed through)."),
+    "upstream_unreachable": ("upstream_unreachable_total", "Requests the engine could not be reached for (502)."),
+    "ids_refused": ("token_ids_refused_total", "Times the engine refused return_token_ids (retried without)."),
+    "exchanges": ("exchanges_total", "Generation exchanges handed to the recorder."),
+    "recorded": ("records_written_total", "Verifiable traces written in finished shards."),
+    "unverifiable": ("records_unverifiable_total", "Traces written to unverifiable/ shards."),
+    "unrecordable": ("exchanges_unrecordable_total", "Exchanges that yielded no trace (logged with the reason)."),
+    "dropped": ("records_dropped_total", "Exchanges or traces lost: full queue, or recording stopped."),
+    "shards_written": ("shards_written_total", "Trace shards written."),
+    "write_errors": ("write_errors_total", "Shard writes that failed (recording stopped)."),
+}
+GAUGES = {"queue_depth": ("queue_depth", "Exchanges waiting for the recorder's writer thread.")}
+
+
+def _unix(t: dt.datetime | None) -> float | None:
+    """Naive UTC (as the store keeps it) -> Unix seconds."""
+    return None if t is None else calendar.timegm(t.timetuple()) + t.microsecond / 1e6
+
+
+def history_metrics(s: Session) -> list[Metric]:
+    """Per series: tokens verified, windows, latest exact-match rate / mean margin / p-value, verdict
+    state, since when, last verified time."""
+    fams = {
+        "tokens": CounterMetricFamily("verinfer_tokens_verified", "Tokens verified (all windows).", labels=LABELS),
+        "windows": CounterMetricFamily("verinfer_windows", "Windows recorded.", labels=LABELS),
+        "exact": GaugeMetricFamily("verinfer_exact_match_rate", "Exact-match rate of the latest window.",
+                                   labels=LABELS),
+        "margin": GaugeMetricFamily("verinfer_mean_margin", "Mean margin (bounded at 20) of the latest window.",
+                                    labels=LABELS),
+        "p": GaugeMetricFamily("verinfer_p_value", "p-value of the latest window's verdict (absent: no verdict).",
+                               labels=LABELS),
+        "verdict": GaugeMetricFamily("verinfer_verdict", "Current verdict of the series (1 for the state it is in).",
+                                     labels=LABELS + ["verdict"]),
+        "since": GaugeMetricFamily("verinfer_verdict_since_timestamp_seconds",
+                                   "Start of the first window of the current verdict's run.", labels=LABELS),
+        "last": GaugeMetricFamily("verinfer_last_verified_timestamp_seconds",
+                                  "When a window of the series was last recorded.", labels=LABELS),
+    }
+    for key, windows, tokens, last in views.keys(s, views.Filters()):
+        st = views.state(s, key, windows, tokens, last)
+        labels = [key.provider, key.model, key.profile, str(key.seconds)]
+        fams["tokens"].add_metric(labels, tokens)
+        fams["windows"].add_metric(labels, windows)
+        for name, value in (("exact", st.latest.exact_match_rate), ("margin", st.latest.mean_margin),
+                            ("p", st.latest.p_value), ("since", _unix(st.since)), ("last", _unix(last))):
+            if value is not None:
+                fams[name].add_metric(labels, value)
+        for v in STATES:
+            fams["verdict"].add_metric(labels + [v], 1.0 if (st.verdict or "none") == v else 0.0)
+    return list(fams.values())
+
+
+def gateway_metrics(snapshot: dict[str, int]) -> list[Metric]:
+    """The gateway's ``Counters.snapshot()`` as counters and the queue-depth gauge."""
+    out: list[Metric] = []
+    for field, value in snapshot.items():
+        if field in GAUGES:
+            name, help_ = GAUGES[field]
+            out.append(GaugeMetricFamily(f"verinfer_gateway_{name}", help_, value=value))
+        else:
+            name, help_ = GATEWAY.get(field, (f"{field}_total", f"Gateway counter {field}."))
+            out.append(CounterMetricFamily(f"verinfer_gateway_{name.removesuffix('_total')}", help_, value=value))
+    return out
+
+
+class _Collector:
+    def __init__(self, collect: Callable[[], list[Metric]]):
+        self._collect = collect
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._collect()
+
+
+def exposition(collect: Callable[[], list[Metric]]) -> tuple[bytes, str]:
+    """(body, content type) of one scrape of ``collect``'s metrics."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(collect))
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def history_exposition(engine: Engine) -> tuple[bytes, str]:
+    def collect() -> list[Metric]:
+        with Session(engine) as s:
+            return history_metrics(s)
+
+    return exposition(collect)
+
+
+__all__ = ["CONTENT_TYPE_LATEST", "exposition", "gateway_metrics", "history_exposition", "history_metrics"]

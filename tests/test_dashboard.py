@@ -1,0 +1,258 @@
+"""``verinfer dashboard`` without a model: pages, filters, escaping and redaction, the token rule,
+Prometheus metrics (dashboard and gateway), and alerts delivered to a local receiver with retries,
+once per change across restarts. Windows are written through the store's models; the browser test
+with a real monitor is tests/test_dashboard_browser.py."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from contextlib import contextmanager
+
+import pytest
+from fastapi import FastAPI, Request, Response
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
+
+from tests.audit_servers import asgi_in_thread
+from verinfer.production import views
+from verinfer.production.alerts import Alerter
+from verinfer.production.dashboard import authorized, create_app, is_loopback
+from verinfer.production.metrics import exposition, gateway_metrics
+from verinfer.production.store import AuditResult, AuditRun, Window, open_store
+
+T0 = dt.datetime(2026, 3, 1, 12, 0, 0)
+EVIL = 'evil<script>alert("x")</script>'
+SECRET = "sk-SECRETSECRET123"
+# acme's verdicts per 10-minute window: two changes (C -> I at 2, I -> C at 5); None carries the state on
+ACME = ["CONSISTENT", "CONSISTENT", "INCONSISTENT", "INCONSISTENT", None, "CONSISTENT"]
+
+
+def add_window(s, provider: str, i: int, verdict: str | None, model: str = "smollm2-135m", tokens: int = 100,
+               note: str | None = None) -> None:
+    start = T0 + dt.timedelta(minutes=10 * i)
+    s.add(Window(provider=provider, model=model, profile="vllm-cpu", seconds=600, start_time=start,
+                 end_time=start + dt.timedelta(minutes=10), traces=4, tokens=tokens,
+                 exact_match_rate=0.99 if verdict != "INCONSISTENT" else 0.4,
+                 mean_margin=0.01 if verdict != "INCONSISTENT" else 3.0, verdict=verdict,
+                 p_value=None if verdict is None else (0.5 if verdict == "CONSISTENT" else 1e-4),
+                 judged_by=None if verdict is None else "bands bands-smollm2-135m-greedy.json",
+                 note=note or (verdict or "too few tokens: 3 < the smallest calibrated batch (10)"), shards=1, computed=1,
+                 updated_at=start + dt.timedelta(minutes=11)))
+
+
+@pytest.fixture()
+def db(tmp_path):
+    url = f"sqlite:///{tmp_path}/history.db"
+    store = open_store(url)
+    with store.transaction() as s:
+        for i, v in enumerate(ACME):
+            add_window(s, "acme", i, v)
+        for i in range(3):
+            add_window(s, EVIL, i, "CONSISTENT", model="m<b>odel")
+        run = AuditRun(slot=T0, owner="test", status="done", out_dir="/tmp/x")
+        s.add(run)
+        s.flush()
+        s.add(AuditResult(run_id=run.id, url=f"https://user:{SECRET}@provider.example/v1?api_key={SECRET}",
+                          mode="greedy", at=T0 + dt.timedelta(minutes=25), provider="acme", model="smollm2-135m",
+                          profile="greedy", traces=16, tokens=512, exact_match_rate=0.98, mean_margin=0.02,
+                          verdict="CONSISTENT", p_value=0.4, judged_by="bands-smollm2-135m-greedy.json"))
+    yield store
+    store.close()
+
+
+def test_overview_shows_every_window_state_and_changes(db):
+    client = TestClient(create_app(db))
+    page = client.get("/").text
+    assert page.count('class="state-row"') == 2
+    acme = page.split('<h2 class="series"')[1]
+    ids = set(re.findall(r'<circle class="pt[^"]*" data-window="(\d+)"', acme))
+    cells = re.findall(r'<rect class="cell cell-(\w+)" data-window="(\d+)"', acme)
+    assert len(ids) == len(ACME) and len(cells) == len(ACME)  # a point and a verdict cell for every window
+    assert [c for c, _ in cells] == [v or "none" for v in ACME]
+    assert re.findall(r'class="change-label"[^>]*>→ (\w+)<', acme) == ["INCONSISTENT", "CONSISTENT"]
+    assert acme.count('<rect class="band"') == 5  # bands behind the exact-match rate of the judged windows
+    assert acme.count('<path class="audit a-CONSISTENT"') == 1
+    state = re.search(r'data-provider="acme" data-state="(\w+)">(.*?)</tr>', page, re.S)
+    assert state.group(1) == "CONSISTENT"
+    assert "2026-03-01 12:50:00Z" in state.group(2)  # since: the window after the last INCONSISTENT one
+    assert '<meta http-equiv="refresh" content="30">' in page
+    assert "<script" not in page and "&lt;script&gt;" in page and "m&lt;b&gt;odel" in page
+    assert SECRET not in page and "provider.example" in page  # the audit's URL shown, its secrets redacted
+
+
+def test_state_is_the_latest_window_with_since_when(db):
+    with db.transaction() as s:
+        add_window(s, "acme", len(ACME), None)  # the latest window lacks tokens
+    with db.sessions() as s:
+        [(key, windows, tokens, last)] = [k for k in views.keys(s, views.Filters()) if k[0].provider == "acme"]
+        st = views.state(s, key, windows, tokens, last)
+    assert windows == len(ACME) + 1 and tokens == 100 * windows
+    assert st.verdict is None and st.label == "not enough tokens" and st.last_verdict == "CONSISTENT"
+    assert st.since == T0 + dt.timedelta(minutes=10 * len(ACME))
+
+
+def test_filters_select_series_and_time_and_reject_bad_input(db):
+    client = TestClient(create_app(db))
+    page = client.get("/", params={"provider": EVIL}).text
+    assert page.count('class="state-row"') == 1 and 'data-provider="acme"' not in page
+    ranged = client.get("/", params={"provider": "acme", "since": "2026-03-01T12:20:00Z",
+                                     "until": "2026-03-01T12:40:00Z", "refresh": "0"}).text
+    assert len(re.findall(r'<rect class="cell', ranged)) == 3 and 'http-equiv="refresh"' not in ranged
+    latest = client.get("/", params={"provider": "acme", "points": "2"}).text
+    assert len(re.findall(r'<rect class="cell', latest)) == 2 and "2 of 6 windows" in latest
+    assert "until=2026-03-01T12%3A40%3A00Z" in latest  # the "earlier" link pages back from the first shown
+    for params, name in (({"since": "yesterday"}, "since="), ({"points": "lots"}, "points="),
+                         ({"points": "0"}, "points=")):
+        bad = client.get("/", params=params)
+        assert bad.status_code == 400 and name in bad.text
+    assert client.get("/window/999").status_code == 404
+    assert "acme" not in client.get("/", params={"provider": "nobody"}).text.split("<h2>Current state</h2>")[1]
+
+
+def test_metrics_follow_prometheus_conventions(db):
+    body = TestClient(create_app(db)).get("/metrics")
+    assert body.headers["content-type"].startswith("text/plain")
+    fams = {f.name: f for f in text_string_to_metric_families(body.text)}
+    acme = {"provider": "acme", "model": "smollm2-135m", "profile": "vllm-cpu", "window_seconds": "600"}
+
+    def value(name: str, **labels) -> float:
+        want = {**acme, **labels}
+        return next(s.value for s in fams[name].samples if s.labels == want and not s.name.endswith("_created"))
+
+    assert fams["verinfer_tokens_verified"].type == "counter"
+    assert value("verinfer_tokens_verified") == 100 * len(ACME) and value("verinfer_windows") == len(ACME)
+    assert value("verinfer_verdict", verdict="CONSISTENT") == 1 and value("verinfer_verdict", verdict="INCONSISTENT") == 0
+    assert value("verinfer_exact_match_rate") == pytest.approx(0.99) and value("verinfer_p_value") == 0.5
+    assert value("verinfer_verdict_since_timestamp_seconds") == (T0 + dt.timedelta(minutes=50)).replace(
+        tzinfo=dt.timezone.utc).timestamp()
+    assert "verinfer_tokens_verified_total{" in body.text and EVIL.replace('"', '\\"') in body.text
+
+
+def test_gateway_metrics_from_its_counters():
+    from verinfer.production.recorder import Counters
+
+    counters = Counters()
+    counters.add(requests=5, dropped=2, recorded=3)
+    counters.queue_depth = 7
+    body, _ = exposition(lambda: gateway_metrics(counters.snapshot()))
+    samples = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert samples["verinfer_gateway_requests_total"] == 5 and samples["verinfer_gateway_records_dropped_total"] == 2
+    assert samples["verinfer_gateway_records_written_total"] == 3 and samples["verinfer_gateway_queue_depth"] == 7
+
+
+def test_token_required_beyond_loopback(db, monkeypatch):
+    token = "t0ken-for-the-dashboard-1234"
+    client = TestClient(create_app(db, token))
+    assert client.get("/").status_code == 401 and client.get("/metrics").status_code == 401
+    assert client.get("/", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert client.get("/", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+    assert client.get("/metrics", auth=("anyone", token)).status_code == 200
+    assert client.get("/health").status_code == 200
+    assert authorized(f"Bearer {token}", token) and not authorized("Basic !!!", token) and not authorized(None, token)
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
+    from verinfer.cli.main import app
+
+    url = f"sqlite:///{db.url.split('///')[1]}"
+    refused = CliRunner().invoke(app, ["dashboard", "--db", url, "--host", "0.0.0.0", "--port", "0"])
+    assert refused.exit_code == 2 and "--auth-token-env" in refused.output
+    monkeypatch.setenv("SHORT_TOKEN", "abc")
+    short = CliRunner().invoke(app, ["dashboard", "--db", url, "--host", "0.0.0.0", "--auth-token-env", "SHORT_TOKEN"])
+    assert short.exit_code == 2 and "too short" in short.output and "abc" not in short.output
+    bad_db = CliRunner().invoke(app, ["dashboard", "--db", "mysql://x/y"])
+    assert bad_db.exit_code == 2 and "unsupported database" in bad_db.output
+
+
+@contextmanager
+def receiver(fail_first: int = 0):
+    """A local webhook receiver answering 503 to its first ``fail_first`` posts."""
+    app, got, tries = FastAPI(), [], []
+
+    @app.post("/hook")
+    async def hook(request: Request):
+        tries.append(1)
+        if len(tries) <= fail_first:
+            return Response(status_code=503)
+        got.append(await request.json())
+        return {"ok": True}
+
+    with asgi_in_thread(app, "/hook") as url:
+        yield url, got, tries
+
+
+def test_alerts_once_per_change_retried_and_remembered(db, tmp_path):
+    engine, state = views.read_engine(db), tmp_path / "alerts.json"
+    with receiver(fail_first=2) as (url, got, tries):
+        alerter = Alerter(engine, url, state, lambda i: f"http://dash.example/window/{i}", backoff_s=0.05)
+        assert alerter.poll() == []  # a first start takes the current verdicts, it does not alert on history
+        with db.transaction() as s:
+            add_window(s, "acme", len(ACME), "INCONSISTENT")
+            add_window(s, "newcomer", 0, "INCONSISTENT")
+        found = alerter.poll()
+        assert {(a["provider"], a["previous"], a["verdict"]) for a in found} == {
+            ("acme", "CONSISTENT", "INCONSISTENT"), ("newcomer", None, "INCONSISTENT")}
+        assert alerter.poll() == []  # nothing new: nothing sent again
+        assert alerter.wait_idle(60)
+        alerter.close()
+        assert len(got) == 2 and len(tries) == 4  # two 503s retried with backoff, then both delivered
+        body = next(a for a in got if a["provider"] == "acme")
+        assert body["p_value"] == 1e-4 and body["window"]["start"] == "2026-03-01T13:00:00Z"
+        assert body["link"] == f"http://dash.example/window/{body['window']['id']}" and body["model"] == "smollm2-135m"
+        assert json.loads(state.read_text())["pending"] == []
+
+        again = Alerter(engine, url, state, lambda i: f"http://dash.example/window/{i}")  # a restart
+        assert again.poll() == []
+        with db.transaction() as s:
+            add_window(s, "acme", len(ACME) + 1, "CONSISTENT")
+        assert [(a["previous"], a["verdict"]) for a in again.poll()] == [("INCONSISTENT", "CONSISTENT")]
+        assert again.wait_idle(60)
+        again.close()
+        assert len(got) == 3
+
+
+def test_alerts_never_block_the_poll_and_survive_an_unreachable_receiver(db, tmp_path):
+    from verinfer.serve.runner import bind
+
+    sock = bind("127.0.0.1", 0)  # a port nobody answers on
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}/hook"
+    sock.close()
+    state = tmp_path / "alerts.json"
+    alerter = Alerter(views.read_engine(db), url, state, str, retries=3, backoff_s=0.01)
+    alerter.poll()
+    with db.transaction() as s:
+        add_window(s, "acme", len(ACME), "INCONSISTENT")
+    assert len(alerter.poll()) == 1  # returns at once; delivery is the sender thread's
+    assert alerter.wait_idle(60)
+    alerter.close()
+    assert alerter.failed == 1 and len(json.loads(state.read_text())["pending"]) == 1  # kept for a restart
+
+
+def test_verdict_changes_and_bands():
+    pts = [views.Point(i, T0, T0, 1, 10, 1.0, 0.0, v, None, None, None) for i, v in
+           enumerate([None, "CONSISTENT", None, "INCONSISTENT", "INCONSISTENT", "CONSISTENT"])]
+    views.mark_changes(pts)
+    assert [p.changed for p in pts] == [False, False, False, True, False, True]
+    views.mark_changes(pts, before="INCONSISTENT")
+    assert pts[1].changed
+    band = views.band_at("bands bands-smollm2-135m-greedy.json", 400)
+    assert band.margin is None and 0.5 < band.exact[0] < band.exact[1] <= 1.0 and "400 tokens" in band.text
+    wider = views.band_at("bands bands-smollm2-135m-greedy.json", 50)
+    assert wider.exact[1] - wider.exact[0] > band.exact[1] - band.exact[0]  # fewer tokens, a wider honest range
+    gone = views.band_at("calibration /nonexistent/cal.json", 100)
+    assert gone.exact is None and "not readable" in gone.text
+
+
+def test_the_gateway_serves_its_counters_at_gateway_metrics(tmp_path):
+    from verinfer.production.exchange import Recording
+    from verinfer.production.gateway import Gateway, GatewayConfig, create_app as gateway_app
+
+    g = Gateway(GatewayConfig("http://127.0.0.1:9", tmp_path, Recording("fake")), log=lambda *a, **k: None)
+    g.counters.add(requests=4, dropped=1, unrecordable=2)
+    body = TestClient(gateway_app(g)).get("/gateway/metrics")  # no lifespan: nothing proxied, nothing recorded
+    samples = {s.name: s.value for f in text_string_to_metric_families(body.text) for s in f.samples}
+    assert samples["verinfer_gateway_requests_total"] == 4 and samples["verinfer_gateway_records_dropped_total"] == 1
+    assert samples["verinfer_gateway_exchanges_unrecordable_total"] == 2
+    assert samples["verinfer_gateway_queue_depth"] == 0
