@@ -89,3 +89,37 @@ def seed_proxy(upstream: str, log_dir: Path):
                          "--port", str(port)]
     with openai_server(argv, log_dir) as url:
         yield url
+
+
+def health(client: httpx.Client) -> dict:
+    """``GET /health`` of the server ``client`` talks to (its base URL ends in ``/v1``)."""
+    return client.get(client.base_url.join("/health")).json()
+
+
+def until(client: httpx.Client, pred: Callable[[dict], bool], what: str, guard_s: float = 120) -> dict:
+    """Poll ``/health`` until ``pred`` holds; ``guard_s`` only stops a broken server from hanging the run."""
+    deadline = time.monotonic() + guard_s
+    while time.monotonic() < deadline:
+        h = health(client)
+        if pred(h):
+            return h
+        time.sleep(0.02)
+    raise AssertionError(f"server never reached: {what}; last /health: {h}")
+
+
+def open_request(url: str, path: str, body: dict, headers: dict | None = None,
+                 rcvbuf: int | None = None) -> socket.socket:
+    """Send a request on a raw socket and return it unread (closing it is a client disconnect);
+    ``rcvbuf`` sets the socket's receive buffer (a client that reads nothing fills it)."""
+    import json
+
+    u = httpx.URL(url)
+    data = json.dumps(body).encode()
+    sock = socket.socket()
+    if rcvbuf:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.connect((u.host, u.port))
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    sock.sendall(f"POST {u.path}{path} HTTP/1.1\r\nHost: {u.host}\r\nContent-Type: application/json\r\n{extra}"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
-import socket
 import threading
-import time
 
 import pytest
 import torch
@@ -29,6 +27,7 @@ from schemathesis.generation import GenerationMode  # noqa: E402
 import verinfer.serve.batch as batch_module  # noqa: E402
 import verinfer.serve.jobs as jobs_module  # noqa: E402
 from verinfer.serve import ServeConfig, serve_in_thread  # noqa: E402
+from tests.audit_servers import health as _health, open_request as _open_request, until  # noqa: E402
 
 GATE_SEED = 777_000
 POISON_SEED = 666_000
@@ -42,18 +41,8 @@ def _root(url: str) -> str:
     return url.removesuffix("/v1")
 
 
-def _health(client: httpx.Client) -> dict:
-    return client.get(client.base_url.join("/health")).json()
-
-
 def _until(client: httpx.Client, pred, what: str) -> dict:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while time.monotonic() < deadline:
-        h = _health(client)
-        if pred(h):
-            return h
-        time.sleep(0.02)
-    raise AssertionError(f"server never reached: {what}; last /health: {h}")
+    return until(client, pred, what, HANG_GUARD_S)
 
 
 def _body(prompt, max_tokens=4, seed=1, **extra) -> dict:
@@ -94,16 +83,6 @@ class Gate:
 
     def seeds(self) -> list[list[int]]:
         return [[s for s, _ in step] for step in self.steps]
-
-
-def _open_request(url: str, path: str, body: dict) -> socket.socket:
-    """Send a request on a raw socket and return it unread (closing it is a client disconnect)."""
-    u = httpx.URL(url)
-    data = json.dumps(body).encode()
-    sock = socket.create_connection((u.host, u.port))
-    sock.sendall(f"POST {u.path}{path} HTTP/1.1\r\nHost: {u.host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
 
 
 # -- schema fuzzing ------------------------------------------------------------------------------

@@ -7,9 +7,7 @@ short one, a client that stops reading a stream is dropped, and a retried reques
 
 from __future__ import annotations
 
-import json
 import socket
-import time
 
 import httpx
 import pytest
@@ -18,40 +16,16 @@ from verinfer.sampling.params import SamplingParams
 from verinfer.scoring.traces import score_traces
 from verinfer.serve import ServeConfig, serve_in_thread
 from verinfer.trace import Trace
+from tests.audit_servers import health as _health, open_request as _open_request, until
 
 HANG_GUARD_S = 300
+
+
+def _until(client, pred, what: str) -> dict:
+    return until(client, pred, what, HANG_GUARD_S)
 SPEC = "layers:24:2"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def _health(client: httpx.Client) -> dict:
-    return client.get(client.base_url.join("/health")).json()
-
-
-def _until(client: httpx.Client, pred, what: str) -> dict:
-    deadline = time.monotonic() + HANG_GUARD_S
-    while time.monotonic() < deadline:
-        h = _health(client)
-        if pred(h):
-            return h
-        time.sleep(0.02)
-    raise AssertionError(f"server never reached: {what}; last /health: {h}")
-
-
-def _open_request(url: str, path: str, body: dict, headers: dict | None = None,
-                  rcvbuf: int | None = None) -> socket.socket:
-    """Send a request on a raw socket and return it unread (closing it is a client disconnect)."""
-    u = httpx.URL(url)
-    data = json.dumps(body).encode()
-    sock = socket.socket()
-    if rcvbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.connect((u.host, u.port))
-    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-    sock.sendall(f"POST {u.path}{path} HTTP/1.1\r\nHost: {u.host}\r\nContent-Type: application/json\r\n{extra}"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
 
 
 def _traces(choices: list[dict], model: str) -> list[Trace]:
