@@ -305,6 +305,7 @@ def _register_subcommands() -> None:
     app.command(name="experiment")(_friendly(__import__("verinfer.cli.experiment", fromlist=["x"]).experiment))
     app.command(name="serve")(__import__("verinfer.cli.serve", fromlist=["serve"]).serve)
     app.command(name="gateway")(__import__("verinfer.cli.gateway", fromlist=["gateway"]).gateway)
+    app.command(name="monitor")(__import__("verinfer.cli.monitor", fromlist=["monitor"]).monitor)
     app.command(name="dashboard")(__import__("verinfer.cli.dashboard", fromlist=["dashboard"]).dashboard)
     app.add_typer(__import__("verinfer.cli.audit", fromlist=["app"]).app, name="audit", help="Audit OpenAI-compatible providers over HTTP")
 

@@ -1,0 +1,104 @@
+"""``verinfer monitor DIR --db URL``: verify a trace directory shard by shard into the verification
+history (``verinfer.production.monitor``), once (``--once``) or until SIGTERM / Ctrl-C.
+
+Logs are JSON lines on stderr (one per event: verified, failed, dropped, audit). Exit codes with
+``--once``: 0 recorded, 1 a window this run touched is INCONSISTENT, 2 bad input (a database that
+cannot be opened, a missing directory) or a shard that could not be verified (recorded as failed).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from verinfer.cli import options as opt
+from verinfer.cli.errors import one_line_errors
+
+
+def _event(event: str, fields: dict) -> None:
+    """One JSON line per event on stderr (structured logs for the operator's collector)."""
+    line = {"ts": dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds"), "event": event, **fields}
+    print(json.dumps(line, default=str), file=sys.stderr, flush=True)
+
+
+@one_line_errors
+def monitor(
+    directory: Path = typer.Argument(..., metavar="DIR", help="directory the gateway writes trace shards into"),
+    db: str = typer.Option(..., "--db", help="sqlite:///PATH (embedded) or postgresql://USER[:PASS]@HOST[:PORT]/DB"),
+    once: bool = typer.Option(False, "--once", help="verify what is there, record it, exit"),
+    ray: bool = typer.Option(False, "--ray", help="verify shards on a local Ray cluster (verinfer.sharded.run_ray)"),
+    workers: Optional[int] = typer.Option(None, help="--ray: model replicas (default: one per CPU)"),
+    calibration: Optional[Path] = typer.Option(None, help="calibration file from `verinfer calibrate`; without "
+                                               "it: the shipped bands where they fit, else recorded uncalibrated"),
+    window: str = typer.Option("10m", help="window length of the per-window verdicts (e.g. 90s, 10m, 1h)"),
+    poll: float = typer.Option(10.0, help="seconds between directory scans"),
+    model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
+    dtype: str = opt.dtype("float32", "verifier compute dtype"),
+    device: str = opt.device(),
+    threads: Optional[int] = typer.Option(None, help="torch threads of the in-process verifier"),
+    out_dir: Optional[Path] = typer.Option(None, help="per-token scores per shard (default: DIR.verinfer)"),
+    lease: float = typer.Option(120.0, help="seconds a claim holds without renewal before another monitor "
+                                "may take the shard (renewed every third of it while verifying)"),
+    alpha: float = opt.fpr(),
+    audits: Optional[Path] = typer.Option(None, help="providers file (JSON list of {name, url, model?, "
+                                          "api_key_env?}) to audit on a schedule into the same database"),
+    every: str = typer.Option("60", help="--audits: interval (a bare number is minutes; or 30m, 2h)"),
+    audit_mode: str = typer.Option("greedy", help="--audits: audit mode (verinfer audit run --mode)"),
+    audit_n: int = typer.Option(16, help="--audits: prompts per provider"),
+):
+    """Verify each new trace shard in DIR exactly once and record per-shard and per-window verdicts."""
+    from verinfer.production.monitor import AuditSchedule, Judge, Monitor, parse_duration
+    from verinfer.production.store import open_store, shown
+    from verinfer.stats.calibration import Calibrator
+
+    if not directory.is_dir():
+        raise ValueError(f"{directory}: no such directory")
+    window_s = parse_duration(window)
+    if poll <= 0 or lease <= 0:
+        raise ValueError("--poll and --lease must be positive")
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"--fpr must be in (0, 1), got {alpha}")
+    calibrator = Calibrator.load(calibration) if calibration else None
+    schedule = None
+    if audits is not None:
+        if not audits.is_file():
+            raise ValueError(f"--audits {audits}: no such file")
+        schedule = AuditSchedule(audits, parse_duration(every, "--every", unit="m"),
+                                 (out_dir or Path(f"{directory.resolve()}.verinfer")) / "audits",
+                                 {"mode": audit_mode, "n": audit_n, "fpr": alpha, "model": model})
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+    store = open_store(db)
+    mon = Monitor(directory, store, out_dir=out_dir, judge=Judge(calibrator, str(calibration or ""), alpha),
+                  window_s=window_s, model=model, dtype=dtype, device=device, lease_s=lease, use_ray=ray,
+                  workers=workers, on_event=_event)
+    _event("start", {"directory": str(mon.directory), "db": shown(db), "owner": mon.owner, "window_s": window_s,
+                     "scores": str(mon.out_dir), "once": once, "ray": ray})
+    try:
+        if once:
+            if schedule is not None:
+                schedule.maybe_run(store, mon.owner)
+            outcome = mon.run_once()
+            _event("done", {"found": outcome.found, "verified": len(outcome.verified),
+                            "failed": len(outcome.failed), "dropped": len(outcome.dropped)})
+            if "INCONSISTENT" in outcome.verdicts:
+                raise typer.Exit(1)
+            if outcome.failed:
+                raise typer.Exit(2)
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: mon.stop.set())
+        mon.run(poll, audits=schedule)
+        _event("stopped", {"owner": mon.owner})
+    finally:
+        store.close()

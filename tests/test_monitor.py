@@ -1,0 +1,311 @@
+"""``verinfer monitor``: shards verified through the one scoring path into SQLite and a real
+PostgreSQL, windows recomputed from all their shards, calibrated and uncalibrated verdicts, failed
+shards recorded, scheduled audits; exactly once under restart, kill -9 and two monitors (real
+processes), and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sqlalchemy import create_engine, text
+from typer.testing import CliRunner
+
+from tests.audit_servers import free_port
+from tests.postgres_server import db_url, postgres_server  # noqa: F401 - fixtures
+from verinfer import api
+from verinfer.production.monitor import Judge, Monitor, parse_duration, window_start
+from verinfer.production.store import database_url, open_store
+from verinfer.stats.calibration import Calibrator
+from verinfer.stats.summary import token_statistics
+from verinfer.trace import Trace, write_traces
+
+T0 = dt.datetime(2026, 3, 1, 12, 0, 0)
+
+
+def timed(traces: list[Trace], provider: str, start: dt.datetime, step_s: float) -> list[Trace]:
+    """Copies of ``traces`` from ``provider`` with request times ``start + i * step_s`` (as the gateway writes)."""
+    return [Trace(**{**t.__dict__, "provider": provider,
+                     "meta": {"request_time": (start + dt.timedelta(seconds=i * step_s)).isoformat() + "Z"}})
+            for i, t in enumerate(traces)]
+
+
+def query(url: str, sql: str) -> list[tuple]:
+    engine = create_engine(database_url(url))
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(text(sql))]
+    finally:
+        engine.dispose()
+
+
+@pytest.fixture(scope="module")
+def honest(backend):
+    return api.generate("chitchat", n=12, max_tokens=12, seed=1000, backend=backend)
+
+
+@pytest.fixture(scope="module")
+def calibration(backend, tmp_path_factory):
+    """A calibration on separate honest traces (128 tokens: batches of 1 token at 1% FPR)."""
+    cal = api.generate("chitchat", n=8, max_tokens=16, seed=7000, backend=backend)
+    out = tmp_path_factory.mktemp("cal") / "calibration.json"
+    api.calibrate(api.verify(cal, backend=backend), batch_sizes=(1,), out=out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def wrong_seed(backend, honest):
+    """Traces sampled with other seeds that claim the honest ones (what the seed proxy does)."""
+    other = api.generate("chitchat", n=6, max_tokens=12, seed=9000, backend=backend)
+    return [Trace(**{**t.__dict__, "id": f"wrong-{i}", "sampling": t.sampling.with_(seed=h.sampling.seed)})
+            for i, (t, h) in enumerate(zip(other, honest))]
+
+
+def window_rows(url: str) -> list[tuple]:
+    return query(url, "SELECT provider, start_time, traces, tokens, shards, exact_match_rate, mean_margin, verdict, "
+                      "p_value, tokens_needed, first_flagged FROM windows ORDER BY provider, start_time")
+
+
+def test_durations_and_buckets():
+    assert [parse_duration(x) for x in ("90s", "10m", "1h", "2d", "45")] == [90, 600, 3600, 172800, 45]
+    assert parse_duration("30", unit="m") == 1800
+    for bad in ("0m", "ten minutes", "-5m", "5w"):
+        with pytest.raises(ValueError, match="positive duration"):
+            parse_duration(bad)
+    assert window_start(dt.datetime(2026, 3, 1, 12, 9, 59), 600) == dt.datetime(2026, 3, 1, 12, 0)
+    assert window_start(dt.datetime(2026, 3, 1, 12, 10, 0), 600) == dt.datetime(2026, 3, 1, 12, 10)
+
+
+def test_every_shard_and_window_recorded_once(db_url, backend, honest, tmp_path):
+    """Three shards, one window fed by two of them: every trace in exactly one window, each window's
+    statistics those of `verify` over its traces, and a second pass (or a restarted monitor) adds nothing."""
+    d = tmp_path / "traces"
+    a, b, c = timed(honest[:4], "acme", T0, 10), timed(honest[4:8], "acme", T0 + dt.timedelta(seconds=40), 10), \
+        timed(honest[8:], "other", T0, 30)
+    write_traces(a, d / "a.parquet")
+    write_traces(b, d / "b.parquet")
+    write_traces(c, d / "c.jsonl")
+    (d / "d.parquet.tmp").write_text("a shard still being written: never read")
+    store = open_store(db_url)
+    first = Monitor(d, store, window_s=60, backend=backend).run_once()
+    assert first.found == 3 and len(first.verified) == 3 and not first.failed
+    total = sum(len(t.output_token_ids) for t in honest)
+    assert query(db_url, "SELECT SUM(tokens), COUNT(*) FROM shards WHERE status = 'done'") == [(total, 3)]
+    assert query(db_url, "SELECT COUNT(*), COUNT(DISTINCT trace_id), SUM(tokens) FROM window_traces") == \
+        [(12, 12, total)]
+    rows = window_rows(db_url)
+    assert sum(r[3] for r in rows) == total
+    # acme: T0+0..30 s and T0+40, 50 in the first minute, T0+60, 70 in the second; other: 0, 30 | 60, 90
+    by_key = {(r[0], r[1] if isinstance(r[1], dt.datetime) else dt.datetime.fromisoformat(r[1])): r for r in rows}
+    assert {k: (r[2], r[4]) for k, r in by_key.items()} == {
+        ("acme", T0): (6, 2), ("acme", T0 + dt.timedelta(minutes=1)): (2, 1),
+        ("other", T0): (2, 1), ("other", T0 + dt.timedelta(minutes=1)): (2, 1)}
+    expected = token_statistics(api.verify(a + b[:2], backend=backend).columns)
+    got = by_key[("acme", T0)]
+    assert got[3] == expected["tokens"]
+    assert got[5] == pytest.approx(expected["exact_match_rate"]) and got[6] == pytest.approx(expected["mean_margin"])
+    assert all(r[7] is None for r in rows)  # sampled traffic, no calibration, no shipped bands: no verdict ...
+    notes = query(db_url, "SELECT DISTINCT note FROM windows")
+    assert len(notes) == 1 and notes[0][0].startswith("uncalibrated")  # ... and the record says so
+    assert query(db_url, "SELECT computed FROM windows WHERE shards = 2") == [(2,)]  # recomputed when b arrived
+
+    again = Monitor(d, store, window_s=60, backend=backend).run_once()  # a restarted monitor
+    assert again.found == 0 and again.verified == []
+    assert window_rows(db_url) == rows
+    assert len(list((tmp_path / "traces.verinfer").glob("*.scores.parquet"))) == 3  # per-token scores beside
+    store.close()
+
+
+def test_calibrated_windows_flag_the_wrong_seed_whatever_the_shard_order(db_url, backend, honest, wrong_seed,
+                                                                          calibration, tmp_path):
+    """Honest traffic CONSISTENT, a later wrong-seed window INCONSISTENT with its first flagged trace;
+    the shard's verdict is `verify --calibration`'s; a late honest shard into the flagged window
+    recomputes it over all its tokens, the same as when the shards come in the other order."""
+    judge_file = calibration
+    shards = {"honest": timed(honest[:6], "acme", T0, 20),
+              "wrong": timed(wrong_seed, "acme", T0 + dt.timedelta(minutes=10), 20),
+              "late": timed(honest[6:], "acme", T0 + dt.timedelta(minutes=10, seconds=5), 20)}
+    results = []
+    for order, url in ((("honest", "wrong", "late"), db_url),
+                       (("late", "wrong", "honest"), f"sqlite:///{tmp_path}/reversed.db")):
+        d = tmp_path / f"traces-{order[0]}"
+        d.mkdir()
+        store = open_store(url)
+        mon = Monitor(d, store, window_s=600, backend=backend, judge=Judge(Calibrator.load(judge_file), "cal.json"))
+        for name in order:
+            write_traces(shards[name], d / f"{name}.parquet")
+            assert len(mon.run_once().verified) == 1
+        results.append(window_rows(url))
+        if url == db_url:
+            shard_rows = dict(query(url, "SELECT s.path, r.p_value FROM shard_results r JOIN shards s "
+                                         "ON s.id = r.shard_id"))
+            wrong_path = str((d / "wrong.parquet").resolve())
+            direct = api.verify(d / "wrong.parquet", backend=backend, calibration=judge_file,
+                                scores=tmp_path / "direct.scores.parquet")
+            assert direct.verdict.label == "INCONSISTENT"
+            assert shard_rows[wrong_path] == pytest.approx(direct.verdict.p_value)
+        store.close()
+    rows = results[0]
+    assert [r[7] for r in rows] == ["CONSISTENT", "INCONSISTENT"]
+    flagged = rows[1]
+    assert flagged[4] == 2 and flagged[2] == len(wrong_seed) + len(honest[6:])
+    assert flagged[10] in {t.id for t in wrong_seed} and flagged[9] is not None and flagged[8] < 0.01
+    assert rows[0][10] is None
+    normalize = lambda rs: [tuple(round(x, 12) if isinstance(x, float) else x for x in r[2:]) for r in rs]  # noqa: E731
+    assert normalize(results[1]) == normalize(rows)  # same tokens, verdicts and p-values in either order
+
+
+def test_greedy_traffic_of_the_bundled_model_is_judged_by_the_shipped_bands(backend, tmp_path):
+    traces = api.generate("chitchat", n=4, max_tokens=12, profile="greedy", backend=backend)
+    write_traces(timed(traces, "acme", T0, 1), tmp_path / "t" / "g.jsonl")
+    store = open_store(f"sqlite:///{tmp_path}/h.db")
+    Monitor(tmp_path / "t", store, backend=backend).run_once()
+    [(verdict, judged_by, note)] = query(f"sqlite:///{tmp_path}/h.db", "SELECT verdict, judged_by, note FROM windows")
+    assert verdict == "CONSISTENT" and judged_by == "bands bands-smollm2-135m-greedy.json"
+    assert note.startswith("CONSISTENT") and "resembles reference (fp32)" in note
+    store.close()
+
+
+def test_a_malformed_shard_is_recorded_failed_and_the_monitor_goes_on(backend, honest, tmp_path):
+    d = tmp_path / "traces"
+    write_traces(timed(honest[:2], "acme", T0, 1), d / "good.jsonl")
+    lines = [json.dumps(t.to_dict()) for t in timed(honest[2:4], "acme", T0, 1)]
+    (d / "bad.jsonl").write_text(lines[0] + "\n" + lines[1].replace('"output_token_ids": [', '"output_token_ids": ["x", ')
+                                 + "\n")
+    url = f"sqlite:///{tmp_path}/h.db"
+    result = CliRunner().invoke(_app(), ["monitor", str(d), "--db", url, "--once", "--threads", "1"])
+    assert result.exit_code == 2, result.output
+    rows = dict(query(url, "SELECT path, status || ': ' || COALESCE(error, '') FROM shards"))
+    assert rows[str((d / "good.jsonl").resolve())] == "done: "
+    bad = rows[str((d / "bad.jsonl").resolve())]
+    assert bad.startswith("failed: ") and "bad.jsonl:2 (id " in bad and "output_token_ids" in bad
+    assert "\n" not in bad
+    events = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    assert [e["event"] for e in events if e["event"] in ("verified", "failed")] == ["failed", "verified"]
+    again = CliRunner().invoke(_app(), ["monitor", str(d), "--db", url, "--once"])  # not retried: same bytes
+    assert again.exit_code == 0 and query(url, "SELECT COUNT(*) FROM shards") == [(2,)]
+
+
+def _app():
+    from verinfer.cli.main import app
+
+    return app
+
+
+def test_bad_database_and_directory_are_one_line_exit_2(tmp_path):
+    (tmp_path / "t").mkdir()
+    port = free_port()
+    for args, fragment in (
+            (["monitor", str(tmp_path / "t"), "--db", f"postgresql://u:hunter2@127.0.0.1:{port}/x"],
+             "cannot open the database"),
+            (["monitor", str(tmp_path / "t"), "--db", "mysql://h/x"], "unsupported database"),
+            (["monitor", str(tmp_path / "nope"), "--db", f"sqlite:///{tmp_path}/h.db"], "no such directory"),
+            (["monitor", str(tmp_path / "t"), "--db", f"sqlite:///{tmp_path}/h.db", "--window", "soon"], "--window")):
+        result = CliRunner().invoke(_app(), args)
+        assert result.exit_code == 2, result.output
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and fragment in lines[0] and "hunter2" not in result.stderr, result.stderr
+
+
+def test_scheduled_audit_lands_in_the_same_database_once_per_slot(backend, tmp_path, one_torch_thread):
+    from verinfer.production.monitor import AuditSchedule
+    from verinfer.serve import ServeConfig, serve_in_thread
+
+    url = f"sqlite:///{tmp_path}/h.db"
+    store = open_store(url)
+    with serve_in_thread(backend, ServeConfig()) as base:
+        providers = tmp_path / "providers.json"
+        providers.write_text(json.dumps([{"name": "acme", "url": base}]))
+        schedule = AuditSchedule(providers, 3600, tmp_path / "audits",
+                                 {"mode": "greedy", "n": 3, "max_tokens": 12, "backend": backend})
+        now = dt.datetime(2026, 3, 1, 12, 30)
+        run = schedule.maybe_run(store, "me", now)
+        assert run is not None
+        assert schedule.maybe_run(store, "another monitor", now + dt.timedelta(minutes=5)) is None  # same slot
+    [(status, slot)] = query(url, "SELECT status, slot FROM audit_runs")
+    assert status == "done" and str(slot).startswith("2026-03-01 12:00:00")
+    [(provider, verdict, tokens, judged_by)] = query(url, "SELECT provider, verdict, tokens, judged_by FROM audits")
+    assert provider == "acme" and verdict == "CONSISTENT" and tokens > 0 and judged_by.startswith("bands-")
+    store.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# exactly once with real processes
+
+
+def _monitor_process(directory: Path, url: str, *extra: str, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "verinfer.cli", "monitor", str(directory), "--db", url,
+                             "--threads", "1", "--window", "60", *extra],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env)
+
+
+def _write_shards(traces: list[Trace], d: Path, n: int) -> int:
+    for i, part in enumerate(np.array_split(np.arange(len(traces)), n)):
+        write_traces([traces[j] for j in part], d / f"shard{i:02d}.parquet")
+    return sum(len(t.output_token_ids) for t in traces)
+
+
+def _exactly_once(url: str, shards: int, traces: int, tokens: int) -> None:
+    assert query(url, "SELECT status, COUNT(*), SUM(tokens) FROM shards GROUP BY status") == [("done", shards, tokens)]
+    assert query(url, "SELECT COUNT(*), COUNT(DISTINCT trace_id) FROM window_traces") == [(traces, traces)]
+    assert query(url, "SELECT SUM(tokens), SUM(traces) FROM windows") == [(tokens, traces)]
+    assert query(url, "SELECT COUNT(*) FROM shard_results") == [(shards,)]
+
+
+def test_kill_9_mid_shard_then_a_restart_loses_and_doubles_nothing(db_url, honest, tmp_path):
+    """A monitor killed (SIGKILL) while it holds its second shard, after recording the first: the
+    restarted monitor leaves the first alone, takes the second over once its lease expires, and
+    verifies the third; every shard, trace and token is counted once."""
+    d = tmp_path / "traces"
+    tokens = _write_shards(timed(honest, "acme", T0, 7), d, 3)
+    killed = _monitor_process(d, db_url, "--lease", "3", "--poll", "0.5", log=tmp_path / "killed.log")
+    engine = create_engine(database_url(db_url))
+    deadline = time.monotonic() + 300  # a hang guard, not a timing claim
+    state: list[tuple] = []
+    with engine.connect() as conn:
+        while time.monotonic() < deadline and killed.poll() is None:
+            try:
+                state = [tuple(r) for r in conn.execute(text("SELECT id, status FROM shards ORDER BY id"))]
+                conn.rollback()
+            except Exception:  # noqa: BLE001 - the schema may not exist yet
+                conn.rollback()
+            if [s for _, s in state[:2]] == ["done", "claimed"]:
+                break
+            time.sleep(0.02)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    engine.dispose()
+    assert [s for _, s in state[:2]] == ["done", "claimed"], (state, (tmp_path / "killed.log").read_text())
+    first, second = state[0][0], state[1][0]
+    # killed mid-shard: the second shard is still claimed by the dead monitor, with nothing recorded for it
+    assert query(db_url, f"SELECT status FROM shards WHERE id = {second}") == [("claimed",)]
+    assert query(db_url, f"SELECT COUNT(*) FROM window_traces WHERE shard_id = {second}") == [(0,)]
+    before = query(db_url, f"SELECT finished_at, owner FROM shards WHERE id = {first}")
+    time.sleep(3.5)  # the killed monitor's lease expires
+    p = _monitor_process(d, db_url, "--once", log=tmp_path / "restart.log")
+    assert p.wait(timeout=600) == 0, (tmp_path / "restart.log").read_text()
+    _exactly_once(db_url, 3, len(honest), tokens)
+    assert query(db_url, f"SELECT finished_at, owner FROM shards WHERE id = {first}") == before  # left alone
+    assert query(db_url, f"SELECT attempts FROM shards WHERE id = {second}") == [(2,)]  # taken over once
+    events = [json.loads(line) for line in (tmp_path / "restart.log").read_text().splitlines() if line.startswith("{")]
+    assert [e for e in events if e["event"] == "done"][0]["verified"] == 2
+
+
+def test_two_monitors_on_one_directory_count_each_shard_once(db_url, honest, tmp_path):
+    d = tmp_path / "traces"
+    tokens = _write_shards(timed(honest, "acme", T0, 11), d, 6)
+    procs = [_monitor_process(d, db_url, "--once", log=tmp_path / f"m{i}.log") for i in range(2)]
+    for i, p in enumerate(procs):
+        assert p.wait(timeout=600) == 0, (tmp_path / f"m{i}.log").read_text()
+    _exactly_once(db_url, 6, len(honest), tokens)
+    owners = {o.rsplit(":", 1)[0] for (o,) in query(db_url, "SELECT owner FROM shards")}
+    assert owners <= {f"{os.uname().nodename}:{p.pid}" for p in procs}
