@@ -1,8 +1,8 @@
 """What ``verinfer gateway`` costs a client: throughput and latency through the gateway against the same
 engine directly, side by side in one run, streaming and not; and the gateway's memory over a long run.
 
-Usage: python benchmarks/gateway_overhead.py [--engines fake,serve,vllm] [--requests 48] [--rounds 3]
-       [--concurrency 4] [--max-tokens 8] [--memory-requests 300]
+Usage: python benchmarks/gateway_overhead.py [--engines fake,serve,vllm] [--requests 48] [--engine-requests 16]
+       [--rounds 3] [--concurrency 4] [--max-tokens 8] [--memory-requests 300]
 
 Engines (each its own process, started here on loopback): ``fake`` (an instant engine with vLLM's
 response shapes, so the gateway's own cost is not hidden behind decoding), ``serve`` (``verinfer
@@ -11,8 +11,9 @@ serve`` on the bundled model, one torch thread) and ``vllm`` (vLLM's CPU build, 
 (``verinfer gateway --assign-seeds --model smollm2-135m``, recording into a temporary directory).
 
 (a) Per engine and mode (``stream: false`` / ``true``): ``--rounds`` rounds, each sending ``--requests``
-    seeded chat requests (``--max-tokens`` tokens, ``--concurrency`` at a time, ``openai``-style bodies
-    through ``httpx``) directly and through the gateway, the order alternating per round. Printed:
+    (fake engine) or ``--engine-requests`` (real engines, which decode) seeded chat requests
+    (``--max-tokens`` tokens, ``--concurrency`` at a time, ``openai``-style bodies through ``httpx``)
+    directly and through the gateway, the order alternating per round. Printed:
     requests per second for each side (all rounds' requests over all rounds' wall time), the
     throughput lost (1 - gateway / direct), p50 and p99 latency (time to the whole answer; for a
     stream to ``[DONE]``) and the p50 added. Goals (issue #26): at most 3% throughput lost and 2 ms
@@ -203,7 +204,8 @@ def compare(name: str, direct: str, gateway: str, gateway_pid: int, args) -> lis
             order = ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")
             for side in order:
                 before = cpu_s(gateway_pid)
-                wall, lat = asyncio.run(load(direct if side == "direct" else gateway, args.requests,
+                wall, lat = asyncio.run(load(direct if side == "direct" else gateway,
+                                             args.requests if name == "fake" else args.engine_requests,
                                              args.concurrency, stream, args.max_tokens, 1000 * (r + 1)))
                 sides[side] = (sides[side][0] + lat, sides[side][1] + wall)
                 if side == "gateway":
@@ -253,6 +255,7 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--engines", default=None, help="comma-separated: fake, serve, vllm (default: all available)")
     ap.add_argument("--requests", type=int, default=48, help="requests per side per round")
+    ap.add_argument("--engine-requests", type=int, default=16, help="the same for serve and vllm")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -285,7 +288,8 @@ def main() -> None:
     lines = ["# gateway_overhead", "", f"Command: `{command.strip()}`  ",
              f"Date: {started:%Y-%m-%d %H:%M} UTC  ", f"Machine: {describe(1)}  ",
              f"Load average at start {load_avg[0]:.2f}, at end {os.getloadavg()[0]:.2f}  ",
-             f"Per side: {args.rounds} rounds x {args.requests} seeded chat requests, {args.max_tokens} tokens, "
+             f"Per side: {args.rounds} rounds x {args.requests} (fake) / {args.engine_requests} (serve, vllm) seeded "
+             f"chat requests, {args.max_tokens} tokens, "
              f"concurrency {args.concurrency}; the order alternating per round.", "",
              "| engine | stream | direct req/s | gateway req/s | throughput lost (goal <= 3%) | p50 direct ms | "
              "p50 gateway ms | p50 added ms (goal <= 2) | p99 direct ms | p99 gateway ms | gateway CPU ms/request |",
