@@ -78,7 +78,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from verinfer.commits.toploc_poly import MAX_POINTS, P, evaluate, injective_modulus, interpolate
+from verinfer.commits.toploc_poly import MAX_POINTS, P, horner, injective_modulus, interpolate
 from verinfer.commits.toploc_topk import select_topk
 
 FORMAT_VERSION = 1
@@ -191,8 +191,9 @@ def _check_layout(
     return count_chunks(n_tokens, prefill_len, decode_chunk)
 
 
-def _chunk_topk(bits: np.ndarray, prefill_len: int, decode_chunk: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k indices and their u16 bit patterns (int64) per chunk, [n_chunks, k] each, in chunk order."""
+def _chunk_groups(bits: np.ndarray, prefill_len: int, decode_chunk: int) -> list[np.ndarray]:
+    """The chunks as rows of flattened u16 patterns, in chunk order, grouped by length: the prefill
+    chunk, the full decode chunks, the decode tail (each group present only if non-empty)."""
     n_tokens = bits.shape[0]
     full_end = prefill_len + (n_tokens - prefill_len) // decode_chunk * decode_chunk
     groups = [bits[:prefill_len].reshape(1, -1)] if prefill_len else []
@@ -200,14 +201,7 @@ def _chunk_topk(bits: np.ndarray, prefill_len: int, decode_chunk: int, k: int) -
         groups.append(bits[prefill_len:full_end].reshape(-1, decode_chunk * bits.shape[1]))
     if n_tokens > full_end:
         groups.append(bits[full_end:].reshape(1, -1))
-    idx, vals = [np.empty((0, k), np.int64)], [np.empty((0, k), np.int64)]
-    for group in groups:
-        chosen = select_topk(group, k)
-        idx.append(chosen)
-        vals.append(group[np.arange(len(group))[:, None], chosen].astype(np.int64))
-    if len(groups) == 1:
-        return idx[1], vals[1]
-    return np.concatenate(idx), np.concatenate(vals)
+    return groups
 
 
 # --- proof bytes and base64 --------------------------------------------------------------------
@@ -302,10 +296,13 @@ def build_proofs(
     """Proofs (reference layout) for the prefill chunk and each decode chunk of ``hidden``."""
     bits = bf16_bits(hidden)
     _check_layout(bits.shape[0], bits.shape[1], prefill_len, decode_chunk, k, "hidden states")
-    idx, vals = _chunk_topk(bits, int(prefill_len), int(decode_chunk), int(k))
-    moduli = np.array([_modulus(row, c) for c, row in enumerate(idx)], dtype=np.int64)
-    coeffs = interpolate(idx % moduli[:, None], vals)
-    return [encode_proof(m, c) for m, c in zip(moduli, coeffs)]
+    proofs: list[bytes] = []
+    for group in _chunk_groups(bits, int(prefill_len), int(decode_chunk)):
+        idx = select_topk(group, int(k))
+        moduli = np.array([_modulus(row, len(proofs) + c) for c, row in enumerate(idx)], dtype=np.int64)
+        coeffs = interpolate(idx % moduli[:, None], group[np.arange(len(group))[:, None], idx])
+        proofs += [encode_proof(m, c) for m, c in zip(moduli, coeffs)]
+    return proofs
 
 
 def _modulus(indices: np.ndarray, chunk: int) -> int:
@@ -317,17 +314,24 @@ def _modulus(indices: np.ndarray, chunk: int) -> int:
 
 
 @njit(cache=True)
-def _statistics(claimed: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per chunk: exponent mismatches, mean and upper-middle median mantissa error, sign mismatches."""
-    n_chunks, k = claimed.shape
+def _check_chunks(
+    rows: np.ndarray, indices: np.ndarray, moduli: np.ndarray, coeffs: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per chunk (rows of own u16 patterns, own top-k indices, the proofs' moduli and coefficients):
+    exponent mismatches, mean and median mantissa error, sign mismatches of the proof's values
+    against the own patterns at the own top-k (module docstring, "Verification")."""
+    n_chunks, k = indices.shape
     exps, signs = np.zeros(n_chunks, np.int64), np.zeros(n_chunks, np.int64)
     means, medians = np.full(n_chunks, np.inf), np.full(n_chunks, np.inf)
-    counts = np.empty(0x80, np.int64)
+    xs, claimed, counts = np.empty(k), np.empty(k), np.empty(0x80, np.int64)
     for chunk in range(n_chunks):
+        for i in range(k):
+            xs[i] = indices[chunk, i] % moduli[chunk]
+        horner(coeffs[chunk], xs, claimed)
         counts[:] = 0
         total = 0
         for i in range(k):
-            a, b = claimed[chunk, i], own[chunk, i]
+            a, b = np.int64(claimed[i]), np.int64(rows[chunk, indices[chunk, i]])
             signs[chunk] += (a ^ b) >> 15 & 1
             if (a >> 7 & 0xFF) != (b >> 7 & 0xFF):
                 exps[chunk] += 1
@@ -339,21 +343,11 @@ def _statistics(claimed: np.ndarray, own: np.ndarray) -> tuple[np.ndarray, np.nd
         if matched:
             means[chunk] = total / matched
             seen, error = counts[0], 0
-            while seen <= matched // 2:  # the sorted errors' element number matched // 2
+            while seen <= matched // 2:  # element matched // 2 of the sorted errors: the upper middle
                 error += 1
                 seen += counts[error]
             medians[chunk] = error
     return exps, means, medians, signs
-
-
-def _compare(claimed: np.ndarray, own: np.ndarray, thresholds: Thresholds) -> list[ChunkCheck]:
-    """Bit-level statistics of claimed vs own u16 patterns [chunks, k] at the verifier's top-k.
-
-    The reference's C++ check (``verify_proofs`` in ``toploc/C/csrc/poly.cpp``): the median is the
-    upper middle value, ``errors[size / 2]`` of the sorted errors.
-    """
-    stats = zip(*(column.tolist() for column in _statistics(claimed, own)))
-    return [ChunkCheck(e, a, b, s, thresholds.accepts(e, a, b, s)) for e, a, b, s in stats]
 
 
 def verify_proofs(
@@ -375,9 +369,13 @@ def verify_proofs(
     if len(raws) != n_chunks:
         raise CommitError(f"toploc proofs: got {len(raws)} proofs for {n_chunks} chunks")
     moduli, coeffs = decode_proofs(raws, k)
-    idx, own = _chunk_topk(bits, int(prefill_len), int(decode_chunk), int(k))
-    claimed = evaluate(coeffs, idx % moduli[:, None])
-    return _compare(claimed, own, thresholds)
+    columns, start = [], 0
+    for group in _chunk_groups(bits, int(prefill_len), int(decode_chunk)):
+        end = start + len(group)
+        columns.append(_check_chunks(group, select_topk(group, int(k)), moduli[start:end], coeffs[start:end]))
+        start = end
+    stats = zip(*(np.concatenate(column).tolist() for column in zip(*columns))) if columns else ()
+    return [ChunkCheck(e, a, b, s, thresholds.accepts(e, a, b, s)) for e, a, b, s in stats]
 
 
 # --- envelope ----------------------------------------------------------------------------------

@@ -105,20 +105,24 @@ def interpolate(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return _interpolate(np.asarray(x, dtype=np.int64), np.asarray(y, dtype=np.int64))
 
 
+@njit(cache=True, inline="always")
+def horner(coeffs: np.ndarray, xs: np.ndarray, values: np.ndarray) -> None:
+    """values[i] = the polynomial ``coeffs`` (ascending, n >= 1) at residue xs[i], mod P (float64)."""
+    values[:] = float(coeffs[-1])
+    for d in range(coeffs.size - 2, -1, -1):
+        coeff = float(coeffs[d])
+        for i in range(xs.size):
+            values[i] = _mod(values[i] * xs[i] + coeff)
+
+
 @njit(cache=True)
 def _evaluate(coeffs: np.ndarray, x: np.ndarray) -> np.ndarray:
-    n_chunks, n = coeffs.shape
     out = np.empty(x.shape, np.int64)
     xs, values = np.empty(x.shape[1]), np.empty(x.shape[1])
-    for chunk in range(n_chunks):
+    for chunk in range(coeffs.shape[0]):
         xs[:] = x[chunk]
-        values[:] = coeffs[chunk, n - 1] if n else 0.0
-        for d in range(n - 2, -1, -1):
-            coeff = float(coeffs[chunk, d])
-            for i in range(xs.size):
-                values[i] = _mod(values[i] * xs[i] + coeff)
-        for i in range(xs.size):
-            out[chunk, i] = np.int64(values[i])
+        horner(coeffs[chunk], xs, values)
+        out[chunk] = values.astype(np.int64)
     return out
 
 

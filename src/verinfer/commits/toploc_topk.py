@@ -51,14 +51,15 @@ def _adjust_heap(values: np.ndarray, indices: np.ndarray, hole: int, length: int
 
 
 @njit(cache=True)
-def _heap_select(mags: np.ndarray, k: int) -> np.ndarray:
-    """Indices [rows, k] that libstdc++'s ``__heap_select`` keeps in the first k slots of each row."""
-    n_rows, n = mags.shape
+def _heap_select(bits: np.ndarray, k: int) -> np.ndarray:
+    """Indices [rows, k] that libstdc++'s ``__heap_select`` keeps in the first k slots of each row
+    of bf16 bit patterns, comparing magnitudes (the bits without the sign)."""
+    n_rows, n = bits.shape
     out = np.empty((n_rows, k), np.int64)
     values = np.empty(k, np.int32)
     for row in range(n_rows):
         for i in range(k):
-            values[i] = mags[row, i]
+            values[i] = bits[row, i] & 0x7FFF
             out[row, i] = i
         indices = out[row]
         if k >= 2:  # __make_heap
@@ -70,8 +71,9 @@ def _heap_select(mags: np.ndarray, k: int) -> np.ndarray:
                 parent -= 1
         smallest = values[0]
         for j in range(k, n):
-            if mags[row, j] > smallest:  # comp(pair, top): then __pop_heap(first, middle, pair)
-                _adjust_heap(values, indices, 0, k, mags[row, j], j)
+            magnitude = bits[row, j] & 0x7FFF
+            if magnitude > smallest:  # comp(pair, top): then __pop_heap(first, middle, pair)
+                _adjust_heap(values, indices, 0, k, magnitude, j)
                 smallest = values[0]
     return out
 
@@ -83,8 +85,7 @@ def select_topk(bits: np.ndarray, k: int) -> np.ndarray:
     chunk the set a call of its own gives); the order within the set is unspecified (nothing
     downstream depends on it).
     """
-    mags = bits & 0x7FFF
     if HEAP_FACTOR * k <= bits.shape[-1]:
-        return _heap_select(mags, k)
-    as_bf16 = torch.from_numpy(mags.view(np.int16)).view(torch.bfloat16)
+        return _heap_select(bits, k)
+    as_bf16 = torch.from_numpy((bits & 0x7FFF).view(np.int16)).view(torch.bfloat16)
     return torch.topk(as_bf16, k, dim=-1, sorted=False).indices.numpy()
