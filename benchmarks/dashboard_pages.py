@@ -1,14 +1,14 @@
 """Dashboard pages with 100,000 windows in the database against the same pages with 4,000.
 
-Usage: python benchmarks/dashboard_pages.py [--small 4000] [--large 100000] [--series 4] [--repeats 7]
+Usage: python benchmarks/dashboard_pages.py [--small 4000] [--large 100000] [--series 4] [--repeats 9]
 
 Two SQLite databases are filled through the store's models (``verinfer.production.store.Window``,
 migrated by Alembic as the monitor's are) with the same number of series (provider/model/profile,
 60 s windows) and seeded verdict runs (mostly CONSISTENT, INCONSISTENT runs, a few windows without a
 verdict), judged by the shipped bands so honest bands are drawn. Each page is rendered in process
 (FastAPI's TestClient: routing, queries, Jinja, SVG) ``--repeats`` times, alternating the two
-databases; printed: the median wall and CPU milliseconds per page at each size and their ratio
-(large / small). The first render of each page (cold caches: bands computed, templates compiled) is
+databases, after a ``gc.collect()`` each; printed: the median wall and CPU milliseconds per page at
+each size and their ratio (large / small). The first render of each page (cold caches: bands computed, templates compiled) is
 timed separately. Writes ``results/dashboard_pages.md``.
 
 The claim is the ratio: both sizes show the same number of points (``--small`` holds at least 500
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import os
 import statistics
 import sys
@@ -81,6 +82,7 @@ def pages(end: dt.datetime) -> dict[str, str]:
 
 
 def timed(client: TestClient, path: str) -> tuple[float, float]:
+    gc.collect()  # each render pays for its own garbage, not for what the one before left
     w, c = time.perf_counter(), time.process_time()
     resp = client.get(path)
     assert resp.status_code == 200, (path, resp.status_code, resp.text[:300])
@@ -92,7 +94,7 @@ def main() -> None:
     ap.add_argument("--small", type=int, default=4000)
     ap.add_argument("--large", type=int, default=100_000)
     ap.add_argument("--series", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
