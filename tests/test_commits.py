@@ -33,6 +33,7 @@ def test_other_rows_fail(backend):
     other = rows_for(backend, list(range(300, 380)), 20)
     check = check_commits("t", commits, other, 20)
     assert not check.toploc_passed.any()
+    assert check.error == "trace 't': toploc proof fails 3 of 3 chunks at the reference thresholds"  # exit 1
     assert check.fingerprint_l2.min() > 1.0
 
 

@@ -167,7 +167,7 @@ def test_sglang_problems():
 
 
 def test_mt19937_and_canonical_double():
-    from verinfer.sampling.inverse_cdf import canonical_doubles, mt19937_outputs
+    from verinfer.sampling.mt19937 import canonical_doubles, mt19937_outputs
 
     assert int(mt19937_outputs(5489, 10000)[-1]) == 4123659995  # the C++ standard's check value for mt19937
     o = np.array([0, 0, 2**32 - 1, 2**32 - 1, 123, 2**31], dtype=np.uint64)
@@ -192,7 +192,7 @@ def _llama_dist_reference(x: np.ndarray, u: float, top_k: int, top_p: float) -> 
 
 @pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (40, 0.95), (-1, 0.9)])
 def test_llama_cpp_inverse_cdf_replay(top_k, top_p):
-    from verinfer.sampling.inverse_cdf import canonical_doubles, mt19937_outputs
+    from verinfer.sampling.mt19937 import canonical_doubles, mt19937_outputs
 
     n, vocab, seed = 12, 400, 77
     logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(3)) * 3

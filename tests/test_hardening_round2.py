@@ -182,3 +182,175 @@ def test_cli_audit_concurrency_zero_is_one_line_and_no_directory(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "concurrency" in lines[0], proc.stderr[-2000:]
     assert not out.exists()
+
+
+# ---------------------------------------------------------------- 6-12: promises of `verinfer verify`
+
+def invoke(*args):
+    """The command line in this process (the model is loaded once per process)."""
+    from typer.testing import CliRunner
+
+    from verinfer.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def one_line(result, *fragments):
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error:"), (result.exit_code,
+                                                                                       result.output)
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def toploc_traces(backend):
+    from verinfer import api
+    from verinfer.commits.trace_commits import CommitSpec
+
+    return api.generate("chitchat", n=2, max_tokens=40, seed=5, commits=CommitSpec(toploc_k=128), backend=backend)
+
+
+def flip_two_bytes(proof: str) -> str:
+    """Two coefficient bits flipped, the proof still well-formed (every coefficient below the modulus bound)."""
+    import base64
+
+    raw = bytearray(base64.b64decode(proof))
+    for offset in range(3, len(raw), 2):  # the low byte of each big-endian u16 coefficient
+        if len([o for o in (offset, offset + 2) if int.from_bytes(raw[o - 1:o + 1], "big") ^ 1 < 65497]) == 2:
+            raw[offset] ^= 1
+            raw[offset + 2] ^= 1
+            return base64.b64encode(bytes(raw)).decode("ascii")
+    raise AssertionError("no coefficient to flip")
+
+
+def test_tampered_toploc_proofs_are_an_invalid_commitment_exit_1(toploc_traces, tmp_path):
+    from dataclasses import replace
+
+    from verinfer.trace import write_traces
+
+    honest = write_traces(toploc_traces, tmp_path / "honest.jsonl")
+    result = invoke("verify", honest)
+    assert result.exit_code == 0 and "TOPLOC: " in result.stdout, result.output
+    first = toploc_traces[0]
+    toploc = dict(first.fingerprints["toploc"])
+    toploc["proofs"] = [flip_two_bytes(toploc["proofs"][0]), *toploc["proofs"][1:]]
+    tampered = write_traces([replace(first, fingerprints={**first.fingerprints, "toploc": toploc}),
+                             *toploc_traces[1:]], tmp_path / "tampered.jsonl")
+    result = invoke("verify", tampered, "--json", tmp_path / "v.json")
+    assert result.exit_code == 1, result.output
+    assert "invalid commitment" in result.stderr and f"trace {first.id!r}" in result.stderr, result.stderr
+    assert "toploc proof fails 1 of" in result.stderr
+    summary = json.loads((tmp_path / "v.json").read_text())
+    assert summary["consistent"] is False and summary["commits"]["toploc"]["failed_traces"] == [first.id]
+
+
+@pytest.fixture(scope="module")
+def calibrated(backend, tmp_path_factory):
+    """A trace file and a calibration of it at batch sizes 1 and 2."""
+    from verinfer import api
+    from verinfer.trace import write_traces
+
+    root = tmp_path_factory.mktemp("calibrated")
+    traces = api.generate("chitchat", n=4, max_tokens=8, seed=11, backend=backend)
+    path = write_traces(traces, root / "t.jsonl")
+    api.calibrate(api.verify(traces, backend=backend), batch_sizes=(1, 2), fpr=0.2, out=root / "cal.json")
+    return path, root / "cal.json"
+
+
+def test_an_uncalibrated_batch_size_is_refused_before_anything_is_written(calibrated, tmp_path):
+    path, cal = calibrated
+    one_line(invoke("verify", path, "--calibration", cal, "--batch-size", 7, "--scores", tmp_path / "s.parquet"),
+             "cal.json", "--batch-size 7 was not calibrated (calibrated: 1, 2)")
+    assert not list(tmp_path.iterdir())
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "part0.jsonl").write_bytes(path.read_bytes())
+    one_line(invoke("verify", shards, "--calibration", cal, "--batch-size", 7), "--batch-size 7 was not calibrated")
+    assert [p.name for p in tmp_path.iterdir()] == ["shards"] and len(list(shards.iterdir())) == 1
+    result = invoke("verify", path, "--calibration", cal, "--batch-size", 2, "--scores", tmp_path / "ok.parquet")
+    assert result.exit_code == 0, result.output  # a calibrated size still works
+
+
+@pytest.mark.parametrize("size", [0, -3])
+def test_batch_size_zero_is_bad_input_not_a_verdict_at_another_size(calibrated, tmp_path, size):
+    path, cal = calibrated
+    one_line(invoke("verify", path, "--calibration", cal, "--batch-size", size, "--scores", tmp_path / "s.parquet"),
+             f"--batch-size must be a positive integer, got {size}")
+    one_line(invoke("verify", path, "--batch-size", size, "--scores", tmp_path / "s.parquet"), "--batch-size")
+    assert not list(tmp_path.iterdir())
+
+
+def commands_with_device():
+    """Every command (and subcommand) of the command line that takes --device, as argv prefixes."""
+    import typer
+
+    from verinfer.cli.main import app
+
+    found = []
+
+    def walk(command, path):
+        if hasattr(command, "commands"):  # a group
+            for name, sub in command.commands.items():
+                walk(sub, [*path, name])
+        elif any("--device" in p.opts for p in command.params):
+            found.append(path)
+
+    walk(typer.main.get_command(app), [])
+    return found
+
+
+def test_every_device_option_refuses_an_unknown_device_in_one_line(tmp_path):
+    commands = commands_with_device()
+    assert {"verify", "generate", "serve"} <= {c[0] for c in commands} and ["audit", "run"] in commands
+    for command in commands:
+        for device, phrase in (("tpu", "not a torch device"), ("cuda:99", "not available")):
+            one_line(invoke(*command, "--device", device), f"--device '{device}'", phrase)
+    assert not list(tmp_path.iterdir())
+
+
+def test_jsonl_and_parquet_traces_of_one_stem_get_their_own_scores(calibrated, tmp_path):
+    from verinfer.trace import read_traces, write_traces
+
+    jsonl = tmp_path / "t.jsonl"
+    jsonl.write_bytes(calibrated[0].read_bytes())
+    parquet = write_traces(read_traces(jsonl)[:1], tmp_path / "t.parquet")
+    assert invoke("verify", jsonl).exit_code == 0
+    first = (tmp_path / "t.scores.parquet").read_bytes()
+    assert invoke("verify", parquet).exit_code == 0
+    assert (tmp_path / "t.scores.parquet").read_bytes() == first  # not replaced by the second run
+    assert (tmp_path / "t.parquet.scores.parquet").exists()
+
+
+def test_error_messages_name_the_file_and_record(calibrated, tmp_path):
+    lines = calibrated[0].read_text().splitlines()
+    record = json.loads(lines[1])
+    lines[1] = json.dumps({**record, "id": "t\ud800x"})  # json escapes the lone surrogate as \ud800
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    one_line(invoke("verify", bad), "bad.jsonl: record 2 (id 't\\ud800x'): field 'id'", "lone surrogate")
+    one_line(invoke("verify", tmp_path / "missing.jsonl", "--scores", tmp_path / "s.parquet"),
+             "missing.jsonl: no such file")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_a_killed_sharded_runs_temporaries_do_not_survive_the_resume(calibrated, backend, tmp_path):
+    from verinfer import sharded
+    from verinfer.files import remove_stale_temporaries
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "part0.jsonl").write_bytes(calibrated[0].read_bytes())
+    out = tmp_path / "out"
+    out.mkdir()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)  # a process that has exited: its half-written files are garbage
+    stale = [out / f".part0.jsonl.scores.parquet.{dead}.tmp", out / f".part0.jsonl.done.json.{dead}.tmp"]
+    live = out / f".part0.jsonl.commits.parquet.{os.getpid()}.tmp"  # a writer still running: left alone
+    for p in (*stale, live):
+        p.write_bytes(b"PAR1 half a file")
+    result = sharded.run_local(sharded.find_shards(shards), out, backend)
+    assert result.verified == [str(shards / "part0.jsonl")] and not result.errors
+    assert not any(p.exists() for p in stale) and live.exists()
+    assert sorted(p.name for p in out.iterdir() if p.name.endswith(".tmp")) == [live.name]
+    assert remove_stale_temporaries(out / "part0.jsonl.commits.parquet") == []

@@ -6,8 +6,8 @@ functions; notebooks and services call them directly::
     import verinfer
 
     honest = verinfer.generate("chitchat", n=8, max_tokens=32, seed=1000)
-    calibration = verinfer.calibrate(verinfer.scoring(honest), batch_sizes=(8,))
-    result = verinfer.scoring(verinfer.generate("chitchat", n=8, max_tokens=32, seed=5000),
+    calibration = verinfer.calibrate(verinfer.verify(honest), batch_sizes=(8,))
+    result = verinfer.verify(verinfer.generate("chitchat", n=8, max_tokens=32, seed=5000),
                              calibration=calibration)
     print(result.verdict.text)
 
@@ -38,7 +38,7 @@ from verinfer.simulate.speculative import generate_speculative as simulate_specu
 from verinfer.stats.calibration import Calibrator, signature_mismatch
 from verinfer.stats.summary import Summary, fit_calibrator, summarize
 from verinfer.stats.verdict import Verdict
-from verinfer.trace import Trace, read_traces, write_traces
+from verinfer.trace import Trace, TraceError, read_traces, write_traces
 from verinfer.scoring.scores import commit_scores, read_commit_scores, read_scores, read_signature, signature
 from verinfer.scoring.traces import Scored, check_traces, score_traces
 
@@ -52,12 +52,57 @@ def _load(model: str, dtype: str, device: str) -> Backend:
 
 def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu") -> Backend:
     """The reference or provider model, loaded offline once per (model, dtype, device)."""
+    check_device(device)
     return _load(model, dtype, device)
+
+
+def check_device(device: str) -> None:
+    """Refuse a device torch cannot name or this machine does not have, before anything is loaded
+    (torch's own errors are a traceback listing every backend it was built for)."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r}: not a torch device (cpu, cuda, cuda:1, mps)") from None
+    if parsed.type == "cpu":
+        return
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count and (parsed.index or 0) < count:
+            return
+        have = f"{count} CUDA device(s)" if count else "no CUDA device"
+    elif parsed.type == "mps":
+        if torch.backends.mps.is_available():
+            return
+        have = "no MPS device"
+    else:
+        have = "only cpu, cuda and mps are supported"
+    raise ValueError(f"--device {device!r}: not available ({have})")
 
 
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_batch_size(batch_size: int | None, calibrator: Calibrator | None, where: str = "calibration") -> None:
+    """A verdict batch size is a positive integer the calibration was fitted at; refused before any
+    work, so a wrong one never costs a scoring pass (or a paid request) and never falls back to another."""
+    if batch_size is None:
+        return
+    _positive("--batch-size", batch_size)
+    if calibrator is not None and batch_size not in calibrator.batch_sizes:
+        raise ValueError(f"{where}: --batch-size {batch_size} was not calibrated (calibrated: "
+                         f"{', '.join(map(str, calibrator.batch_sizes))})")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,8 +184,13 @@ class VerifyResult:
 
 
 def default_outputs(traces_path: str | Path) -> tuple[Path, Path]:
-    """Where ``verify`` writes by default: ``<whole stem>.scores.parquet`` and ``.commits.parquet``."""
-    return derived_path(traces_path, ".scores.parquet"), derived_path(traces_path, ".commits.parquet")
+    """Where ``verify`` writes by default: ``<whole stem>.scores.parquet`` and ``.commits.parquet``
+    for a JSONL trace file; a trace file in any other format keeps its extension in the name
+    (``t.parquet`` -> ``t.parquet.scores.parquet``), so ``t.jsonl`` and ``t.parquet`` in one
+    directory never share (and replace) each other's outputs."""
+    keep = Path(traces_path).suffix.lower() != ".jsonl"
+    return (derived_path(traces_path, ".scores.parquet", keep_extension=keep),
+            derived_path(traces_path, ".commits.parquet", keep_extension=keep))
 
 
 def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dtype: str = "float32",
@@ -152,8 +202,9 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
     and judge with a calibration when one is given (``verinfer.stats.verdict``).
 
     ``traces`` is a trace file or a list of ``Trace``. For a file, scores go by default to
-    ``<stem>.scores.parquet`` and commit scores to ``<stem>.commits.parquet`` beside it; outputs
-    that would overwrite an input or each other are refused before any work.
+    ``<stem>.scores.parquet`` and commit scores to ``<stem>.commits.parquet`` beside it
+    (``default_outputs``); outputs that would overwrite an input or each other, a device this machine
+    lacks and a batch size the calibration was not fitted at are refused before any work.
     """
     source = str(traces) if isinstance(traces, (str, Path)) else "traces"
     if isinstance(traces, (str, Path)):
@@ -171,6 +222,11 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
     check_outputs([scores, commit_scores_out],
                   [traces if isinstance(traces, (str, Path)) else None, calibration_path])
     calibrator = Calibrator.load(calibration) if calibration_path else calibration
+    check_batch_size(batch_size, calibrator, str(calibration_path or "calibration"))
+    for n, t in enumerate(trace_list, 1):  # a lone surrogate decodes from JSON but cannot be written anywhere
+        if not _utf8(t.id):
+            raise TraceError(f"{source}: record {n} (id {ascii(t.id)}): field 'id' is not valid Unicode text "
+                             "(a lone surrogate)")
     if backend is None:
         claimed = sorted({t.model for t in trace_list})
         if model is None and len(claimed) > 1:
@@ -288,6 +344,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     if not endpoints:
         raise ValueError("no providers to audit: give at least one NAME=BASE_URL")
     calibrator = Calibrator.load(calibration) if isinstance(calibration, (str, Path)) else calibration
+    check_batch_size(batch_size, calibrator, str(calibration) if isinstance(calibration, (str, Path)) else "calibration")
     band_set = None
     if calibrator is None and not spec.seedless:  # the bands a verdict needs, found before any request is paid for
         band_set = Bands.load(bands) if bands else find_bands(backend.model_id, spec.signature())

@@ -9,6 +9,7 @@ leaves the previous file intact and never a truncated one.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -26,7 +27,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     is re-raised as an ``OutputError`` naming the destination.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # the pid tells a live writer from a killed one
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
@@ -49,14 +50,39 @@ def write_atomic(path: str | Path, data: str | bytes) -> Path:
     return path
 
 
-def derived_path(source: str | Path, suffix: str) -> Path:
-    """The default output beside ``source``: its whole name, extension dropped, plus ``suffix``.
+def derived_path(source: str | Path, suffix: str, keep_extension: bool = False) -> Path:
+    """The default output beside ``source``: its whole name, extension dropped (unless
+    ``keep_extension``), plus ``suffix``.
 
     ``run.v1.jsonl`` -> ``run.v1.scores.parquet``, so two inputs never share an output.
     """
     source = Path(source)
-    stem = source.name[: -len(source.suffix)] if source.suffix else source.name
+    stem = source.name[: -len(source.suffix)] if source.suffix and not keep_extension else source.name
     return source.with_name(stem + suffix)
+
+
+def remove_stale_temporaries(path: str | Path) -> list[Path]:
+    """Delete the temporary files ``atomic_path`` left beside ``path`` when its writer was killed
+    (its pid no longer runs on this machine); a live writer's temporary is left alone."""
+    path = Path(path)
+    removed = []
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2: -len(".tmp")]
+        if pid.isdigit() and not _running(int(pid)):
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+                removed.append(tmp)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def check_outputs(outputs: Iterable[str | Path | None], inputs: Iterable[str | Path | None]) -> None:

@@ -7,7 +7,8 @@ commits), both written atomically; then ``<shard file name>.done.json`` records 
 its summary and its verification signature. A shard whose record matches its current bytes is not
 verified again, so a run that stops (killed, out of time, a worker lost) resumes where it was; a
 shard whose file changed is verified again. Nothing is half-written: a score file without its
-record is redone.
+record is redone, and the temporary files of a run killed mid-write are removed when the next run
+starts (``files.remove_stale_temporaries``: their writer's pid no longer runs on this machine).
 
 With Ray (``run_ray``), Ray Data turns the shards to do into a dataset and maps it with an actor
 pool of model replicas (``ShardVerifier``: one per GPU when the cluster has GPUs, else one CPU
@@ -26,13 +27,13 @@ from __future__ import annotations
 import glob
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from verinfer.files import write_atomic
+from verinfer.files import remove_stale_temporaries, write_atomic
 from verinfer.models.load import file_sha256 as sha256
 from verinfer.scoring.scores import read_commit_scores, read_scores
 from verinfer.stats.calibration import Calibrator, signature_mismatch
@@ -169,8 +170,11 @@ def merge_commits(parts: Sequence[dict]) -> dict:
 
 
 def _todo(shards: Sequence[Path], out_dir: Path) -> tuple[list[Path], list[str]]:
+    """The shards still to verify and those done; the temporaries a killed run left are removed."""
     todo, resumed = [], []
     for s in shards:
+        for path in astuple(ShardFiles.of(out_dir, s)):
+            remove_stale_temporaries(path)
         (resumed.append(str(s)) if done_record(out_dir, s) is not None else todo.append(s))
     return todo, resumed
 

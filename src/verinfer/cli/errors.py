@@ -7,11 +7,18 @@ which imports them.
 from __future__ import annotations
 
 import functools
+from typing import NoReturn
 
 import typer
 from rich.console import Console
 
 err = Console(stderr=True)
+
+
+def fail(message: str) -> NoReturn:
+    """Report bad input as one red line on stderr and exit with code 2."""
+    err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(2)
 
 
 def one_line_errors(fn):
@@ -25,6 +32,5 @@ def one_line_errors(fn):
         try:
             return fn(*args, **kwargs)
         except (TraceError, PromptError, ModelNotAvailable, ValueError, OSError) as exc:
-            err.print(f"[red]error:[/red] {exc}", highlight=False, soft_wrap=True)
-            raise typer.Exit(2) from None
+            fail(str(exc))
     return wrapper

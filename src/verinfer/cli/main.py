@@ -122,7 +122,8 @@ def generate(
 def verify(
     traces_arg: str = typer.Argument(..., metavar="TRACES", help="trace file (.jsonl or .parquet), or a directory "
                                      "or glob of trace shards (verified shard by shard, resumably)"),
-    scores: Optional[Path] = typer.Option(None, help="per-token scores (.parquet); default: <TRACES stem>.scores.parquet"),
+    scores: Optional[Path] = typer.Option(None, help="per-token scores (.parquet); default: <TRACES stem>.scores.parquet "
+                                          "(a trace file not in .jsonl keeps its extension: t.parquet.scores.parquet)"),
     commit_scores: Optional[Path] = typer.Option(None, help="commit scores (.parquet); default: <scores stem>"
                                                  ".commits.parquet"),
     model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
@@ -150,7 +151,11 @@ def verify(
     traces_path = Path(traces_arg)
     if ray or ray_address or not traces_path.is_file():
         if scores is not None or commit_scores is not None:
-            raise ValueError("--scores / --commit-scores name one file's outputs; shards go to --out-dir")
+            from verinfer.sharded import find_shards
+
+            find_shards(traces_arg)  # a missing input is named as such, not as a misused option
+            raise ValueError(f"{traces_arg}: --scores / --commit-scores name one trace file's outputs; "
+                             "the shards of a directory or glob go to --out-dir")
         _verify_shards(traces_arg, out_dir, model, dtype, device, calibration, batch_size, skip_invalid,
                        allow_model_mismatch, json_out, ray or bool(ray_address), ray_address, workers)
         return
@@ -197,7 +202,7 @@ def _verify_shards(spec: str, out_dir: Path | None, model: str | None, dtype: st
                    calibration: Path | None, batch_size: int | None, skip_invalid: bool, allow_model_mismatch: bool,
                    json_out: Path | None, use_ray: bool, address: str | None, workers: int | None) -> None:
     """``verify`` over many shards (``verinfer.sharded``): per-shard scores in ``out_dir``, one merged verdict."""
-    from verinfer import sharded
+    from verinfer import api, sharded
     from verinfer.files import check_outputs, write_atomic
     from verinfer.stats.calibration import Calibrator
     from verinfer.trace import read_traces
@@ -209,6 +214,7 @@ def _verify_shards(spec: str, out_dir: Path | None, model: str | None, dtype: st
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     calibrator = Calibrator.load(calibration) if calibration else None
+    api.check_batch_size(batch_size, calibrator, str(calibration))
     model = model or read_traces(shards[0])[0].model
     with _progress() as bar:
         task = bar.add_task("verifying shards", total=len(shards))

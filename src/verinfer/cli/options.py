@@ -15,6 +15,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from verinfer.cli.errors import fail
 from verinfer.models.load import DEFAULT_MODEL
 
 err = Console(stderr=True)
@@ -29,7 +30,20 @@ def dtype(default: str = "float32", help: str = "compute dtype (float32, bfloat1
 
 
 def device(default: str = "cpu"):
-    return typer.Option(default, "--device", help="torch device of the model (cpu, cuda, cuda:1, ...)")
+    return typer.Option(default, "--device", help="torch device of the model (cpu, cuda, cuda:1, ...)",
+                        callback=_check_device)
+
+
+def _check_device(value: str) -> str:
+    """Every command's ``--device``, checked as it is parsed: one line and exit 2 for a device torch
+    cannot name or this machine lacks (``verinfer.api.check_device``)."""
+    from verinfer.api import check_device
+
+    try:
+        check_device(value)
+    except ValueError as exc:
+        fail(str(exc))
+    return value
 
 
 def prompts(default: str = "chitchat"):

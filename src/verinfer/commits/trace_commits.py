@@ -54,7 +54,9 @@ def build_commits(rows: torch.Tensor, prompt_len: int, spec: CommitSpec, model: 
 
 @dataclass
 class CommitCheck:
-    """A validator's findings for one trace; ``error`` is set when a commit could not be parsed."""
+    """A validator's findings for one trace; ``error`` is set when a commit is invalid: it could not be
+    parsed, or a TOPLOC chunk fails the reference thresholds (the proof does not match the
+    validator's activations; the chunk results stay in ``toploc_passed``)."""
 
     trace_id: str
     fingerprint_l2: np.ndarray | None = None  # per logged token
@@ -94,6 +96,9 @@ def check_commits(trace_id: str, fingerprints: dict | None, rows: torch.Tensor, 
             check.toploc_exp_mismatches = np.array([r.exp_mismatches for r in results])
             check.toploc_mean_mantissa = np.array([r.mean_mantissa_err for r in results])
             check.toploc_passed = np.array([r.passed for r in results])
+            if not check.toploc_passed.all():  # an invalid commitment, like an unparseable one (exit 1)
+                raise CommitError(f"{where}: toploc proof fails {int((~check.toploc_passed).sum())} of "
+                                  f"{check.toploc_passed.size} chunks at the reference thresholds")
     except (FingerprintError, CommitError) as exc:
         message = str(exc)
         check.error = message if message.startswith(where) else f"{where}: {message}"

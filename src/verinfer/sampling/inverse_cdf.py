@@ -22,24 +22,10 @@ import torch
 from scipy.special import ndtr
 
 from verinfer.sampling.filters import kept_set, rank_in_row
+from verinfer.sampling.profiles.base import RowKeys
+from verinfer.sampling.replay import Replay
 
 INF = float("inf")
-
-
-def mt19937_outputs(seed: int, n: int) -> np.ndarray:
-    """The first ``n`` 32-bit outputs of ``std::mt19937(seed)`` (``init_genrand``), as uint64."""
-    bitgen = np.random.MT19937(0)
-    bitgen._legacy_seeding(int(seed) & 0xFFFFFFFF)  # numpy's legacy seeding is init_genrand
-    return bitgen.random_raw(n).astype(np.uint64)
-
-
-def canonical_doubles(outputs: np.ndarray) -> np.ndarray:
-    """libstdc++ ``uniform_real_distribution<double>(0, 1)`` over a 32-bit engine: two outputs per
-    draw (``generate_canonical<double, 53>``), ``(o0 + o1 * 2**32) / 2**64`` in double, 1.0 mapped
-    to the largest double below 1."""
-    o = outputs.reshape(-1, 2).astype(np.float64)
-    u = (o[:, 0] + o[:, 1] * 2.0**32) / 2.0**64
-    return np.where(u >= 1.0, np.nextafter(1.0, 0.0), u)
 
 
 def ipt_likelihood(u: np.ndarray, lo: np.ndarray, hi: np.ndarray, sigma: float = 1e-3, eps: float = 1e-12):
@@ -51,8 +37,6 @@ def ipt_likelihood(u: np.ndarray, lo: np.ndarray, hi: np.ndarray, sigma: float =
 
 def replay_into(logits, params, profile, keys, claimed, s_idx: torch.Tensor, out) -> None:
     """Fill the shared ``Replay`` ``out`` at rows ``s_idx`` (the sampler's dispatch for inverse-CDF profiles)."""
-    from verinfer.sampling.profiles.base import RowKeys
-
     pick = s_idx.cpu().numpy()
     sub_params = [params[i] for i in pick.tolist()]
     sub_keys = RowKeys(requests=tuple(keys.requests[i] for i in pick.tolist()), seeds=keys.seeds[pick],
@@ -72,8 +56,6 @@ def replay_into(logits, params, profile, keys, claimed, s_idx: torch.Tensor, out
 
 def replay(logits: torch.Tensor, params, profile, keys, claimed: torch.Tensor | None = None):
     """Replay an inverse-CDF sampler on ``logits`` [N, V]; all rows seeded (greedy rows are the caller's)."""
-    from verinfer.sampling.sampler import Replay  # the shared result type (sampler imports this module lazily)
-
     logits = logits.float()
     n, vocab = logits.shape
     temp = torch.tensor([p.effective_temperature for p in params], dtype=torch.float32, device="cpu")

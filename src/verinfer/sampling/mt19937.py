@@ -1,4 +1,6 @@
-"""PyTorch's CPU generator (MT19937) and its fp64 ``uniform_`` stream, compiled with numba.
+"""PyTorch's CPU generator (MT19937) and its fp64 ``uniform_`` stream, compiled with numba; and the
+C++ standard library's ``std::mt19937`` doubles that llama.cpp's ``dist`` sampler draws
+(``mt19937_outputs``, ``canonical_doubles``: ``profiles/llama_cpp.py``).
 
 ``torch.Generator(device="cpu").manual_seed(s)`` (``aten/src/ATen/CPUGeneratorImpl.cpp``,
 ``core/MT19937RNGEngine.h``) seeds a 32-bit Mersenne Twister with ``s mod 2**32`` (Matsumoto and
@@ -98,3 +100,19 @@ class Mt19937:
         """The next ``n`` values ``torch.empty(n, dtype=torch.float64).uniform_(generator=gen)`` gives."""
         out, self._pos = _uniforms(self._mt, self._pos, int(n))
         return out
+
+
+def mt19937_outputs(seed: int, n: int) -> np.ndarray:
+    """The first ``n`` 32-bit outputs of ``std::mt19937(seed)`` (``init_genrand``), as uint64."""
+    bitgen = np.random.MT19937(0)
+    bitgen._legacy_seeding(int(seed) & 0xFFFFFFFF)  # numpy's legacy seeding is init_genrand
+    return bitgen.random_raw(n).astype(np.uint64)
+
+
+def canonical_doubles(outputs: np.ndarray) -> np.ndarray:
+    """libstdc++ ``uniform_real_distribution<double>(0, 1)`` over a 32-bit engine: two outputs per
+    draw (``generate_canonical<double, 53>``), ``(o0 + o1 * 2**32) / 2**64`` in double, 1.0 mapped
+    to the largest double below 1."""
+    o = outputs.reshape(-1, 2).astype(np.float64)
+    u = (o[:, 0] + o[:, 1] * 2.0**32) / 2.0**64
+    return np.where(u >= 1.0, np.nextafter(1.0, 0.0), u)

@@ -8,28 +8,16 @@ generation is ``replay(...).token``; verification reads the rest of the fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from verinfer.sampling import inverse_cdf
 from verinfer.sampling.filters import kept_set, rank_in_row
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import Profile, RowKeys
+from verinfer.sampling.replay import Replay
 
 INF = float("inf")
 ROW_CHUNK = 16  # rows replayed together: [16, V] temporaries stay in cache (3x faster than 512 rows)
-
-
-@dataclass
-class Replay:
-    """Per-row outcome of replaying the sampler; the score fields are set only with claims."""
-
-    token: torch.Tensor  # [N] the token the sampler picks
-    margin: torch.Tensor | None = None  # [N] fp64, raw-logit units; inf when the claim is filtered
-    filter_distance: torch.Tensor | None = None  # [N] raw-logit distance to surviving the filters
-    logprob: torch.Tensor | None = None  # [N] log-prob of the claim under the processed distribution
-    logit_rank: torch.Tensor | None = None  # [N] claims' rank among raw logits (0 = top)
-    gumbel_rank: torch.Tensor | None = None  # [N] claims' rank among kept x + G (0 = sampled)
 
 
 def _params_tensors(params: list[SamplingParams], device: torch.device):
@@ -108,7 +96,6 @@ def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -
     winner, margin and ranks are those of noising the whole row.
     """
     if getattr(profile, "inverse_cdf", False):  # inverse-CDF engines (llama.cpp): sampling/inverse_cdf.py
-        from verinfer.sampling import inverse_cdf
         return inverse_cdf.replay_into(logits, params, profile, keys, claimed, s_idx, out)
     sub = [params[i] for i in s_idx.tolist()]
     temp, top_k, top_p, min_p = _params_tensors(sub, logits.device)

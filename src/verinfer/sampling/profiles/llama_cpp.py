@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from verinfer.sampling.params import MIN_TEMPERATURE
-from verinfer.sampling.inverse_cdf import canonical_doubles, mt19937_outputs
+from verinfer.sampling.mt19937 import canonical_doubles, mt19937_outputs
 from verinfer.sampling.profiles.base import Profile
 
 RANDOM_SEED = 0xFFFFFFFF
