@@ -309,3 +309,19 @@ def test_two_monitors_on_one_directory_count_each_shard_once(db_url, honest, tmp
     _exactly_once(db_url, 6, len(honest), tokens)
     owners = {o.rsplit(":", 1)[0] for (o,) in query(db_url, "SELECT owner FROM shards")}
     assert owners <= {f"{os.uname().nodename}:{p.pid}" for p in procs}
+
+
+def test_ray_records_what_the_in_process_monitor_records(backend, honest, tmp_path):
+    """``--ray`` verifies the claimed shards on a local Ray cluster (``sharded.run_ray``, one worker) and
+    records the same windows, token for token, as the in-process monitor."""
+    d = tmp_path / "traces"
+    _write_shards(timed(honest[:6], "acme", T0, 15), d, 2)
+    rows = []
+    for name, kwargs in (("local", {}), ("ray", {"use_ray": True, "workers": 1})):
+        url = f"sqlite:///{tmp_path}/{name}.db"
+        store = open_store(url)
+        outcome = Monitor(d, store, out_dir=tmp_path / f"{name}.out", window_s=60, backend=backend, **kwargs).run_once()
+        assert len(outcome.verified) == 2 and not outcome.failed, outcome
+        rows.append(window_rows(url))
+        store.close()
+    assert rows[1] == rows[0] and sum(r[3] for r in rows[0]) == sum(len(t.output_token_ids) for t in honest[:6])
