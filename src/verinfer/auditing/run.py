@@ -122,8 +122,7 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     names = [safe_name(e.name) for e in endpoints]
     if len(set(names)) != len(names):
         raise ValueError(f"provider names must be distinct, got {names}")
-    started = time.time()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.time()  # out_dir is made by the first file written in it (none when the audit fails first)
     tokenizer = reference.tokenizer
     fetched = []
     for e in endpoints:
