@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from tests.audit_servers import asgi_in_thread
+from tests.postgres_server import db_url, postgres_server  # noqa: F401 - fixtures
 from verinfer.production import views
 from verinfer.production.alerts import Alerter
 from verinfer.production.dashboard import authorized, create_app, is_loopback
@@ -44,9 +45,9 @@ def add_window(s, provider: str, i: int, verdict: str | None, model: str = "smol
 
 
 @pytest.fixture()
-def db(tmp_path):
-    url = f"sqlite:///{tmp_path}/history.db"
-    store = open_store(url)
+def db(db_url):
+    """The history in SQLite and in a real PostgreSQL (tests/postgres_server.py)."""
+    store = open_store(db_url)
     with store.transaction() as s:
         for i, v in enumerate(ACME):
             add_window(s, "acme", i, v)
@@ -59,6 +60,9 @@ def db(tmp_path):
                           mode="greedy", at=T0 + dt.timedelta(minutes=25), provider="acme", model="smollm2-135m",
                           profile="greedy", traces=16, tokens=512, exact_match_rate=0.98, mean_margin=0.02,
                           verdict="CONSISTENT", p_value=0.4, judged_by="bands-smollm2-135m-greedy.json"))
+        s.add(AuditResult(run_id=run.id, url="https://other.example/v1", mode="greedy", at=T0, provider="audited-only",
+                          model="smollm2-135m", profile="greedy", traces=16, tokens=500, verdict="INCONSISTENT",
+                          p_value=0.001))
     yield store
     store.close()
 
@@ -81,6 +85,8 @@ def test_overview_shows_every_window_state_and_changes(db):
     assert '<meta http-equiv="refresh" content="30">' in page
     assert "<script" not in page and "&lt;script&gt;" in page and "m&lt;b&gt;odel" in page
     assert SECRET not in page and "provider.example" in page  # the audit's URL shown, its secrets redacted
+    alone = page.split('id="audits-alone"')[1]  # an audited provider without traffic still shows
+    assert alone.count('class="audit-row"') == 1 and "audited-only" in alone and "INCONSISTENT" in alone
 
 
 def test_state_is_the_latest_window_with_since_when(db):
@@ -156,7 +162,7 @@ def test_token_required_beyond_loopback(db, monkeypatch):
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.5")
     from verinfer.cli.main import app
 
-    url = f"sqlite:///{db.url.split('///')[1]}"
+    url = db.url
     refused = CliRunner().invoke(app, ["dashboard", "--db", url, "--host", "0.0.0.0", "--port", "0"])
     assert refused.exit_code == 2 and "--auth-token-env" in refused.output
     monkeypatch.setenv("SHORT_TOKEN", "abc")
@@ -256,3 +262,25 @@ def test_the_gateway_serves_its_counters_at_gateway_metrics(tmp_path):
     assert samples["verinfer_gateway_requests_total"] == 4 and samples["verinfer_gateway_records_dropped_total"] == 1
     assert samples["verinfer_gateway_exchanges_unrecordable_total"] == 2
     assert samples["verinfer_gateway_queue_depth"] == 0
+
+
+def test_the_command_serves_beyond_loopback_only_with_its_token(db, tmp_path):
+    """`verinfer dashboard` as a process on 0.0.0.0 with --auth-token-env: /health open, the rest asks."""
+    import os
+    import sys
+
+    import httpx
+
+    from tests.audit_servers import free_port, serving_process
+
+    token, port = "a-long-enough-dashboard-token", free_port()
+    env = {**os.environ, "DASH_TOKEN": token}
+    argv = [sys.executable, "-m", "verinfer.cli.main", "dashboard", "--db", db.url, "--host", "0.0.0.0",
+            "--port", str(port), "--auth-token-env", "DASH_TOKEN"]
+    with serving_process(argv, tmp_path / "dashboard.log", f"http://127.0.0.1:{port}/health", env, ready_s=120):
+        base = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{base}/", timeout=60).status_code == 401
+        page = httpx.get(f"{base}/", headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        assert page.status_code == 200 and 'data-provider="acme"' in page.text and token not in page.text
+        assert httpx.get(f"{base}/metrics", auth=("prometheus", token), timeout=60).status_code == 200
+    assert token not in (tmp_path / "dashboard.log").read_text()

@@ -137,9 +137,9 @@ def create_app(store: Store, token: str | None = None, alerter=None, alert_every
         except ValueError as exc:
             return bad_request(str(exc))
         with Session(engine) as s:
-            series, choices = views.overview(s, f)
-        return _page(env, "dashboard.html.j2", f=f, series=series, charts=[chart(x.points, x.audits) for x in series],
-                     choices=choices,
+            view = views.overview(s, f)
+        return _page(env, "dashboard.html.j2", f=f, series=view.series, choices=view.choices,
+                     charts=[chart(x.points, x.audits) for x in view.series], audits_alone=view.audits_alone,
                      since_until=f.range())
 
     @app.get("/window/{window_id}", response_class=HTMLResponse)

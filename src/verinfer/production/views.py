@@ -340,9 +340,15 @@ def audits(s: Session, f: Filters, now: dt.datetime | None = None) -> list[Audit
     return list(s.scalars(select(AuditResult).where(*where).order_by(AuditResult.at.desc()).limit(f.points)).all())
 
 
-def overview(s: Session, f: Filters, now: dt.datetime | None = None) -> tuple[list[Series], dict[str, list[str]]]:
-    """Everything the main page shows: each series' state, timeline and the audits beside it; and the
-    filter choices (every provider, model and profile in the history)."""
+@dataclass
+class Overview:
+    series: list[Series]
+    choices: dict[str, list[str]]  # filter choices: every provider, model and profile in the history
+    audits_alone: list[AuditResult]  # scheduled audits of providers/models without traffic windows
+
+
+def overview(s: Session, f: Filters, now: dt.datetime | None = None) -> Overview:
+    """Everything the main page shows: each series' state, timeline and the audits beside it."""
     now = now or utcnow()
     found = audits(s, f, now)
     every = keys(s, Filters())
@@ -356,7 +362,8 @@ def overview(s: Session, f: Filters, now: dt.datetime | None = None) -> tuple[li
     audited = s.execute(select(AuditResult.provider, AuditResult.model, AuditResult.profile).distinct()).all()
     choices = {name: sorted({getattr(k, name) for k, *_ in every} | {getattr(a, name) for a in audited})
                for name in ("provider", "model", "profile")}
-    return out, choices
+    traffic = {(k.provider, k.model) for k, *_ in every}
+    return Overview(out, choices, [a for a in found if (a.provider, a.model) not in traffic])
 
 
 # --------------------------------------------------------------------------------------------------
@@ -445,6 +452,6 @@ def trace_views(rows: Sequence[tuple], model: str) -> list[TraceView]:
     return [views[shard.id, wt.trace_id] for wt, shard in rows]
 
 
-__all__ = ["Band", "Filters", "band_size", "Key", "Point", "Series", "State", "TraceView", "audits", "band_at", "keys", "last_decided",
+__all__ = ["Band", "Filters", "band_size", "Key", "Overview", "Point", "Series", "State", "TraceView", "audits", "band_at", "keys", "last_decided",
            "mark_changes", "neighbours", "overview", "parse_time", "read_engine", "state", "timeline", "trace_views",
            "window", "window_traces"]
