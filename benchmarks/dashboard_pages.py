@@ -8,8 +8,8 @@ migrated by Alembic as the monitor's are) with the same number of series (provid
 verdict), judged by the shipped bands so honest bands are drawn. Each page is rendered in process
 (FastAPI's TestClient: routing, queries, Jinja, SVG) ``--repeats`` times, alternating the two
 databases, after a ``gc.collect()`` each; printed: the median wall and CPU milliseconds per page at
-each size and their ratio (large / small). The first render of each page (cold caches: bands computed, templates compiled) is
-timed separately. Writes ``results/dashboard_pages.md``.
+each size and their ratio (large / small). The first render of each page (cold caches: bands
+computed, templates compiled) is timed separately. Writes ``results/dashboard_pages.md``.
 
 The claim is the ratio: both sizes show the same number of points (``--small`` holds at least 500
 windows per series), so a page whose cost followed the number of windows in the database would be

@@ -236,6 +236,15 @@ def test_alerts_never_block_the_poll_and_survive_an_unreachable_receiver(db, tmp
     assert alerter.failed == 1 and len(json.loads(state.read_text())["pending"]) == 1  # kept for a restart
 
 
+def test_the_shared_token_partial_escapes_provider_text():
+    from verinfer.production.dashboard import environment
+
+    html = environment().from_string('{% import "tokens.html.j2" as t %}{{ t.render(pieces, 20.0) }}').render(
+        pieces=[("<script>alert(1)</script>", 0.0), ("<img src=x onerror=alert(1)>", 3.0), ("\n", None)])
+    assert "<script" not in html and "<img" not in html and "&lt;script&gt;" in html
+    assert html.count('<mark class="div lo" title="margin 3">') == 1 and "⏎<br>" in html
+
+
 def test_verdict_changes_and_bands():
     pts = [views.Point(i, T0, T0, 1, 10, 1.0, 0.0, v, None, None, None) for i, v in
            enumerate([None, "CONSISTENT", None, "INCONSISTENT", "INCONSISTENT", "CONSISTENT"])]

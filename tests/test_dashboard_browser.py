@@ -33,6 +33,7 @@ from verinfer.stats.calibration import Calibrator
 from verinfer.trace import Trace, write_traces
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, 0)
+EVIL_ID = "wrong-<script>document.title='pwned'</script>"  # a provider-controlled trace id
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -69,8 +70,8 @@ def traffic(backend, tmp_path_factory):
     """Honest traces, wrong-seed traces claiming the honest seeds, and a calibration on other honest ones."""
     honest = api.generate("chitchat", n=6, max_tokens=12, seed=1000, backend=backend)
     other = api.generate("chitchat", n=4, max_tokens=12, seed=9000, backend=backend)
-    wrong = [Trace(**{**t.__dict__, "id": f"wrong-{i}", "sampling": t.sampling.with_(seed=h.sampling.seed)})
-             for i, (t, h) in enumerate(zip(other, honest))]
+    wrong = [Trace(**{**t.__dict__, "id": f"wrong-{i}" if i else EVIL_ID,
+                      "sampling": t.sampling.with_(seed=h.sampling.seed)}) for i, (t, h) in enumerate(zip(other, honest))]
     cal = api.generate("chitchat", n=8, max_tokens=16, seed=7000, backend=backend)
     out = tmp_path_factory.mktemp("cal") / "calibration.json"
     api.calibrate(api.verify(cal, backend=backend), batch_sizes=(1,), out=out)
@@ -116,6 +117,7 @@ def test_dashboard_in_chromium_follows_a_verdict_change(backend, traffic, tmp_pa
         drill = dom(browser, alert["link"])
         assert drill.count('class="trace-row"') == 2 and drill.count('<mark class="div') >= 3
         assert re.search(r'id="verdict">INCONSISTENT<', drill)
+        assert "<script" not in drill and "wrong-&lt;script&gt;" in drill  # escaped, never run
         screenshot(browser, alert["link"], tmp_path / "dashboard-window.png", "1200,800")
         calm = dom(browser, f"{base}/window/{ids[0][1]}")
         assert calm.count('class="trace-row"') == 2 and '<mark class="div' not in calm  # honest: nothing highlighted

@@ -24,7 +24,8 @@ def _token(host: str, env_name: str | None) -> str | None:
     if env_name:
         token = os.environ.get(env_name, "")
         if len(token) < 16:
-            raise ValueError(f"--auth-token-env {env_name}: the variable is {'too short (under 16 characters)' if token else 'unset or empty'}")
+            problem = "too short (under 16 characters)" if token else "unset or empty"
+            raise ValueError(f"--auth-token-env {env_name}: the variable is {problem}")
         return token
     if not is_loopback(host):
         raise ValueError(f"--host {host} is reachable beyond this machine: pass --auth-token-env NAME (an environment "

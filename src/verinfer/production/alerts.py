@@ -5,8 +5,8 @@ is never blocked or slowed by an alert. A *change* is a window whose verdict (CO
 INCONSISTENT) differs from the series' previous verdict (``views.mark_changes``' rule), and a series
 first seen INCONSISTENT. Each change is alerted once: the last verdict seen per series and the alerts
 not yet delivered (or given up on) are kept in a small JSON state file (written atomically), so a
-restarted dashboard neither repeats a delivered one nor loses one. Without a state file the first poll only takes each series' current
-verdict (a start does not alert on history).
+restarted dashboard neither repeats a delivered one nor loses one. Without a state file the first
+poll only takes each series' current verdict (a start does not alert on history).
 
 Delivery runs on its own thread: a JSON POST per change, retried with exponential backoff (1 s, 2 s,
 4 s, ... capped, for ``retries`` attempts) on a network error or a 5xx / 429; a 4xx other than 429 is

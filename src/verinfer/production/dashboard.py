@@ -158,7 +158,8 @@ def create_app(store: Store, token: str | None = None, alerter=None, alert_every
             before, after = views.neighbours(s, w)
         traces = views.trace_views(rows, w.model)
         return _page(env, "window.html.j2", w=w, traces=traces, count=count, offset=offset, per_page=TRACES_PER_PAGE,
-                     band=views.band_at(w.judged_by, views.band_size(w.tokens)) if w.tokens else None, before=before, after=after)
+                     band=views.band_at(w.judged_by, views.band_size(w.tokens)) if w.tokens else None,
+                     before=before, after=after)
 
     @app.get("/metrics")
     def prometheus() -> Response:

@@ -104,7 +104,8 @@ def chart(points: Sequence[Any], audits: Sequence[Any] = (), width: int = WIDTH)
     ticks = [t0 + (t1 - t0) * (i / 4) for i in range(5)]
     fmt = "%Y-%m-%d %H:%M:%S" if span < 600 else "%Y-%m-%d %H:%M"
     return Chart(width, int(strip_top + STRIP_H + AXIS_H), LEFT, RIGHT, panels, strip, strip_top, changes,
-                 [(x(a.at), a) for a in audits], [(x(t), t.strftime(fmt) + "Z", "start" if i == 0 else "end" if i == 4 else "middle")
+                 [(x(a.at), a) for a in audits],
+                 [(x(t), t.strftime(fmt) + "Z", "start" if i == 0 else "end" if i == 4 else "middle")
                   for i, t in enumerate(ticks)])
 
 

@@ -452,6 +452,6 @@ def trace_views(rows: Sequence[tuple], model: str) -> list[TraceView]:
     return [views[shard.id, wt.trace_id] for wt, shard in rows]
 
 
-__all__ = ["Band", "Filters", "band_size", "Key", "Overview", "Point", "Series", "State", "TraceView", "audits", "band_at", "keys", "last_decided",
-           "mark_changes", "neighbours", "overview", "parse_time", "read_engine", "state", "timeline", "trace_views",
-           "window", "window_traces"]
+__all__ = ["Band", "Filters", "Key", "Overview", "Point", "Series", "State", "TraceView", "audits", "band_at",
+           "band_size", "keys", "last_decided", "mark_changes", "neighbours", "overview", "parse_time", "read_engine",
+           "state", "timeline", "trace_views", "window", "window_traces"]
