@@ -135,6 +135,10 @@ def test_metrics_follow_prometheus_conventions(db):
     assert value("verinfer_verdict_since_timestamp_seconds") == (T0 + dt.timedelta(minutes=50)).replace(
         tzinfo=dt.timezone.utc).timestamp()
     assert "verinfer_tokens_verified_total{" in body.text and EVIL.replace('"', '\\"') in body.text
+    audit = {s.labels["provider"]: s.value for s in fams["verinfer_audit_verdict"].samples
+             if s.labels["verdict"] == "INCONSISTENT"}
+    assert audit == {"acme": 0.0, "audited-only": 1.0}
+    assert [s.value for s in fams["verinfer_audit_p_value"].samples if s.labels["provider"] == "acme"] == [0.4]
 
 
 def test_gateway_metrics_from_its_counters():

@@ -7,7 +7,9 @@ Names follow Prometheus conventions: ``verinfer_`` prefix, ``_total`` counters, 
 (``_seconds``, ``_timestamp_seconds``), one label set per series: provider, model, profile and window
 length (``window_seconds``). The verdict is a state set: ``verinfer_verdict{verdict=...}`` is 1 for
 the series' current state (``CONSISTENT``, ``INCONSISTENT`` or ``none``: no verdict, e.g. too few tokens)
-and 0 for the others, so ``verinfer_verdict{verdict="INCONSISTENT"} == 1`` is an alert rule.
+and 0 for the others, so ``verinfer_verdict{verdict="INCONSISTENT"} == 1`` is an alert rule. The
+latest scheduled audit per provider/model/profile is ``verinfer_audit_verdict`` (the same state set),
+``verinfer_audit_p_value`` and ``verinfer_audit_last_timestamp_seconds``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ from typing import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from sqlalchemy import and_, func, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from verinfer.production import views
+from verinfer.production.store import AuditResult
 
 LABELS = ["provider", "model", "profile", "window_seconds"]
 STATES = (*views.VERDICTS, "none")
@@ -78,7 +82,30 @@ def history_metrics(s: Session) -> list[Metric]:
                 fams[name].add_metric(labels, value)
         for v in STATES:
             fams["verdict"].add_metric(labels + [v], 1.0 if (st.verdict or "none") == v else 0.0)
-    return list(fams.values())
+    return list(fams.values()) + audit_metrics(s)
+
+
+def audit_metrics(s: Session) -> list[Metric]:
+    """The latest scheduled audit per provider/model/profile: verdict state, p-value, when."""
+    labels = ["provider", "model", "profile"]
+    verdict = GaugeMetricFamily("verinfer_audit_verdict", "Verdict of the latest scheduled audit (1 for its state).",
+                                labels=labels + ["verdict"])
+    p_value = GaugeMetricFamily("verinfer_audit_p_value", "p-value of the latest scheduled audit.", labels=labels)
+    at = GaugeMetricFamily("verinfer_audit_last_timestamp_seconds", "When the latest scheduled audit finished.",
+                           labels=labels)
+    latest = select(AuditResult.provider, AuditResult.model, AuditResult.profile, func.max(AuditResult.at).label("at")
+                    ).group_by(AuditResult.provider, AuditResult.model, AuditResult.profile).subquery()
+    rows = s.scalars(select(AuditResult).join(latest, and_(
+        AuditResult.provider == latest.c.provider, AuditResult.model == latest.c.model,
+        AuditResult.profile == latest.c.profile, AuditResult.at == latest.c.at)).order_by(AuditResult.id)).all()
+    for a in {(a.provider, a.model, a.profile): a for a in rows}.values():  # the last row of a tied time
+        key = [a.provider, a.model, a.profile]
+        for v in STATES:
+            verdict.add_metric(key + [v], 1.0 if (a.verdict or "none") == v else 0.0)
+        if a.p_value is not None:
+            p_value.add_metric(key, a.p_value)
+        at.add_metric(key, _unix(a.at))
+    return [verdict, p_value, at]
 
 
 def gateway_metrics(snapshot: dict[str, int]) -> list[Metric]:
@@ -117,4 +144,4 @@ def history_exposition(engine: Engine) -> tuple[bytes, str]:
     return exposition(collect)
 
 
-__all__ = ["CONTENT_TYPE_LATEST", "exposition", "gateway_metrics", "history_exposition", "history_metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "audit_metrics", "exposition", "gateway_metrics", "history_exposition", "history_metrics"]
