@@ -240,6 +240,25 @@ def test_alerts_never_block_the_poll_and_survive_an_unreachable_receiver(db, tmp
     assert alerter.failed == 1 and len(json.loads(state.read_text())["pending"]) == 1  # kept for a restart
 
 
+def test_drill_down_names_what_it_cannot_show(db):
+    """A window whose shard file is gone still lists its traces, each saying why its tokens are missing."""
+    from verinfer.production.store import Shard, WindowTrace
+
+    with db.transaction() as s:
+        w = s.query(Window).filter_by(provider="acme").order_by(Window.start_time).first()
+        shard = Shard(path="/nonexistent/traces-1.parquet", sha256="0" * 64, bytes=1, status="done",
+                      scores_path="/nonexistent/traces-1.scores.parquet")
+        s.add(shard)
+        s.flush()
+        s.add_all([WindowTrace(window_id=w.id, shard_id=shard.id, trace_id=f"t<{i}>", request_time=w.start_time,
+                               tokens=10, exact_matches=10, mean_margin=0.0) for i in range(3)])
+        window_id = w.id
+    page = TestClient(create_app(db)).get(f"/window/{window_id}")
+    assert page.status_code == 200 and page.text.count('class="trace-row"') == 3
+    assert page.text.count("tokens not shown: ") == 3 and "traces-1.parquet" in page.text and "t&lt;0&gt;" in page.text
+    assert 'id="next"' in page.text and 'id="previous"' not in page.text  # the series' first window
+
+
 def test_the_shared_token_partial_escapes_provider_text():
     from verinfer.production.dashboard import environment
 
