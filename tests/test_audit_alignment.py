@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from tests.audit_servers import seed_proxy
-from verinfer.auditing.alignment import align_claims, count_mismatch, resplit
+from verinfer.auditing.alignment import align_claims, count_mismatch
+from verinfer.scoring.alignment import resplit
 from verinfer.auditing.responses import Claim
 
 
@@ -140,3 +141,35 @@ def test_a_count_still_off_after_alignment_scores_up_to_the_first_mismatch_only(
     assert out.output_token_ids == ids and out.drift["count_mismatch"] == 1
     assert out.drift["unaligned_from"] == 3 and out.drift["unaligned"] == len(ids) - 3  # the mismatch at 2 is scored
     assert unscored([out], "x") == {"x/p": set(range(3, len(ids)))}
+
+
+def test_verify_aligns_traces_whose_ids_were_retokenized_from_text(backend):
+    """``verinfer verify`` (and so the monitor) aligns traces the gateway recorded from a text-only
+    engine (``meta.token_source: retokenized``) the same way; other traces are scored as they stand."""
+    from dataclasses import replace
+
+    from verinfer.api import generate, verify
+
+    from verinfer.prompts import load_prompts
+
+    # the prompts and seeds of the audits above, where one output's sampled tokens merge in its text
+    sampled = generate(load_prompts("chitchat", 16, seed=3), n=16, backend=backend, seed=100, top_k=50, top_p=0.95,
+                       max_tokens=32)
+    tok, stops = backend.tokenizer, {tok_id for tok_id in (backend.tokenizer.eos_token_id,) if tok_id is not None}
+    recorded = []
+    for t in sampled:
+        body = [i for i in t.output_token_ids if i not in stops]
+        text = tok.decode(body, skip_special_tokens=True)
+        recorded.append(replace(t, output_token_ids=tok.encode(text, add_special_tokens=False), output_text=text,
+                                meta={"token_source": "retokenized"}))
+    merged = [r.id for r, t in zip(recorded, sampled) if r.output_token_ids != [i for i in t.output_token_ids
+                                                                                 if i not in stops]]
+    assert merged, "no sampled output re-tokenizes differently: the test needs one"
+    plain = verify([replace(r, meta=None) for r in recorded], backend=backend)
+    aligned = verify(recorded, backend=backend)
+    print(f"\n{len(merged)} of {len(recorded)} outputs re-tokenize differently; exact match "
+          f"{plain.summary.exact_match_rate:.4f} as they stand, {aligned.summary.exact_match_rate:.4f} aligned")
+    assert plain.summary.exact_match_rate < 1.0  # scored as they stand, the merges look like divergence
+    assert aligned.summary.exact_match_rate == 1.0
+    sampled_tokens = sum(len([i for i in t.output_token_ids if i not in stops]) for t in sampled)
+    assert sampled_tokens - aligned.summary.tokens >= len(merged)  # each merge leaves a re-split position unscored

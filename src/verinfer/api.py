@@ -40,7 +40,7 @@ from verinfer.stats.summary import Summary, fit_calibrator, summarize
 from verinfer.stats.verdict import Verdict
 from verinfer.trace import Trace, TraceError, read_traces, write_traces
 from verinfer.scoring.scores import commit_scores, read_commit_scores, read_scores, read_signature, signature
-from verinfer.scoring.traces import Scored, check_traces, score_traces
+from verinfer.scoring.traces import Scored, align_retokenized, check_traces, score_traces
 
 Progress = Callable[[int], None] | None
 
@@ -233,11 +233,12 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
             raise ValueError(f"{source}: traces claim several models ({', '.join(claimed)}); pass model=")
         backend = load_model(model or claimed[0], dtype, device)
     kept, skipped = check_traces(trace_list, backend, source, skip_invalid, allow_model_mismatch)
+    kept, unaligned = align_retokenized(backend, kept)  # re-tokenization drift is never scored as divergence
     if calibrator is not None:  # refuse a calibration of another configuration before scoring
         problem = signature_mismatch(calibrator.signature, signature(kept, backend.model_id, backend.dtype_name))
         if problem:
             raise ValueError(f"{calibration_path or 'calibration'}: does not match {source}: {problem}")
-    scored = score_traces(backend, kept, scores, commit_scores_out, on_rows)
+    scored = score_traces(backend, kept, scores, commit_scores_out, on_rows, skip=unaligned)
     summary = summarize(scored.columns, calibrator, batch_size, scored.commit_checks,
                         commit_scores(scored.commit_checks), alpha)
     return VerifyResult(summary, scored, skipped)

@@ -27,6 +27,7 @@ import numpy as np
 from verinfer.auditing.client import Call, ProviderClient, ProviderError
 from verinfer.auditing.responses import Claim
 from verinfer.sampling.params import SamplingParams
+from verinfer.scoring.alignment import keep_rows
 from verinfer.trace import Trace
 
 Columns = dict[str, np.ndarray]
@@ -62,12 +63,14 @@ class LocalReference:
     def describe(self) -> str:
         return f"local {self.backend.model_id} ({self.backend.dtype_name}), Token-DiFR margins"
 
-    def score(self, traces: list[Trace], out_dir: Path, on_rows=None) -> Columns:
+    def score(self, traces: list[Trace], out_dir: Path, on_rows=None, skip: dict[str, set[int]] | None = None) -> Columns:
+        """Per-token scores of ``traces`` (also in ``out_dir/scores.parquet``), without the positions
+        ``skip`` names per trace id (re-tokenization drift, ``verinfer.auditing.alignment``)."""
         from verinfer.scoring.scores import read_scores
         from verinfer.scoring.traces import check_traces, in_trace_order, score_traces
 
         check_traces(traces, self.backend, f"{out_dir.name} responses")
-        score_traces(self.backend, traces, out_dir / "scores.parquet", on_rows=on_rows)
+        score_traces(self.backend, traces, out_dir / "scores.parquet", on_rows=on_rows, skip=skip)
         return in_trace_order(read_scores(out_dir / "scores.parquet"), traces)
 
 
@@ -88,7 +91,7 @@ class ApiReference:
         return (f"reference API {self.client.endpoint.base_url} ({self.client.endpoint.model}), "
                 f"margins from the claimed token's own prompt logprob (top-{self.top_logprobs})")
 
-    def score(self, traces: list[Trace], out_dir: Path, on_rows=None) -> Columns:
+    def score(self, traces: list[Trace], out_dir: Path, on_rows=None, skip: dict[str, set[int]] | None = None) -> Columns:
         if any(not t.sampling.is_greedy for t in traces):
             raise ValueError("a reference API scores greedy audits only: seeded Token-DiFR margins need the "
                              "full kept distribution (use a local reference model for --mode seeded)")
@@ -101,7 +104,7 @@ class ApiReference:
         parts = [self._rows(t, r["response"]) for t, r in zip(traces, records)]
         if on_rows:
             on_rows(sum(len(t.output_token_ids) for t in traces))
-        return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        return keep_rows({k: np.concatenate([p[k] for p in parts]) for k in parts[0]}, skip or {})
 
     def _rows(self, trace: Trace, response: dict) -> Columns:
         where = f"reference API {self.client.endpoint.base_url}: scoring {trace.id}"

@@ -164,7 +164,7 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
                 raise ValueError(f"provider {e.name!r}: the calibration does not match its traces "
                                  f"({out_dir / e.name / 'traces.jsonl'}; responses kept): {problem}")
         stage(f"{e.name}: scoring {sum(len(c.output_token_ids) for c in claims)} tokens with the reference")
-        columns = _scored(reference.score(traces, out_dir / e.name), unscored(claims, e.name))
+        columns = reference.score(traces, out_dir / e.name, skip=unscored(claims, e.name))
         seq = sequence_stats(columns, bands.clip if bands is not None else MARGIN_CLIP)
         if calibrator is not None:
             verdict = calibrated_verdict(columns["margin"], calibrator, batch_size)
@@ -189,15 +189,6 @@ def _replayer(reference, provider: str, model_id: str, spec: AuditSpec, scratch:
                 for t in traces]
 
     return replay
-
-
-def _scored(columns: dict[str, np.ndarray], skip: dict[str, set[int]]) -> dict[str, np.ndarray]:
-    """The rows a verdict judges: without the positions tokenization alignment re-split
-    (``verinfer.auditing.alignment``), which are drift, not evidence."""
-    if not skip:
-        return columns
-    keep = np.array([int(p) not in skip.get(t, ()) for t, p in zip(columns["trace_id"], columns["position"])], bool)
-    return {k: np.asarray(v)[keep] for k, v in columns.items()}
 
 
 def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, records: list[dict], spec: AuditSpec,

@@ -42,7 +42,14 @@ def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor | float = 1.0) -> torch.
 
 
 class Fp8KVLayer(DynamicLayer):
-    """A transformers cache layer that stores keys and values as float8_e4m3fn plus a scale."""
+    """A transformers cache layer that stores keys and values as float8_e4m3fn plus a scale.
+
+    Scales keep a leading batch dimension ([1, 1, 1, 1] per layer, [1, H, 1, 1] per head), so rows
+    prefilled alone can decode in one batch, each with its own scale (``verinfer.serve.batch`` joins
+    and selects every tensor ``BATCH_TENSORS`` names)."""
+
+    BATCH_TENSORS = {"keys": 2, "values": 2, "_keys_read": 2, "_values_read": 2, "key_scale": None,
+                     "value_scale": None}
 
     def __init__(self, spec: Fp8KV):
         super().__init__()
@@ -52,8 +59,9 @@ class Fp8KVLayer(DynamicLayer):
 
     def _calibrate(self, x: torch.Tensor) -> torch.Tensor:  # x [B, H, T, D]
         if self.spec.scale == "unit":
-            return torch.ones((), dtype=torch.float32, device=x.device)
-        amax = x.abs().amax() if self.spec.scale == "tensor" else x.abs().amax(dim=(0, 2, 3), keepdim=True)
+            return torch.ones((1, 1, 1, 1), dtype=torch.float32, device=x.device)
+        amax = x.abs().amax().reshape(1, 1, 1, 1) if self.spec.scale == "tensor" else \
+            x.abs().amax(dim=(0, 2, 3), keepdim=True)
         return (amax.float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
 
     @staticmethod

@@ -4,7 +4,7 @@ stream per-token scores to Parquet and check activation commits from the same pr
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -12,6 +12,7 @@ import numpy as np
 
 from verinfer.commits.trace_commits import CommitCheck, check_commits, commit_rows
 from verinfer.models.backend import Backend
+from verinfer.scoring.alignment import align, keep_rows
 from verinfer.trace import Trace, TraceError
 from verinfer.scoring.scores import ScoreWriter, signature, write_commit_scores
 from verinfer.scoring.token_difr import verify_traces
@@ -59,11 +60,45 @@ class Scored:
     commits_path: Path | None = None
 
 
+def align_retokenized(backend: Backend, traces: Sequence[Trace]) -> tuple[list[Trace], dict[str, set[int]]]:
+    """Traces whose output ids were re-tokenized from text (``meta.token_source == "retokenized"``, the
+    text kept in ``output_text``, as the gateway records text-only engines) re-split at every
+    tokenization break the replay reveals (``verinfer.scoring.alignment``); returns the traces (the
+    re-split ones with ``meta.realigned``) and, per trace id, the positions to leave unscored."""
+    out = list(traces)
+    which = [i for i, t in enumerate(out) if (t.meta or {}).get("token_source") == "retokenized"
+             and t.output_text and t.output_token_ids and not t.sampling.speculative]
+    if not which:
+        return out, {}
+
+    def replay(ids: list[list[int]], todo: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
+        subset = [replace(out[which[k]], output_token_ids=i) for k, i in zip(todo, ids)]
+        rows: dict[str, list[np.ndarray]] = {"item": [], "position": [], "claimed": [], "verifier_token": []}
+        for block in verify_traces(backend, subset):
+            rows["item"].append(block.items)
+            for k in ("position", "claimed", "verifier_token"):
+                rows[k].append(np.asarray(block.columns[k]))
+        item, position, claimed, replayed = (np.concatenate(rows[k]) for k in rows)
+        order = np.lexsort((position, item))
+        item, claimed, replayed = item[order], claimed[order], replayed[order]
+        return [(claimed[item == j], replayed[item == j]) for j in range(len(subset))]
+
+    skip = {}
+    for i, a in zip(which, align([(out[i].output_token_ids, out[i].output_text) for i in which], replay,
+                                 backend.tokenizer)):
+        if a.realigned:
+            out[i] = replace(out[i], output_token_ids=a.ids, meta={**out[i].meta, "realigned": a.realigned})
+            skip[out[i].id] = set(a.realigned)
+    return out, skip
+
+
 def score_traces(backend: Backend, traces: Sequence[Trace], scores_path: Path | None = None,
-                 commits_path: Path | None = None, on_rows: Progress = None) -> Scored:
+                 commits_path: Path | None = None, on_rows: Progress = None,
+                 skip: dict[str, set[int]] | None = None) -> Scored:
     """Score every token (streaming to ``scores_path`` when given) and check every trace's commits.
 
-    Commit scores go to ``commits_path`` when given and some trace carries commits.
+    Commit scores go to ``commits_path`` when given and some trace carries commits. ``skip`` names,
+    per trace id, positions left out of the scores (re-tokenization drift: ``align_retokenized``).
     """
     parts: dict[str, list[np.ndarray]] = {k: [] for k in COMPACT}
     checks: list[CommitCheck] = []
@@ -79,10 +114,11 @@ def score_traces(backend: Backend, traces: Sequence[Trace], scores_path: Path | 
     with ScoreWriter(scores_path, sig) if scores_path else contextlib.nullcontext() as writer:
         for block in verify_traces(backend, traces, on_rows=on_rows,
                                    on_sequence_hidden=check if wants_hidden else None):
+            columns = keep_rows(block.columns, skip or {})
             if writer:
-                writer.write(block.columns)
+                writer.write(columns)
             for k in COMPACT:
-                parts[k].append(block.columns[k])
+                parts[k].append(columns[k])
     written = write_commit_scores(checks, commits_path, sig) if checks and commits_path else None
     columns = in_trace_order({k: np.concatenate(v) for k, v in parts.items()}, traces)
     return Scored(columns, checks, sig,

@@ -17,6 +17,8 @@ sampler bug) runs on the sampled tokens before they are emitted, as in ``decode_
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -33,13 +35,32 @@ from verinfer.simulate.generate import TokenHook, sample_rows
 
 @dataclass
 class Prefilled:
-    """A prompt's KV cache (per layer, [1, H, L, D]), the logits after its last token, and its hidden
-    rows [L, D] when captured."""
+    """A prompt's KV cache (a transformers cache whose layers hold [1, H, L, D] tensors, of the class the
+    backend installs: ``DynamicLayer``, or ``verinfer.models.fp8_kv.Fp8KVLayer`` for the fp8 KV variant),
+    the logits after its last token, and its hidden rows [L, D] when captured."""
 
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    cache: DynamicCache
     logits: torch.Tensor  # [V]
     rows: torch.Tensor | None
+
+    @property
+    def length(self) -> int:
+        return int(self.cache.layers[0].keys.shape[2])
+
+
+def batch_tensors(layer) -> dict[str, int | None]:
+    """A cache layer's per-row tensors: attribute -> its sequence dimension (None: no sequence
+    dimension, one entry per row such as a per-row fp8 scale). Layers that keep more than keys and
+    values say so in ``BATCH_TENSORS``; rows are always dimension 0."""
+    return getattr(layer, "BATCH_TENSORS", {"keys": 2, "values": 2})
+
+
+def _own_cache(cache: DynamicCache) -> DynamicCache:
+    """A cache of its own over the same tensors (a request's rows share one prefill; tensors are only
+    ever replaced, never written in place, so sharing them is safe)."""
+    out = copy.copy(cache)
+    out.layers = [copy.copy(layer) for layer in cache.layers]
+    return out
 
 
 class Prefill:
@@ -67,9 +88,7 @@ class Prefill:
         if hi < len(self.prompt):
             return None
         rows = torch.cat(self.parts) if self.capture else None
-        logits = self.backend.logits(h[:, -1])[0]
-        layers = self.cache.layers
-        return Prefilled([la.keys for la in layers], [la.values for la in layers], logits, rows)
+        return Prefilled(self.cache, self.backend.logits(h[:, -1])[0], rows)
 
 
 @dataclass(eq=False)
@@ -116,18 +135,21 @@ class RunningBatch:
 
     def join(self, job: Job, p: Prefilled) -> Row:
         """Add ``job``'s row, its prompt prefilled as ``p``, to the batch (it samples at the next step)."""
-        length = p.keys[0].shape[2]
+        length = p.length
         row = Row(job, length, hidden=[p.rows[:length]] if job.needs_rows else None,
                   logprobs=[] if job.logprobs is not None else None)
         ones = torch.ones((1, length), dtype=torch.long)
         if not self.rows:
-            self.cache = DynamicCache(ddp_cache_data=list(zip(p.keys, p.values)))
+            self.cache = _own_cache(p.cache)
             self.mask, self.logits = ones, p.logits[None]
         else:
             width = max(self.width, length)
-            for layer, k, v in zip(self.cache.layers, p.keys, p.values):
-                layer.keys = torch.cat([_left_pad(layer.keys, width, 2), _left_pad(k, width, 2)])
-                layer.values = torch.cat([_left_pad(layer.values, width, 2), _left_pad(v, width, 2)])
+            for layer, new in zip(self.cache.layers, p.cache.layers):
+                for name, dim in batch_tensors(layer).items():
+                    a, b = getattr(layer, name), getattr(new, name)
+                    if dim is not None:
+                        a, b = _left_pad(a, width, dim), _left_pad(b, width, dim)
+                    setattr(layer, name, torch.cat([a, b]))
             self.mask = torch.cat([_left_pad(self.mask, width, 1), _left_pad(ones, width, 1)])
             self.logits = torch.cat([self.logits, p.logits[None]])
         self.rows.append(row)
@@ -182,12 +204,14 @@ class RunningBatch:
             self.cache, self.mask, self.logits = None, torch.zeros((0, 0), dtype=torch.long), torch.zeros((0, 0))
             return
         sel = torch.as_tensor(index, dtype=torch.long)
-        self.cache.batch_select_indices(sel.to(self.cache.layers[0].keys.device))
         self.mask, self.logits = self.mask[sel], self.logits[sel]
         lead = int(self.mask.any(0).long().argmax())  # first column some row uses
+        for layer in self.cache.layers:
+            for name, dim in batch_tensors(layer).items():
+                t = getattr(layer, name)
+                t = t[sel.to(t.device)]
+                setattr(layer, name, t.narrow(dim, lead, t.shape[dim] - lead) if dim is not None and lead else t)
         if lead:
-            for layer in self.cache.layers:
-                layer.keys, layer.values = layer.keys[:, :, lead:], layer.values[:, :, lead:]
             self.mask = self.mask[:, lead:]
 
     def _feed(self, tokens: list[int]) -> None:

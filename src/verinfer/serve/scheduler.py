@@ -258,7 +258,7 @@ class Scheduler:
 
     def _join(self, job: Job, prefilled: Prefilled) -> None:
         if job.max_tokens <= 0:  # nothing to decode: scored prompt only
-            row = Row(job, prefilled.keys[0].shape[2], hidden=[prefilled.rows] if job.needs_rows else None,
+            row = Row(job, prefilled.length, hidden=[prefilled.rows] if job.needs_rows else None,
                       logprobs=[] if job.logprobs is not None else None)
             self._finish(row, self._batch)
         else:
