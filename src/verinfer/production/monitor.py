@@ -217,13 +217,17 @@ def ordered(parts: Sequence[tuple[dict[str, np.ndarray], dict[str, dt.datetime]]
     return {k: v[order] for k, v in cols.items()}
 
 
-@functools.lru_cache(maxsize=64)
+JUDGED = ("trace_id", "margin", "cross_entropy", "exact_match")  # the score columns a verdict reads
+
+
+@functools.lru_cache(maxsize=16)
 def _scores(path: str, mtime_ns: int) -> dict[str, np.ndarray]:
-    return read_scores(path)
+    return {k: v for k, v in read_scores(path).items() if k in JUDGED}
 
 
 def cached_scores(path: str) -> dict[str, np.ndarray]:
-    """A shard's score file, read once per version (windows re-read their shards when they grow)."""
+    """The judged columns of a shard's score file, read once per version (a window re-reads its shards
+    whenever a later shard adds traces to it); 16 files at most are held."""
     return _scores(path, os.stat(path).st_mtime_ns)
 
 
