@@ -5,6 +5,7 @@ processes), and one-line errors for bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -325,3 +326,43 @@ def test_ray_records_what_the_in_process_monitor_records(backend, honest, tmp_pa
         rows.append(window_rows(url))
         store.close()
     assert rows[1] == rows[0] and sum(r[3] for r in rows[0]) == sum(len(t.output_token_ids) for t in honest[:6])
+
+
+def test_a_shard_whose_claims_keep_expiring_is_abandoned_not_retried_forever(backend, honest, tmp_path):
+    d = tmp_path / "traces"
+    write_traces(timed(honest[:2], "acme", T0, 1), d / "a.jsonl")
+    url = f"sqlite:///{tmp_path}/h.db"
+    store = open_store(url)
+    mon = Monitor(d, store, backend=backend, max_attempts=3)
+    mon.scan()
+    for attempt in (1, 2, 3):  # three monitors die holding it: each claim expires
+        [shard] = mon.claim()
+        assert shard.attempts == attempt
+        with store.transaction() as s:
+            s.execute(text("UPDATE shards SET lease_until = '2000-01-01 00:00:00'"))
+    assert mon.claim() == []
+    [(status, error)] = query(url, "SELECT status, error FROM shards")
+    assert status == "failed" and error.startswith("abandoned: 3 claims expired")
+    store.close()
+
+
+def test_sigterm_finishes_the_shard_at_hand_then_exits(honest, tmp_path):
+    d = tmp_path / "traces"
+    _write_shards(timed(honest, "acme", T0, 7), d, 4)
+    url = f"sqlite:///{tmp_path}/h.db"
+    p = _monitor_process(d, url, "--poll", "0.5", log=tmp_path / "m.log")
+    deadline = time.monotonic() + 300  # a hang guard, not a timing claim
+    while time.monotonic() < deadline and p.poll() is None:
+        with contextlib.suppress(Exception):  # the schema may not exist yet
+            if query(url, "SELECT COUNT(*) FROM shards WHERE status = 'done'")[0][0] >= 1:
+                break
+        time.sleep(0.05)
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=300) == 0, (tmp_path / "m.log").read_text()
+    states = dict(query(url, "SELECT status, COUNT(*) FROM shards GROUP BY status"))
+    assert "claimed" not in states and states.get("done", 0) >= 1, states  # nothing left half-done
+    done_tokens = query(url, "SELECT COALESCE(SUM(tokens), 0) FROM shards WHERE status = 'done'")[0][0]
+    assert query(url, "SELECT COALESCE(SUM(tokens), 0) FROM windows") == [(done_tokens,)]
+    events = [json.loads(line)["event"] for line in (tmp_path / "m.log").read_text().splitlines()
+              if line.startswith("{")]
+    assert events[-1] == "stopped"
