@@ -17,8 +17,10 @@ serve`` on the bundled model, one torch thread) and ``vllm`` (vLLM's CPU build, 
     requests per second for each side (all rounds' requests over all rounds' wall time), the
     throughput lost (1 - gateway / direct), p50 and p99 latency (time to the whole answer; for a
     stream to ``[DONE]``) and the p50 added. Goals (issue #26): at most 3% throughput lost and 2 ms
-    added at p50. Beside them, the gateway process's CPU time per request (``/proc/<pid>/stat``, its
-    writer thread included): what the gateway costs whatever else runs on the machine.
+    added at p50. Beside them, CPU time per request (``/proc/<pid>/stat``) of the gateway process (its
+    writer thread included) and of the engine's process tree (in the direct rounds), and their
+    ratio: what the gateway costs, far less disturbed than wall time by other jobs on the machine, and
+    the throughput an engine that is bound by the same CPUs would lose to it.
 (b) Memory: the gateway's RSS (``/proc/<pid>/status``) after ``--memory-requests`` requests to the fake
     engine and after ten times as many; flat means the recorder keeps nothing per request.
 
@@ -188,28 +190,45 @@ def gateway_argv(upstream: str, port: int, traces: Path) -> list[str]:
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of a process (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process and its descendants (vLLM decodes in a child process)."""
+    children: dict[int, list[int]] = {}
+    times: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.name))
+        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += times.get(p, 0.0)
+        todo += children.get(p, [])
+    return total
 
 
-def compare(name: str, direct: str, gateway: str, gateway_pid: int, args) -> list[dict]:
+def compare(name: str, direct: str, gateway: str, gateway_pid: int, engine_pid: int, args) -> list[dict]:
     rows = []
     for stream in (False, True):
         asyncio.run(load(direct, args.concurrency, args.concurrency, stream, args.max_tokens, 0))  # warm both
         asyncio.run(load(gateway, args.concurrency, args.concurrency, stream, args.max_tokens, 0))
         sides = {"direct": ([], 0.0), "gateway": ([], 0.0)}
-        gateway_cpu = 0.0
+        gateway_cpu = engine_cpu = 0.0
         for r in range(args.rounds):
             order = ("direct", "gateway") if r % 2 == 0 else ("gateway", "direct")
             for side in order:
-                before = cpu_s(gateway_pid)
+                before, engine_before = cpu_s(gateway_pid), cpu_s(engine_pid)
                 wall, lat = asyncio.run(load(direct if side == "direct" else gateway,
                                              args.requests if name == "fake" else args.engine_requests,
                                              args.concurrency, stream, args.max_tokens, 1000 * (r + 1)))
                 sides[side] = (sides[side][0] + lat, sides[side][1] + wall)
                 if side == "gateway":
                     gateway_cpu += cpu_s(gateway_pid) - before
+                else:
+                    engine_cpu += cpu_s(engine_pid) - engine_before
         d_lat, d_wall = np.array(sides["direct"][0]), sides["direct"][1]
         g_lat, g_wall = np.array(sides["gateway"][0]), sides["gateway"][1]
         row = {"engine": name, "stream": stream, "requests": int(d_lat.size),
@@ -221,11 +240,14 @@ def compare(name: str, direct: str, gateway: str, gateway_pid: int, args) -> lis
         row["throughput_lost"] = 1 - row["gateway_rps"] / row["direct_rps"]
         row["p50_added_ms"] = row["gateway_p50_ms"] - row["direct_p50_ms"]
         row["gateway_cpu_ms_per_request"] = 1000 * gateway_cpu / g_lat.size  # the writer thread's share included
+        row["engine_cpu_ms_per_request"] = 1000 * engine_cpu / d_lat.size  # direct rounds, its children included
+        row["cpu_ratio"] = row["gateway_cpu_ms_per_request"] / row["engine_cpu_ms_per_request"]
         rows.append(row)
         print(f"{name:6} stream={str(stream):5} direct {row['direct_rps']:7.1f} req/s  gateway {row['gateway_rps']:7.1f}"
               f" req/s  lost {row['throughput_lost']:+.1%}  p50 {row['direct_p50_ms']:.1f} -> "
               f"{row['gateway_p50_ms']:.1f} ms ({row['p50_added_ms']:+.2f})  p99 {row['direct_p99_ms']:.1f} -> "
-              f"{row['gateway_p99_ms']:.1f} ms  gateway CPU {row['gateway_cpu_ms_per_request']:.2f} ms/request", flush=True)
+              f"{row['gateway_p99_ms']:.1f} ms  CPU/request gateway {row['gateway_cpu_ms_per_request']:.2f} ms, engine "
+              f"{row['engine_cpu_ms_per_request']:.1f} ms ({row['cpu_ratio']:.2%})", flush=True)
     return rows
 
 
@@ -276,12 +298,12 @@ def main() -> None:
         for name in engines:
             argv, env, ready_s = engine_argv(name, port := free_port())
             upstream = f"http://127.0.0.1:{port}"
-            with process(argv, f"{upstream}/v1/models", tmp / f"{name}.log", ready_s, env):
+            with process(argv, f"{upstream}/v1/models", tmp / f"{name}.log", ready_s, env) as epid:
                 gport = free_port()
                 with process(gateway_argv(upstream, gport, tmp / f"traces-{name}"),
                              f"http://127.0.0.1:{gport}/gateway/health", tmp / f"gateway-{name}.log", 120) as gpid:
                     gateway = f"http://127.0.0.1:{gport}"
-                    rows += compare(name, upstream, gateway, gpid, args)
+                    rows += compare(name, upstream, gateway, gpid, epid, args)
                 if name == "fake":
                     memory = measure_memory(upstream, tmp, args)
     command = "python benchmarks/gateway_overhead.py " + " ".join(sys.argv[1:])
@@ -292,13 +314,15 @@ def main() -> None:
              f"chat requests, {args.max_tokens} tokens, "
              f"concurrency {args.concurrency}; the order alternating per round.", "",
              "| engine | stream | direct req/s | gateway req/s | throughput lost (goal <= 3%) | p50 direct ms | "
-             "p50 gateway ms | p50 added ms (goal <= 2) | p99 direct ms | p99 gateway ms | gateway CPU ms/request |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "p50 gateway ms | p50 added ms (goal <= 2) | p99 direct ms | p99 gateway ms | gateway CPU ms/request | "
+             "engine CPU ms/request | gateway CPU / engine CPU |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['engine']} | {r['stream']} | {r['direct_rps']:.1f} | {r['gateway_rps']:.1f} | "
                      f"{r['throughput_lost']:+.1%} | {r['direct_p50_ms']:.1f} | {r['gateway_p50_ms']:.1f} | "
                      f"{r['p50_added_ms']:+.2f} | {r['direct_p99_ms']:.1f} | {r['gateway_p99_ms']:.1f} | "
-                     f"{r['gateway_cpu_ms_per_request']:.2f} |")
+                     f"{r['gateway_cpu_ms_per_request']:.2f} | {r['engine_cpu_ms_per_request']:.1f} | "
+                     f"{r['cpu_ratio']:.2%} |")
     if memory:
         lines += ["", f"Gateway RSS (fake engine, recording on): {memory['rss_after_n_mb']:.1f} MB after "
                       f"{memory['requests_n']} requests, {memory['rss_after_10n_mb']:.1f} MB after "

@@ -3,11 +3,11 @@
 A real ``vllm serve`` (vLLM's CPU build, ``tests/test_engine_vllm_server.py`` starts it) and a real
 ``llama_cpp.server`` on the F32 GGUF (``tests/test_engine_llama_server.py``) behind the gateway; seeded
 chat traffic from a load generator on the ``openai`` client (four threads; two requests without a
-seed, which the gateway assigns; for vLLM one ``n = 2`` and one streamed); the shards the gateway
-wrote are verified as ``verinfer verify DIR`` does (``verinfer.sharded``: each shard scored, the
-scores merged and judged by a calibration fitted on honest traces the profile simulates, other
-prompts and seeds): CONSISTENT. The same engine behind ``engines/vllm_cpu/seed_proxy.py`` (every seed
-+ 1) placed between gateway and engine: INCONSISTENT. vLLM returns token ids (``return_token_ids``);
+seed, which the gateway assigns; for vLLM one ``n = 2`` and one streamed); then ``verinfer monitor
+--once`` (``Monitor.run_once``) verifies the shards the gateway wrote into a SQLite history, judged by
+a calibration fitted on honest traces the profile simulates (other prompts and seeds): the window is
+CONSISTENT. The same engine behind ``engines/vllm_cpu/seed_proxy.py`` (every seed + 1) placed between
+gateway and engine: the window is INCONSISTENT, with its first flagged trace recorded. vLLM returns token ids (``return_token_ids``);
 llama.cpp returns text only, so the gateway re-tokenizes with the claimed model's tokenizer, and
 fills in the fields whose llama.cpp defaults differ from OpenAI's (``request_defaults``).
 """
@@ -76,33 +76,47 @@ def load_generator(url: str, n_prompts: int, fancy: bool) -> int:
 
 def record_and_verify(backend, upstream: str, directory: Path, calibrator, profile: str, fancy: bool,
                       recording: Recording | None = None, **kw):
-    """Traffic through a gateway in front of ``upstream``, then the directory verified shard by shard."""
-    from verinfer import sharded
+    """Traffic through a gateway in front of ``upstream``, then ``verinfer monitor --once`` over its
+    directory into a SQLite history; the one window (an hour) that holds all of it."""
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from verinfer.production.monitor import Judge, Monitor
+    from verinfer.production.store import Window, open_store
 
     g = Gateway(GatewayConfig(upstream, directory / "traces", recording or Recording("engine", profile, "smollm2-135m"),
                               assign_seeds=True, shard_records=5, **kw), log=lambda *a, **k: None)
     with gateway_in_thread(g) as url:
         answered = load_generator(url, 8, fancy)
-    shards = sharded.find_shards(directory / "traces")
-    result = sharded.run_local(shards, directory / "scores", backend)
-    assert not result.errors, result.errors
-    summary = sharded.merge(directory / "scores", shards, calibrator, batch_size=1)
-    return summary, answered, g
+    store = open_store(f"sqlite:///{directory}/history.db")
+    try:
+        outcome = Monitor(directory / "traces", store, out_dir=directory / "scores", window_s=3600, backend=backend,
+                          judge=Judge(calibrator, "calibration")).run_once()
+        assert not outcome.failed and len(outcome.verified) == g.counters.shards_written, outcome
+        with Session(store.engine) as s:
+            windows = s.scalars(select(Window)).all()
+            s.expunge_all()
+    finally:
+        store.close()
+    assert len(windows) in (1, 2)  # an hour; two only when the traffic straddles the hour
+    assert sum(w.traces for w in windows) == g.counters.recorded
+    return windows, answered, g
 
 
 def test_vllm_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(vllm_url, backend, tmp_path):  # noqa: F811
     calibrator = calibration(backend, "vllm-cpu")
     honest, answered, g = record_and_verify(backend, vllm_url, tmp_path / "vllm", calibrator, "vllm-cpu", True)
-    print(f"\nvllm serve behind the gateway: {honest.verdict_text} ({honest.tokens} tokens)")
+    print(f"\nvllm serve behind the gateway: " + "; ".join(f"{w.note} ({w.tokens} tokens)" for w in honest))
     assert answered == 9 and g.counters.recorded == 9 and g.counters.unrecordable == g.counters.dropped == 0
     assert g.counters.ids_refused == 0  # vLLM takes return_token_ids
-    assert honest.consistent, honest.verdict_text
-    assert honest.exact_match_rate >= 0.99
+    assert all(w.verdict == "CONSISTENT" and w.first_flagged is None for w in honest), [w.note for w in honest]
+    assert all(w.exact_match_rate >= 0.99 for w in honest)
     (tmp_path / "proxy-log").mkdir()
     with seed_proxy(vllm_url, tmp_path / "proxy-log") as proxied:
         dishonest, _, _ = record_and_verify(backend, proxied, tmp_path / "proxy", calibrator, "vllm-cpu", False)
-    print(f"vllm serve behind a seed-rewriting proxy: {dishonest.verdict_text}")
-    assert not dishonest.consistent, dishonest.verdict_text
+    print("vllm serve behind a seed-rewriting proxy: " + "; ".join(f"{w.note}, first flagged {w.first_flagged}"
+                                                                   for w in dishonest))
+    assert any(w.verdict == "INCONSISTENT" and w.first_flagged.startswith("engine/") for w in dishonest)
 
 
 def test_llama_cpp_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(llama_url, backend,  # noqa: F811
@@ -114,15 +128,16 @@ def test_llama_cpp_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_n
     neutral = {k: v for k, v in NEUTRAL.items() if k != "top_k"}  # the client sends top_k itself
     honest, answered, g = record_and_verify(backend, llama_url, tmp_path / "llama", calibrator, "llama.cpp", False,
                                             recording=rec, defaults=neutral)
-    print(f"\nllama_cpp.server behind the gateway: {honest.verdict_text} ({honest.tokens} tokens)")
+    print(f"\nllama_cpp.server behind the gateway: " + "; ".join(f"{w.note} ({w.tokens} tokens)" for w in honest))
     assert answered == 8 and g.counters.recorded == 8 and g.counters.unrecordable == 0
-    assert honest.consistent, honest.verdict_text
+    assert all(w.verdict == "CONSISTENT" for w in honest), [w.note for w in honest]
     (tmp_path / "proxy-log").mkdir()
     with seed_proxy(llama_url, tmp_path / "proxy-log") as proxied:
         dishonest, _, _ = record_and_verify(backend, proxied, tmp_path / "proxy", calibrator, "llama.cpp", False,
                                             recording=rec, defaults=neutral)
-    print(f"llama_cpp.server behind a seed-rewriting proxy: {dishonest.verdict_text}")
-    assert not dishonest.consistent, dishonest.verdict_text
+    print("llama_cpp.server behind a seed-rewriting proxy: " + "; ".join(
+        f"{w.note}, first flagged {w.first_flagged}" for w in dishonest))
+    assert any(w.verdict == "INCONSISTENT" and w.first_flagged.startswith("llama/") for w in dishonest)
 
 
 def test_vllm_answers_reach_the_client_as_vllm_sends_them(vllm_url, tmp_path):  # noqa: F811

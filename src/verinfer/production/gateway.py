@@ -13,7 +13,8 @@ An engine that refuses the added ``return_token_ids`` (a 4xx whose body names it
 again without it, once, and the gateway stops asking that engine for ids (then the recorder
 re-tokenizes); so no client ever sees an error the gateway caused. An engine that cannot be reached
 answers 502 in OpenAI's error shape. ``GET /gateway/health`` reports the upstream, the recorder's
-state and every counter (``recorder.Counters``). Logs are JSON lines on stderr (``json_log``);
+state and every counter (``recorder.Counters``); ``GET /gateway/metrics`` gives the counters to
+Prometheus. Logs are JSON lines on stderr (``json_log``);
 shutdown (SIGTERM or SIGINT, through uvicorn's lifespan) writes the open shard.
 """
 
