@@ -403,6 +403,13 @@ def test_kill_9_keeps_finished_shards_and_sigterm_writes_the_open_one(tmp_path):
                     proc.kill()
             shards = find_shards(traces)
             assert len(shards) == expect_shards and _records(traces) == expect_records, how
+            # a killed writer's half-written file (a dead pid in its name) goes when the next gateway starts
+            stale, live = traces / "traces-20260101T000000Z-999999999-000001.parquet.tmp", \
+                traces / f"traces-20260101T000000Z-{os.getpid()}-000001.parquet.tmp"
+            stale.write_bytes(b"PAR1"), live.write_bytes(b"PAR1")
+            _gateway(engine, traces, Recording("fake"), None).recorder.close()  # its recorder cleans up at start
+            assert not stale.exists() and live.exists()
+            live.unlink()
             assert not [p for p in traces.iterdir() if p.is_file() and p.suffix not in (".parquet",)]
             log = [json.loads(line) for line in (tmp_path / f"{how.name}.log").read_text().splitlines()
                    if line.startswith("{")]

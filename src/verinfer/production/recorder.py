@@ -14,7 +14,8 @@ A shard is closed after ``shard_records`` traces or ``shard_seconds`` after its 
 whichever comes first, and written by ``verinfer.trace.write_traces`` (a temporary file renamed into
 place), so a crash or kill -9 loses at most the open shard's records and never leaves a partial
 shard; names carry the time, the process id and a sequence number and an existing file is never
-replaced. ``close`` (graceful shutdown) drains the queue and writes the open shard.
+replaced. A half-written ``.parquet.tmp`` left by a killed gateway (its process gone) is deleted when
+the next one starts. ``close`` (graceful shutdown) drains the queue and writes the open shard.
 
 A shard that cannot be written (a full disk, a directory made read-only) stops recording with one
 log line naming the directory and the error; its records and every later exchange count as
@@ -24,6 +25,7 @@ object a Prometheus ``/metrics`` endpoint can read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -66,6 +68,16 @@ class Counters:
     def snapshot(self) -> dict[str, int]:
         with self.lock:
             return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def shard_name(seq: int, now: float | None = None) -> str:
@@ -118,6 +130,7 @@ class Recorder:
             raise ValueError(f"shard_seconds must be > 0, got {shard_seconds}")
         self.directory, self.recording, self.log, self.counters = Path(directory), recording, log, counters
         self.directory.mkdir(parents=True, exist_ok=True)  # an impossible directory fails here, before any request
+        self._remove_stale()
         self.shard_records, self.shard_seconds, self.on_full = shard_records, shard_seconds, on_full
         self.queue: queue.Queue[Exchange | None] = queue.Queue(queue_size)
         self.shards = ShardWriter(self.directory, write)
@@ -126,6 +139,17 @@ class Recorder:
         self.full = False  # inside a full-queue spell (logged once per spell)
         self.thread = threading.Thread(target=self._run, name="verinfer-gateway-recorder", daemon=True)
         self.thread.start()
+
+    def _remove_stale(self) -> None:
+        """Delete the half-written shards (``*.parquet.tmp``) a killed gateway left: their process is gone."""
+        for tmp in [*self.directory.glob("traces-*.parquet.tmp"),
+                    *(self.directory / UNVERIFIABLE_DIR).glob("traces-*.parquet.tmp")]:
+            parts = tmp.name.split("-")
+            if len(parts) < 4 or not parts[2].isdigit() or _alive(int(parts[2])):
+                continue
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+                self.log("info", "stale_tmp_removed", path=str(tmp))
 
     def submit(self, ex: Exchange) -> None:
         """Hand an exchange over without waiting (policy ``drop``) or until there is room (``block``;
