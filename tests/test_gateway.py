@@ -49,6 +49,18 @@ def fake_engine(seen: list | None = None, refuse_ids: bool = False, ids: bool = 
         return {"object": "list", "data": [{"id": "fake", "object": "model",
                                             "owned_by": "vllm" if null_style else "fake"}]}
 
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if seen is not None:
+            seen.append({"body": body, "auth": request.headers.get("authorization")})
+        want = ids and body.get("return_token_ids") is True
+        choices = [{"index": j, "text": "".join(f"t{t}" for t in OUTPUT), "logprobs": None, "finish_reason": "length",
+                    **({"prompt_token_ids": PROMPT if want else None, "token_ids": OUTPUT if want else None}
+                       if want or null_style else {})} for j in range(body.get("n", 1))]
+        return {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "fake", "choices": choices,
+                **({"prompt_logprobs": None} if null_style else {})}
+
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
         body = await request.json()
@@ -204,6 +216,7 @@ def test_pass_through_equals_the_engine_directly(tmp_path, null_style):
             ("chat/completions", {**CHAT, "stream": True, "n": 2}, {}),
             ("chat/completions", {**CHAT, "stream": True, "return_token_ids": True}, {}),
             ("chat/completions", {**CHAT, "temperature": 5}, {}),  # the engine's error, as it is
+            ("completions", {"model": "fake", "prompt": "Once upon", "max_tokens": 4, "seed": 3, "n": 2}, {}),
         ]:
             direct = httpx.post(f"{engine}/{path}", json=body, headers=headers, timeout=30)
             proxied = httpx.post(f"{gw}/{path}", json=body, headers=headers, timeout=30)
@@ -218,11 +231,13 @@ def test_pass_through_equals_the_engine_directly(tmp_path, null_style):
         health = httpx.get(gw.removesuffix("/v1") + "/gateway/health").json()
     # what the engine saw: ids asked for, the client's seed kept, the key passed on
     via = [s for s in seen if s["body"].get("return_token_ids") and s["body"]["seed"] == 3]
-    assert len(via) >= 6 and any(s["auth"] == "Bearer sk-secret-123" for s in via)
-    assert health["requests"] == 8 and health["upstream_errors"] == 2 and health["queue_depth"] >= 0
+    assert len(via) >= 7 and any(s["auth"] == "Bearer sk-secret-123" for s in via)
+    assert health["requests"] == 9 and health["upstream_errors"] == 2 and health["queue_depth"] >= 0
     traces = [t for p in find_shards(tmp_path) for t in read_traces(p)]
-    assert len(traces) == 1 + 2 + 1 + 2 + 1  # one per choice of every answered generation
+    assert len(traces) == 1 + 2 + 1 + 2 + 1 + 2  # one per choice of every answered generation
     assert all(t.output_token_ids == OUTPUT and t.prompt_token_ids == PROMPT for t in traces)
+    completions = sorted((t for t in traces if t.meta["endpoint"] == "completions"), key=lambda t: t.sampling.seed)
+    assert [t.sampling.seed for t in completions] == [3, 4] and completions[0].prompt_text == "Once upon"
     assert not any("sk-secret" in p.read_bytes().decode("latin-1") for p in tmp_path.rglob("*.parquet"))
 
 
@@ -341,6 +356,48 @@ def test_a_trace_directory_that_turns_into_a_file_stops_recording(tmp_path):
                 time.sleep(0.05)
             assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
     assert g.recorder.stopped and str(traces) in g.recorder.stopped and g.counters.write_errors == 1
+
+
+def test_block_policy_waits_for_room_and_loses_nothing(tmp_path):
+    from verinfer.trace import write_traces
+
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_write(traces, path):
+        entered.set()
+        release.wait(30)
+        return write_traces(traces, path)
+
+    with asgi_in_thread(fake_engine()) as engine:
+        g = _gateway(engine, tmp_path, Recording("fake"), None, write=slow_write, queue_size=1, shard_records=1,
+                     on_full="block")
+        with gateway_in_thread(g) as gw:
+            assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
+            assert entered.wait(30)
+            codes: list = []
+            clients = [threading.Thread(target=lambda: codes.append(
+                httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=60).status_code)) for _ in range(3)]
+            for c in clients:
+                c.start()
+            release.set()
+            for c in clients:
+                c.join(60)
+    assert codes == [200, 200, 200] and g.counters.dropped == 0 and g.counters.recorded == 4
+
+
+def test_unverifiable_choices_are_kept_apart_with_the_reason(tmp_path):
+    with asgi_in_thread(fake_engine()) as engine:
+        g = _gateway(engine, tmp_path, Recording("fake", "llama.cpp"), None)
+        with gateway_in_thread(g) as gw:
+            for body in ({**CHAT, "seed": None}, {**CHAT, "n": 2}, {**CHAT, "temperature": 0, "seed": None},
+                         {**CHAT, "frequency_penalty": 0.5}):
+                assert httpx.post(f"{gw}/chat/completions", json=body, timeout=30).status_code == 200
+    verifiable = [t for p in find_shards(tmp_path) for t in read_traces(p)]
+    aside = [t for p in find_shards(tmp_path / "unverifiable") for t in read_traces(p)]
+    assert [t.sampling.profile for t in verifiable] == ["greedy"]  # temperature 0 needs no seed
+    reasons = sorted(t.meta["unverifiable"].split(" ")[0] for t in aside)
+    assert len(aside) == 4 and g.counters.unverifiable == 4 and g.counters.recorded == 1
+    assert reasons == ["n=2", "n=2", "request", "sampled"], reasons
 
 
 # ---------------------------------------------------------------------------------------------------
