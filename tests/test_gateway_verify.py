@@ -9,10 +9,8 @@ same canonical outputs."""
 from __future__ import annotations
 
 import contextlib
-import json
 
 import httpx
-import numpy as np
 import pytest
 
 from tests.audit_servers import seed_proxy
