@@ -3,7 +3,8 @@
 Usage: python benchmarks/dashboard_pages.py [--small 4000] [--large 100000] [--series 4] [--repeats 9]
 
 Two SQLite databases are filled through the store's models (``verinfer.production.store.Window``,
-migrated by Alembic as the monitor's are) with the same number of series (provider/model/profile,
+migrated by Alembic as the monitor's are; each series' newest window recorded in ``streams`` by
+``store.advance_stream``, as the monitor does) with the same number of series (provider/model/profile,
 60 s windows) and seeded verdict runs (mostly CONSISTENT, INCONSISTENT runs, a few windows without a
 verdict), judged by the shipped bands so honest bands are drawn. Each page is rendered in process
 (FastAPI's TestClient: routing, queries, Jinja, SVG) ``--repeats`` times, alternating the two
@@ -38,7 +39,7 @@ from sqlalchemy import insert  # noqa: E402
 from verinfer.files import write_atomic  # noqa: E402
 from verinfer.machine import describe  # noqa: E402
 from verinfer.production.dashboard import create_app  # noqa: E402
-from verinfer.production.store import Window, open_store  # noqa: E402
+from verinfer.production.store import Key, Window, advance_stream, open_store, timeline  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 T0 = dt.datetime(2026, 1, 1)
@@ -69,6 +70,8 @@ def fill(url: str, windows: int, series: int, seed: int = 0):
                                  shards=1, computed=1, updated_at=start + dt.timedelta(minutes=2)))
             with store.transaction() as s:
                 s.execute(insert(Window), rows)
+        with store.transaction() as s:
+            advance_stream(s, s.scalars(timeline(Key(f"provider-{k}", "smollm2-135m", "greedy", 60), newest=1)).one())
     return store, T0 + dt.timedelta(minutes=per)
 
 

@@ -22,7 +22,7 @@ from verinfer.production import views
 from verinfer.production.alerts import Alerter
 from verinfer.production.dashboard import authorized, create_app, is_loopback
 from verinfer.production.metrics import exposition, gateway_metrics
-from verinfer.production.store import AuditResult, AuditRun, Window, open_store
+from verinfer.production.store import AuditResult, AuditRun, Window, advance_stream, open_store
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, 0)
 EVIL = 'evil<script>alert("x")</script>'
@@ -34,14 +34,17 @@ ACME = ["CONSISTENT", "CONSISTENT", "INCONSISTENT", "INCONSISTENT", None, "CONSI
 def add_window(s, provider: str, i: int, verdict: str | None, model: str = "smollm2-135m", tokens: int = 100,
                note: str | None = None) -> None:
     start = T0 + dt.timedelta(minutes=10 * i)
-    s.add(Window(provider=provider, model=model, profile="vllm-cpu", seconds=600, start_time=start,
-                 end_time=start + dt.timedelta(minutes=10), traces=4, tokens=tokens,
-                 exact_match_rate=0.99 if verdict != "INCONSISTENT" else 0.4,
-                 mean_margin=0.01 if verdict != "INCONSISTENT" else 3.0, verdict=verdict,
-                 p_value=None if verdict is None else (0.5 if verdict == "CONSISTENT" else 1e-4),
-                 judged_by=None if verdict is None else "bands bands-smollm2-135m-greedy.json",
-                 note=note or (verdict or "too few tokens: 3 < the smallest calibrated batch (10)"), shards=1, computed=1,
-                 updated_at=start + dt.timedelta(minutes=11)))
+    w = Window(provider=provider, model=model, profile="vllm-cpu", seconds=600, start_time=start,
+               end_time=start + dt.timedelta(minutes=10), traces=4, tokens=tokens,
+               exact_match_rate=0.99 if verdict != "INCONSISTENT" else 0.4,
+               mean_margin=0.01 if verdict != "INCONSISTENT" else 3.0, verdict=verdict,
+               p_value=None if verdict is None else (0.5 if verdict == "CONSISTENT" else 1e-4),
+               judged_by=None if verdict is None else "bands bands-smollm2-135m-greedy.json",
+               note=note or (verdict or "too few tokens: 3 < the smallest calibrated batch (10)"), shards=1, computed=1,
+               updated_at=start + dt.timedelta(minutes=11))
+    s.add(w)
+    s.flush()
+    advance_stream(s, w)  # as the monitor records it: the stream's newest window
 
 
 @pytest.fixture()

@@ -71,8 +71,10 @@ def history_metrics(s: Session) -> list[Metric]:
         "last": GaugeMetricFamily("verinfer_last_verified_timestamp_seconds",
                                   "When a window of the series was last recorded.", labels=LABELS),
     }
-    for key, windows, tokens, last in views.keys(s, views.Filters()):
-        st = views.state(s, key, windows, tokens, last)
+    for newest in views.series(s, views.Filters()):
+        key = views.Key.of(newest)
+        windows, tokens, last = views.totals(s, key)
+        st = views.state(s, key, windows, tokens, last, newest)
         labels = [key.provider, key.model, key.profile, str(key.seconds)]
         fams["tokens"].add_metric(labels, tokens)
         fams["windows"].add_metric(labels, windows)

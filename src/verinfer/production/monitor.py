@@ -43,14 +43,12 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 from sqlalchemy import and_, or_, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import OperationalError
 
 from verinfer import sharded
 from verinfer.models.load import file_sha256 as sha256
-from verinfer.production.store import (AuditResult, AuditRun, Shard, ShardResult, Store, Stream, Window, WindowTrace,
-                                       utcnow)
+from verinfer.production.store import (AuditResult, AuditRun, Key, Shard, ShardResult, Store, Window, WindowTrace,
+                                       advance_stream, dialect_insert, timeline, utcnow)
 from verinfer.scoring.scores import read_scores, read_signature, signature
 from verinfer.stats.calibration import Calibrator, signature_mismatch
 from verinfer.stats.pooling import sequence_stats
@@ -169,15 +167,9 @@ class Judge:
 # one shard's traces, grouped by provider/model/profile and window
 
 
-@dataclass(frozen=True)
-class Key:
-    provider: str
-    model: str
-    profile: str
-
-
-def key_of(trace: Trace) -> Key:
-    return Key(trace.provider or "unknown", trace.model, trace.sampling.profile)
+def key_of(trace: Trace, seconds: int) -> Key:
+    """The stream a trace's window belongs to (``seconds``: the window length)."""
+    return Key(trace.provider or "unknown", trace.model, trace.sampling.profile, seconds)
 
 
 @dataclass
@@ -193,10 +185,10 @@ class ShardTraces:
         mask = np.isin(self.columns["trace_id"], list(ids))
         return {k: v[mask] for k, v in self.columns.items()}
 
-    def groups(self) -> dict[Key, list[Trace]]:
+    def groups(self, seconds: int) -> dict[Key, list[Trace]]:
         out: dict[Key, list[Trace]] = {}
         for t in self.traces:
-            out.setdefault(key_of(t), []).append(t)
+            out.setdefault(key_of(t, seconds), []).append(t)
         return out
 
 
@@ -275,7 +267,7 @@ class Monitor:
     # -- finding shards ------------------------------------------------------------------------------
 
     def _insert(self, table):
-        return (pg_insert if self.store.dialect == "postgresql" else sqlite_insert)(table)
+        return dialect_insert(self.store.dialect, table)
 
     def scan(self) -> int:
         """Register every finished shard not registered yet (unique path + sha256); how many were new."""
@@ -418,7 +410,7 @@ class Monitor:
             raise LeaseLost()
         trace_stats = per_trace(data.columns)
         buckets: dict[tuple[Key, dt.datetime], list[Trace]] = {}
-        for key, traces in data.groups().items():
+        for key, traces in data.groups(self.window_s).items():
             sig = signature(traces, data.verifier["model"], data.verifier["dtype"])
             s.add(ShardResult(shard_id=shard.id, signature=json.dumps(sig, sort_keys=True), provider=key.provider,
                               model=key.model, profile=key.profile,
@@ -441,31 +433,18 @@ class Monitor:
         for (key, start), window in zip(sorted_buckets, windows):
             newest[key] = window  # sorted by start within a key: the last is the newest
         for key in sorted(newest, key=lambda k: (k.provider, k.model, k.profile)):
-            self._advance_stream(s, key, newest[key])
+            advance_stream(s, newest[key])  # locked after the windows: one lock order
         return verdicts
-
-    def _advance_stream(self, s, key: Key, window: Window) -> None:
-        """Point the stream at its newest window (locked after the windows: one lock order, no deadlock)."""
-        s.execute(self._insert(Stream).values(provider=key.provider, model=key.model, profile=key.profile,
-                                              seconds=self.window_s, last_start=window.start_time,
-                                              last_window_id=window.id)
-                  .on_conflict_do_nothing(index_elements=["provider", "model", "profile", "seconds"]))
-        s.execute(update(Stream).where(Stream.provider == key.provider, Stream.model == key.model,
-                                       Stream.profile == key.profile, Stream.seconds == self.window_s,
-                                       Stream.last_start < window.start_time)
-                  .values(last_start=window.start_time, last_window_id=window.id))
 
     def _lock_window(self, s, key: Key, start: dt.datetime) -> Window:
         """The window row, created if new, locked until this transaction ends."""
         now = utcnow()
         s.execute(self._insert(Window).values(
-            provider=key.provider, model=key.model, profile=key.profile, seconds=self.window_s, start_time=start,
-            end_time=start + dt.timedelta(seconds=self.window_s), shards=0, computed=0, traces=0, tokens=0,
+            provider=key.provider, model=key.model, profile=key.profile, seconds=key.seconds, start_time=start,
+            end_time=start + dt.timedelta(seconds=key.seconds), shards=0, computed=0, traces=0, tokens=0,
             updated_at=now).on_conflict_do_nothing(
             index_elements=["provider", "model", "profile", "seconds", "start_time"]))
-        return s.scalars(select(Window).where(
-            Window.provider == key.provider, Window.model == key.model, Window.profile == key.profile,
-            Window.seconds == self.window_s, Window.start_time == start).with_for_update()).one()
+        return s.scalars(timeline(key, start, start).with_for_update()).one()
 
     def _recompute(self, s, window: Window) -> None:
         """Judge the window over every token of every trace it holds, from all its shards."""
@@ -582,7 +561,7 @@ class AuditSchedule:
 
         slot = self.due_slot(now or utcnow())
         out = self.out_dir / f"audit-{slot:%Y%m%dT%H%M%SZ}"
-        insert = (pg_insert if store.dialect == "postgresql" else sqlite_insert)(AuditRun)
+        insert = dialect_insert(store.dialect, AuditRun)
         with store.transaction() as s:
             run_id = s.scalars(insert.values(slot=slot, owner=owner, status="running", started_at=utcnow(),
                                              out_dir=str(out)).on_conflict_do_nothing(index_elements=["slot"])

@@ -9,21 +9,24 @@ Exactly-once bookkeeping rests on the database: a shard's identity is unique ``(
 monitor claims it with a conditional UPDATE (pending, or claimed with an expired lease) and
 records its results together with ``status='done'`` in one transaction (``verinfer.production.monitor``).
 
-Indexes serve the dashboard (issue #30): a timeline per provider/model/profile is a range scan of
-``uq_windows_key``; the current state and "since when" are index lookups of the latest window and of
-the latest window with another verdict (``streams``, ``ix_windows_state``); a window's traces are
-``ix_window_traces_window``.
+Indexes serve the dashboard (issue #30), whose every read is a query builder below: the streams and
+their current state are the ``streams`` rows and their newest windows (by primary key); a timeline and
+a stream's totals are range scans of ``uq_windows_key``; "since when" is index lookups of the latest
+window with each other verdict (``ix_windows_state``); a window's traces are ``ix_window_traces_window``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from sqlalchemy import (BigInteger, DateTime, Float, ForeignKey, Index, Integer, Select, String, Text,
-                        UniqueConstraint, and_, create_engine, event, func, or_, select, text)
+                        UniqueConstraint, and_, create_engine, event, func, select, text, update)
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import ArgumentError, OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
@@ -173,40 +176,118 @@ class AuditResult(ResultColumns, Base):
 
 
 # --------------------------------------------------------------------------------------------------
-# the dashboard's reads (issue #30), each an index range scan or lookup (tests/test_store.py checks the plans)
+# the dashboard's reads (issue #30), each an index range scan or lookup (tests/test_store.py checks the
+# plans of every statement the dashboard's pages run)
 
 
-def timeline(provider: str, model: str, profile: str, seconds: int, since: dt.datetime | None = None,
-             until: dt.datetime | None = None) -> Select:
-    """One provider/model/profile's windows of one length, oldest first (``uq_windows_key``)."""
-    q = select(Window).where(Window.provider == provider, Window.model == model, Window.profile == profile,
-                             Window.seconds == seconds)
-    if since is not None:
-        q = q.where(Window.start_time >= since)
-    if until is not None:
-        q = q.where(Window.start_time < until)
-    return q.order_by(Window.start_time)
+@dataclass(frozen=True)
+class Key:
+    """A stream: one provider/model/profile at one window length (``streams``' and ``windows``' key)."""
+
+    provider: str
+    model: str
+    profile: str
+    seconds: int
+
+    @classmethod
+    def of(cls, row: "Window | Stream") -> "Key":
+        return cls(row.provider, row.model, row.profile, row.seconds)
+
+    def where(self) -> Any:
+        return and_(Window.provider == self.provider, Window.model == self.model, Window.profile == self.profile,
+                    Window.seconds == self.seconds)
+
+    @property
+    def label(self) -> str:
+        return f"{self.provider} / {self.model} / {self.profile} / {self.seconds}s windows"
 
 
-def latest() -> Select:
-    """The newest window of every stream (provider/model/profile and window length): the current state."""
-    return select(Window).where(Window.id.in_(select(Stream.last_window_id)))
+def latest(provider: str | None = None, model: str | None = None, profile: str | None = None) -> Select:
+    """The newest window of every stream (the current state), in key order: one row per ``streams``
+    row, the window by primary key; only the streams of ``provider`` / ``model`` / ``profile`` when given."""
+    q = select(Window).join(Stream, Stream.last_window_id == Window.id)
+    for column, value in ((Stream.provider, provider), (Stream.model, model), (Stream.profile, profile)):
+        if value is not None:
+            q = q.where(column == value)
+    return q.order_by(Stream.provider, Stream.model, Stream.profile, Stream.seconds)
 
 
-def last_other_verdict(window: Window) -> Select:
-    """The newest earlier window of the same stream whose verdict differs: the current verdict holds
-    since the window after it (``ix_windows_state``)."""
-    other = (or_(Window.verdict != window.verdict, Window.verdict.is_(None)) if window.verdict is not None
-             else Window.verdict.is_not(None))
-    return (select(func.max(Window.start_time))
-            .where(Window.provider == window.provider, Window.model == window.model, Window.profile == window.profile,
-                   Window.seconds == window.seconds, Window.start_time < window.start_time, other))
+def totals(key: Key) -> Select:
+    """A stream's window count, tokens and last update (``uq_windows_key`` range)."""
+    return select(func.count(), func.coalesce(func.sum(Window.tokens), 0), func.max(Window.updated_at)).where(key.where())
 
 
-def traces_of(window_id: int) -> Select:
-    """A window's traces in request order, with the scores file holding their per-token scores."""
-    return (select(WindowTrace, Shard.path, Shard.scores_path).join(Shard, Shard.id == WindowTrace.shard_id)
-            .where(WindowTrace.window_id == window_id).order_by(WindowTrace.request_time))
+def _range(key: Key, since: dt.datetime | None, until: dt.datetime | None) -> list:
+    return [key.where()] + ([Window.start_time >= since] if since is not None else []) + \
+        ([Window.start_time <= until] if until is not None else [])
+
+
+def timeline(key: Key, since: dt.datetime | None = None, until: dt.datetime | None = None,
+             newest: int | None = None) -> Select:
+    """A stream's windows starting in [since, until], oldest first; with ``newest``, only the newest
+    that many, newest first (``uq_windows_key`` range)."""
+    q = select(Window).where(*_range(key, since, until))
+    return q.order_by(Window.start_time) if newest is None else q.order_by(Window.start_time.desc()).limit(newest)
+
+
+def timeline_count(key: Key, since: dt.datetime | None = None, until: dt.datetime | None = None) -> Select:
+    """How many windows ``timeline`` holds."""
+    return select(func.count()).select_from(Window).where(*_range(key, since, until))
+
+
+def neighbour(key: Key, start: dt.datetime, later: bool) -> Select:
+    """The stream's window just after (``later``) or just before ``start``."""
+    q = select(Window).where(key.where(), Window.start_time > start if later else Window.start_time < start)
+    return q.order_by(Window.start_time if later else Window.start_time.desc()).limit(1)
+
+
+def last_with(key: Key, verdict: str | None, before: dt.datetime | None = None) -> Select:
+    """Start of the stream's newest window with ``verdict`` (None: without a verdict), before ``before``:
+    one lookup of ``ix_windows_state`` (an IN or OR over verdicts would walk the stream's windows)."""
+    return select(func.max(Window.start_time)).where(
+        key.where(), Window.verdict.is_(None) if verdict is None else Window.verdict == verdict,
+        *([Window.start_time < before] if before is not None else []))
+
+
+def first_after(key: Key, after: dt.datetime | None) -> Select:
+    """Start of the stream's first window after ``after`` (None: its first window)."""
+    return select(func.min(Window.start_time)).where(key.where(),
+                                                     *([Window.start_time > after] if after is not None else []))
+
+
+def traces_of(window_id: int, limit: int | None = None, offset: int = 0) -> Select:
+    """A window's traces in request order with their shards (which name the scores file holding their
+    per-token scores), ``limit`` from ``offset`` (``ix_window_traces_window``)."""
+    return (select(WindowTrace, Shard).join(Shard, Shard.id == WindowTrace.shard_id)
+            .where(WindowTrace.window_id == window_id).order_by(WindowTrace.request_time, WindowTrace.trace_id)
+            .limit(limit).offset(offset))
+
+
+def trace_count(window_id: int) -> Select:
+    return select(func.count()).select_from(WindowTrace).where(WindowTrace.window_id == window_id)
+
+
+# --------------------------------------------------------------------------------------------------
+# the monitor's writes shared with tests and benchmarks
+
+
+def dialect_insert(dialect: str, table) -> Any:
+    """An INSERT that can take ``on_conflict_do_nothing`` in the store's dialect."""
+    return (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
+
+
+def advance_stream(s: Session, window: Window) -> None:
+    """Point the window's stream at it if it is the stream's newest (the monitor calls it after locking
+    the windows: one lock order, no deadlock)."""
+    key = Key.of(window)
+    s.execute(dialect_insert(s.get_bind().dialect.name, Stream).values(
+        provider=key.provider, model=key.model, profile=key.profile, seconds=key.seconds,
+        last_start=window.start_time, last_window_id=window.id)
+        .on_conflict_do_nothing(index_elements=["provider", "model", "profile", "seconds"]))
+    s.execute(update(Stream).where(Stream.provider == key.provider, Stream.model == key.model,
+                                   Stream.profile == key.profile, Stream.seconds == key.seconds,
+                                   Stream.last_start < window.start_time)
+              .values(last_start=window.start_time, last_window_id=window.id))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -310,6 +391,7 @@ def open_store(url: str) -> Store:
     return Store(url)
 
 
-__all__ = ["AuditResult", "AuditRun", "Base", "Shard", "ShardResult", "Store", "StoreError", "Stream", "Window", "WindowTrace",
-           "database_url", "last_other_verdict", "latest", "make_engine", "open_store", "shown", "timeline", "traces_of",
-           "upgrade", "utcnow"]
+__all__ = ["AuditResult", "AuditRun", "Base", "Key", "Shard", "ShardResult", "Store", "StoreError", "Stream", "Window",
+           "WindowTrace", "advance_stream", "database_url", "dialect_insert", "first_after", "last_with", "latest",
+           "make_engine", "neighbour", "open_store", "shown", "timeline", "timeline_count", "totals", "trace_count",
+           "traces_of", "upgrade", "utcnow"]

@@ -1,9 +1,10 @@
 """What the dashboard shows, read from the verification history (``verinfer.production.store``).
 
-Read-only queries, each served by one of the store's indexes so that pages stay fast with 100,000
-windows (``benchmarks/dashboard_pages.py``): one GROUP BY pass for the series and their totals, a
-range scan of ``uq_windows_key`` per timeline (the latest ``points`` windows of the range), and
-index lookups of ``ix_windows_state`` for a series' current state and since when it holds.
+Read-only, through the store's query builders (``verinfer.production.store``: each served by one of
+its indexes, so that pages stay fast with 100,000 windows; ``benchmarks/dashboard_pages.py``): the
+series and their newest windows from ``streams``, a range scan of ``uq_windows_key`` per shown
+series' totals and timeline (the latest ``points`` windows of the range), and index lookups of
+``ix_windows_state`` for since when a series' verdict holds.
 
 A *series* is one provider/model/profile at one window length. A *verdict change* is a window whose
 verdict (CONSISTENT / INCONSISTENT) differs from the last verdict before it in its series; windows
@@ -26,25 +27,26 @@ from typing import Any, Mapping, Sequence
 from urllib.parse import urlencode
 
 import numpy as np
-from sqlalchemy import and_, create_engine, func, select
+from sqlalchemy import create_engine, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
+from verinfer.production import store as reads
 from verinfer.production.monitor import as_utc, parse_duration
-from verinfer.production.store import AuditResult, Shard, Store, Window, WindowTrace, database_url, utcnow
+from verinfer.production.store import AuditResult, Key, Store, Window, database_url, utcnow
 from verinfer.stats.pooling import MARGIN_CLIP
 
 VERDICTS = ("CONSISTENT", "INCONSISTENT")
 MAX_POINTS = 5000
 
 
-def read_engine(store: Store) -> Engine:
+def read_engine(history: Store) -> Engine:
     """An engine for page queries. SQLite: one without the store's BEGIN IMMEDIATE (which a writer
     needs, and which would make every page hold the monitor's write lock); WAL lets it read beside
     the monitor. PostgreSQL: the store's own."""
-    if store.dialect != "sqlite":
-        return store.engine
-    return create_engine(database_url(store.url), connect_args={"timeout": 60})
+    if history.dialect != "sqlite":
+        return history.engine
+    return create_engine(database_url(history.url), connect_args={"timeout": 60})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -109,6 +111,10 @@ class Filters:
     def where(self, table) -> list:
         return [getattr(table, k) == getattr(self, k) for k in ("provider", "model", "profile")
                 if getattr(self, k) is not None]
+
+    def shows(self, key: Key) -> bool:
+        return all(getattr(self, k) is None or getattr(self, k) == getattr(key, k) for k in ("provider", "model",
+                                                                                           "profile"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,22 +196,6 @@ def band_at(judged_by: str | None, tokens: int) -> Band | None:
 # series, timelines, state
 
 
-@dataclass(frozen=True)
-class Key:
-    provider: str
-    model: str
-    profile: str
-    seconds: int
-
-    def where(self) -> Any:
-        return and_(Window.provider == self.provider, Window.model == self.model, Window.profile == self.profile,
-                    Window.seconds == self.seconds)
-
-    @property
-    def label(self) -> str:
-        return f"{self.provider} / {self.model} / {self.profile} / {self.seconds}s windows"
-
-
 @dataclass
 class Point:
     """One window on a timeline."""
@@ -260,44 +250,39 @@ def _point(w: Window) -> Point:
                  w.p_value, w.judged_by, w.note)
 
 
+def series(s: Session, f: Filters) -> list[Window]:
+    """The newest window of every series that passes the filters, in key order (``streams``)."""
+    return list(s.scalars(reads.latest(f.provider, f.model, f.profile)).all())
+
+
+def totals(s: Session, key: Key) -> tuple[int, int, dt.datetime | None]:
+    """A series' window count, tokens and last update."""
+    windows, tokens, last = s.execute(reads.totals(key)).one()
+    return int(windows), int(tokens), last
+
+
 def keys(s: Session, f: Filters) -> list[tuple[Key, int, int, dt.datetime | None]]:
-    """Every series that passes the filters with its window count, tokens and last update (one pass)."""
-    rows = s.execute(select(Window.provider, Window.model, Window.profile, Window.seconds, func.count(),
-                            func.coalesce(func.sum(Window.tokens), 0), func.max(Window.updated_at))
-                     .where(*f.where(Window))
-                     .group_by(Window.provider, Window.model, Window.profile, Window.seconds)
-                     .order_by(Window.provider, Window.model, Window.profile, Window.seconds)).all()
-    return [(Key(*r[:4]), int(r[4]), int(r[5]), r[6]) for r in rows]
-
-
-def _latest(s: Session, key: Key, *where) -> Window | None:
-    return s.scalars(select(Window).where(key.where(), *where).order_by(Window.start_time.desc()).limit(1)).first()
+    """Every series that passes the filters with its window count, tokens and last update."""
+    return [(key, *totals(s, key)) for key in (Key.of(w) for w in series(s, f))]
 
 
 def last_decided(s: Session, key: Key, before: dt.datetime | None = None) -> Window | None:
-    """The latest window with a verdict (before ``before``): one index lookup of ``ix_windows_state``
-    per verdict (an IN over verdicts would walk every earlier window of the series)."""
-    cond = () if before is None else (Window.start_time < before,)
-    ends = [t for v in VERDICTS for t in s.scalars(select(func.max(Window.start_time)).where(
-        key.where(), Window.verdict == v, *cond)).all() if t is not None]
-    return _latest(s, key, Window.start_time == max(ends)) if ends else None
+    """The latest window with a verdict (before ``before``): one index lookup per verdict."""
+    ends = [t for v in VERDICTS if (t := s.scalar(reads.last_with(key, v, before))) is not None]
+    return s.scalars(reads.timeline(key, max(ends), max(ends))).first() if ends else None
 
 
-def state(s: Session, key: Key, windows: int, tokens: int, last_verified: dt.datetime | None) -> State:
-    """The series' current state from index lookups (the latest window; the latest of each other verdict)."""
-    latest = _latest(s, key)
+def state(s: Session, key: Key, windows: int, tokens: int, last_verified: dt.datetime | None,
+          latest: Window | None = None) -> State:
+    """The series' current state from index lookups: its latest window (``latest`` when the caller
+    has it), the latest window of each other verdict, the first window after them."""
+    latest = latest or s.scalars(reads.timeline(key, newest=1)).one()
     decided = latest if latest.verdict is not None else last_decided(s, key)
     verdict = latest.verdict
     # since: the first window after the latest one whose verdict differs (NULL counts as differing for
     # the latest window's own state; a run of no-verdict windows has its own "since")
-    other = [v for v in (*VERDICTS, None) if v != verdict]
-    ends = []
-    for v in other:
-        cond = Window.verdict.is_(None) if v is None else Window.verdict == v
-        ends += [t for t in s.scalars(select(func.max(Window.start_time)).where(key.where(), cond)).all() if t]
-    after = max(ends) if ends else None
-    since = s.scalars(select(func.min(Window.start_time)).where(
-        key.where(), *(() if after is None else (Window.start_time > after,)))).first()
+    ends = [t for v in (*VERDICTS, None) if v != verdict and (t := s.scalar(reads.last_with(key, v))) is not None]
+    since = s.scalar(reads.first_after(key, max(ends) if ends else None))
     return State(key, windows, tokens, last_verified, _point(latest), verdict, since,
                  decided.verdict if decided is not None else None)
 
@@ -306,10 +291,8 @@ def timeline(s: Session, key: Key, f: Filters, now: dt.datetime | None = None) -
     """The latest ``f.points`` windows of the range, oldest first, with verdict changes marked; and
     how many windows the range holds."""
     since, until = f.range(now)
-    where = [key.where()] + ([Window.start_time >= since] if since else []) + \
-        ([Window.start_time <= until] if until else [])
-    rows = s.scalars(select(Window).where(*where).order_by(Window.start_time.desc()).limit(f.points)).all()[::-1]
-    count = s.scalars(select(func.count()).select_from(Window).where(*where)).one()
+    rows = s.scalars(reads.timeline(key, since, until, newest=f.points)).all()[::-1]
+    count = s.scalar(reads.timeline_count(key, since, until))
     points = [_point(w) for w in rows]
     before = None
     if points:
@@ -351,18 +334,18 @@ def overview(s: Session, f: Filters, now: dt.datetime | None = None) -> Overview
     """Everything the main page shows: each series' state, timeline and the audits beside it."""
     now = now or utcnow()
     found = audits(s, f, now)
-    every = keys(s, Filters())
+    every = {Key.of(w): w for w in series(s, Filters())}  # all series: the filters' choices
     out = []
-    for key, windows, tokens, last in every:
-        if any(getattr(f, k) is not None and getattr(f, k) != getattr(key, k) for k in ("provider", "model", "profile")):
+    for key, newest in every.items():
+        if not f.shows(key):
             continue
         points, count = timeline(s, key, f, now)
-        out.append(Series(key, state(s, key, windows, tokens, last), points, count,
+        out.append(Series(key, state(s, key, *totals(s, key), newest), points, count,
                           [a for a in found if (a.provider, a.model) == (key.provider, key.model)]))
     audited = s.execute(select(AuditResult.provider, AuditResult.model, AuditResult.profile).distinct()).all()
-    choices = {name: sorted({getattr(k, name) for k, *_ in every} | {getattr(a, name) for a in audited})
+    choices = {name: sorted({getattr(k, name) for k in every} | {getattr(a, name) for a in audited})
                for name in ("provider", "model", "profile")}
-    traffic = {(k.provider, k.model) for k, *_ in every}
+    traffic = {(k.provider, k.model) for k in every}
     return Overview(out, choices, [a for a in found if (a.provider, a.model) not in traffic])
 
 
@@ -388,19 +371,13 @@ def window(s: Session, window_id: int) -> Window | None:
 
 def neighbours(s: Session, w: Window) -> tuple[Window | None, Window | None]:
     """The windows just before and after ``w`` in its series (links on its page)."""
-    key = Key(w.provider, w.model, w.profile, w.seconds)
-    after = s.scalars(select(Window).where(key.where(), Window.start_time > w.start_time)
-                      .order_by(Window.start_time).limit(1)).first()
-    return _latest(s, key, Window.start_time < w.start_time), after
+    return tuple(s.scalars(reads.neighbour(Key.of(w), w.start_time, later)).first() for later in (False, True))
 
 
 def window_traces(s: Session, window_id: int, limit: int, offset: int = 0) -> tuple[list[tuple], int]:
     """(WindowTrace, Shard) rows of a window in request-time order, and how many it holds."""
-    rows = s.execute(select(WindowTrace, Shard).join(Shard, Shard.id == WindowTrace.shard_id)
-                     .where(WindowTrace.window_id == window_id)
-                     .order_by(WindowTrace.request_time, WindowTrace.trace_id).limit(limit).offset(offset)).all()
-    count = s.scalars(select(func.count()).select_from(WindowTrace).where(WindowTrace.window_id == window_id)).one()
-    return [tuple(r) for r in rows], int(count)
+    rows = s.execute(reads.traces_of(window_id, limit, offset)).all()
+    return [tuple(r) for r in rows], int(s.scalar(reads.trace_count(window_id)))
 
 
 @functools.lru_cache(maxsize=4)
@@ -454,4 +431,4 @@ def trace_views(rows: Sequence[tuple], model: str) -> list[TraceView]:
 
 __all__ = ["Band", "Filters", "Key", "Overview", "Point", "Series", "State", "TraceView", "audits", "band_at",
            "band_size", "keys", "last_decided", "mark_changes", "neighbours", "overview", "parse_time", "read_engine",
-           "state", "timeline", "trace_views", "window", "window_traces"]
+           "series", "state", "timeline", "totals", "trace_views", "window", "window_traces"]
