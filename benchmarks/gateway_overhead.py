@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import datetime as dt
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +46,8 @@ from fastapi import FastAPI, Request  # module level: the engine's annotations r
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # tests.audit_servers: the tests' server starter
+from tests.audit_servers import free_port, serving_process  # noqa: E402
 PROMPT_IDS = list(range(1, 33))
 OUTPUT_IDS = list(range(100, 108))
 
@@ -90,39 +90,6 @@ def fake_engine(port: int) -> None:
                 "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS if ids else None}
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def process(argv: list[str], ready: str, log: Path, ready_s: float, env: dict | None = None):
-    """Start ``argv``, wait until ``ready`` answers 200, yield its pid; stop it afterwards."""
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + ready_s
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"{argv[:4]} exited: {log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(ready, timeout=5).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{argv[:4]} not ready after {ready_s} s: {log.read_text()[-2000:]}")
-            time.sleep(0.5)
-        yield proc.pid
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def engine_argv(name: str, port: int) -> tuple[list[str], dict | None, float]:
@@ -255,8 +222,8 @@ def measure_memory(upstream: str, tmp: Path, args) -> dict:
     """A fresh gateway's RSS after N requests and after 10 N (half of the later ones streamed)."""
     n, port = args.memory_requests, free_port()
     gateway = f"http://127.0.0.1:{port}"
-    with process(gateway_argv(upstream, port, tmp / "traces-memory"), f"{gateway}/gateway/health",
-                 tmp / "gateway-memory.log", 120) as pid:
+    with serving_process(gateway_argv(upstream, port, tmp / "traces-memory"), tmp / "gateway-memory.log",
+                         f"{gateway}/gateway/health", ready_s=120) as pid:
         asyncio.run(load(gateway, n, args.concurrency, False, args.max_tokens, 10**6))
         time.sleep(6)  # the open shard closes (--shard-seconds 5)
         memory = {"requests_n": n, "rss_after_n_mb": rss_mb(pid)}
@@ -298,10 +265,10 @@ def main() -> None:
         for name in engines:
             argv, env, ready_s = engine_argv(name, port := free_port())
             upstream = f"http://127.0.0.1:{port}"
-            with process(argv, f"{upstream}/v1/models", tmp / f"{name}.log", ready_s, env) as epid:
+            with serving_process(argv, tmp / f"{name}.log", f"{upstream}/v1/models", env, ready_s) as epid:
                 gport = free_port()
-                with process(gateway_argv(upstream, gport, tmp / f"traces-{name}"),
-                             f"http://127.0.0.1:{gport}/gateway/health", tmp / f"gateway-{name}.log", 120) as gpid:
+                with serving_process(gateway_argv(upstream, gport, tmp / f"traces-{name}"), tmp / f"gateway-{name}.log",
+                                     f"http://127.0.0.1:{gport}/gateway/health", ready_s=120) as gpid:
                     gateway = f"http://127.0.0.1:{gport}"
                     rows += compare(name, upstream, gateway, gpid, epid, args)
                 if name == "fake":

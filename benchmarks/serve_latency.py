@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
-import socket
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,33 +28,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.audit_servers
+from tests.audit_servers import health, open_request, until  # noqa: E402
 from verinfer.api import load_model  # noqa: E402
 from verinfer.files import write_atomic  # noqa: E402
 from verinfer.serve import ServeConfig, serve_in_thread  # noqa: E402
-
-
-def _open(url: str, body: dict) -> socket.socket:
-    """A completion request sent on a raw socket, left unread (closing it abandons the request)."""
-    u = httpx.URL(url)
-    data = json.dumps(body).encode()
-    sock = socket.create_connection((u.host, u.port))
-    sock.sendall(f"POST {u.path}/completions HTTP/1.1\r\nHost: {u.host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
-
-
-def _health(client: httpx.Client) -> dict:
-    return client.get(client.base_url.join("/health")).json()
-
-
-def _wait(client: httpx.Client, pred) -> dict:
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        h = _health(client)
-        if pred(h):
-            return h
-        time.sleep(0.01)
-    raise RuntimeError(f"the server never reached the expected state: {h}")
 
 
 def _short(client: httpx.Client, body: dict) -> float:
@@ -89,17 +66,18 @@ def main() -> None:
         long_alone = time.perf_counter() - t
         for r in range(args.rounds):
             for k in ks:
-                socks = [_open(url, {"prompt": f"Tell me a long story number {i}.", "max_tokens": args.long_tokens,
+                socks = [open_request(url, "/completions", {"prompt": f"Tell me a long story number {i}.", "max_tokens": args.long_tokens,
                                      "seed": 100 * r + i}) for i in range(k)]
                 try:
-                    before = _wait(client, lambda h: h["running"] == k and h["queued"] == 0)
+                    before = until(client, lambda h: h["running"] == k and h["queued"] == 0, f"{k} long requests "
+                                   "running", guard_s=600)
                     latency[k].append(_short(client, short))
-                    after = _health(client)
+                    after = health(client)
                     still[k] &= after["requests"] == before["requests"] + 1  # only the short one finished
                 finally:
                     for s in socks:
                         s.close()
-                _wait(client, lambda h: h["running"] == 0)
+                until(client, lambda h: h["running"] == 0, "no request running", guard_s=600)
                 print(f"round {r + 1}: short request behind {k} long: {latency[k][-1]:.3f} s", flush=True)
     base = statistics.median(latency[0])
     lines = [f"# A {args.short_tokens}-token request behind k requests of {args.long_tokens} tokens (continuous batching)",
@@ -107,8 +85,8 @@ def main() -> None:
              f"{args.short_tokens} --behind {args.behind} --rounds {args.rounds}`, {dt.date.today()}, SmolLM2-135M fp32, "
              f"one torch thread, {os.cpu_count()} shared CPU cores, load average {os.getloadavg()[0]:.1f} at the end. "
              "Wall time, median of the rounds.",
-             "", f"| long requests ahead | short request's latency (s) | vs idle server | long ones still running | "
-                 f"one long request alone (s) |",
+             "", "| long requests ahead | short request's latency (s) | vs idle server | long ones still running | "
+                 "one long request alone (s) |",
              "|---|---|---|---|---|"]
     for k in ks:
         m = statistics.median(latency[k])

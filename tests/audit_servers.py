@@ -48,21 +48,22 @@ def free_port() -> int:
 
 @contextmanager
 def serving_process(argv: list[str], log: Path, url: str, env: dict | None = None, ready_s: float = 60):
-    """Start ``argv`` (output to ``log``), wait until ``url`` answers 200, yield; stop it afterwards."""
+    """Start ``argv`` (output to ``log``), wait until ``url`` answers 200, yield its pid; stop it afterwards
+    (also used by ``benchmarks/gateway_overhead.py``)."""
     with open(log, "wb") as fh:
         proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + ready_s
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"{argv[2]} exited with {proc.returncode}: {log.read_text()[-3000:]}")
+                pytest.fail(f"{' '.join(map(str, argv[:4]))} exited with {proc.returncode}: {log.read_text()[-3000:]}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(url, timeout=5).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                pytest.fail(f"{argv[2]} not ready after {ready_s} s: {log.read_text()[-3000:]}")
+                pytest.fail(f"{' '.join(map(str, argv[:4]))} not ready after {ready_s} s: {log.read_text()[-3000:]}")
             time.sleep(1)
-        yield
+        yield proc.pid
     finally:
         proc.terminate()
         try:

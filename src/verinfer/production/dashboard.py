@@ -23,7 +23,6 @@ import datetime as dt
 import ipaddress
 import secrets
 import threading
-from pathlib import Path
 from typing import Any
 
 import jinja2
