@@ -106,7 +106,7 @@ def fuzz_run(fuzz_server, tmp_path_factory) -> tuple[subprocess.CompletedProcess
                           "--phases", "examples,coverage,fuzzing", "--generation-deterministic",
                           "--request-timeout", str(HANG_GUARD_S),
                           "--report", "har", "--report-har-path", str(har)],
-                         capture_output=True, text=True, timeout=1800)
+                         capture_output=True, text=True, timeout=1800, cwd=har.parent)  # its cache stays there
     entries = json.loads(har.read_text())["log"]["entries"] if har.exists() else []
     return run, entries
 
