@@ -1,9 +1,9 @@
-"""The dashboard as a person sees it, in headless Chromium (Debian's ``/usr/bin/chromium``, driven as
-tests/test_audit.py drives it: ``--dump-dom`` for the rendered DOM, ``--screenshot`` for pixels; the
-pages are server-rendered SVG, no script to wait for). A real monitor verifies honest traffic, then
-a wrong-seed shard: the timeline has a point for every window, the state turns INCONSISTENT with the
-change marked, one alert reaches a local receiver, and the drill-down highlights divergent tokens.
-A missing Chromium fails the test (never a skip).
+"""The dashboard as a person sees it, in headless Chromium (Debian's ``/usr/bin/chromium``) driven by
+Playwright with that executable (never a downloaded browser). A real monitor verifies honest traffic,
+then a wrong-seed shard: the timeline has a point for every window, the state turns INCONSISTENT with
+the change marked, one alert reaches a local receiver, a click on the flagged window's cell opens its
+drill-down with divergent tokens highlighted, and a provider-controlled ``<script>`` never runs. A
+missing Chromium fails the test (never a skip).
 
 ``VERINFER_SCREENSHOTS=DIR`` also keeps the screenshots there (the README's come from this test:
 ``VERINFER_SCREENSHOTS=docs python -m pytest tests/test_dashboard_browser.py``).
@@ -12,14 +12,15 @@ A missing Chromium fails the test (never a skip).
 from __future__ import annotations
 
 import datetime as dt
+import io
 import os
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from playwright.sync_api import sync_playwright
 
 from tests.audit_servers import asgi_in_thread
 from tests.test_dashboard import receiver
@@ -34,29 +35,34 @@ from verinfer.trace import Trace, write_traces
 
 T0 = dt.datetime(2026, 3, 1, 12, 0, 0)
 EVIL_ID = "wrong-<script>document.title='pwned'</script>"  # a provider-controlled trace id
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run"]
 
 
-def chromium(tmp_path: Path) -> list[str]:
+@pytest.fixture
+def page():
+    """A Playwright page in Debian's headless Chromium."""
     path = shutil.which("chromium") or shutil.which("chromium-browser")
     assert path, "headless Chromium is needed to check the dashboard (Debian package 'chromium')"
-    return [path, *FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=path, args=FLAGS, headless=True)
+        yield browser.new_page(viewport={"width": 1200, "height": 1100})
+        browser.close()
 
 
-def dom(browser: list[str], url: str) -> str:
-    return subprocess.run([*browser, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+def dom(page, url: str) -> str:
+    page.goto(url)
+    return page.content()
 
 
-def screenshot(browser: list[str], url: str, path: Path, size: str = "1200,1100") -> np.ndarray:
+def screenshot(page, path: Path) -> np.ndarray:
     from PIL import Image
 
-    subprocess.run([*browser, "--hide-scrollbars", f"--window-size={size}", f"--screenshot={path}", url],
-                   capture_output=True, timeout=120)
+    png = page.screenshot(path=str(path))
     keep = os.environ.get("VERINFER_SCREENSHOTS")
     if keep:
         shutil.copy(path, Path(keep) / path.name)
-    return np.asarray(Image.open(path).convert("RGB")).astype(int)
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
 
 
 def timed(traces: list[Trace], start: dt.datetime, step_s: float) -> list[Trace]:
@@ -78,9 +84,8 @@ def traffic(backend, tmp_path_factory):
     return honest, wrong, out
 
 
-def test_dashboard_in_chromium_follows_a_verdict_change(backend, traffic, tmp_path):
+def test_dashboard_in_chromium_follows_a_verdict_change(backend, traffic, page, tmp_path):
     honest, wrong, calibration = traffic
-    browser = chromium(tmp_path)
     d, store = tmp_path / "traces", open_store(f"sqlite:///{tmp_path}/history.db")
     write_traces(timed(honest, T0, 30), d / "honest.parquet")  # 3 one-minute windows, 2 traces each
     monitor = Monitor(d, store, window_s=60, backend=backend, judge=Judge(Calibrator.load(calibration), str(calibration)))
@@ -88,21 +93,22 @@ def test_dashboard_in_chromium_follows_a_verdict_change(backend, traffic, tmp_pa
     with receiver() as (hook, got, _), asgi_in_thread(create_app(store), "") as base:
         alerter = Alerter(views.read_engine(store), hook, tmp_path / "alerts.json", lambda i: f"{base}/window/{i}")
         assert alerter.poll() == []
-        page = dom(browser, f"{base}/?refresh=0")
-        assert "verinfer: verification in production" in page
-        assert len(set(re.findall(r'<circle class="pt[^"]*" data-window="(\d+)"', page))) == 3
-        assert re.findall(r'data-provider="acme" data-state="(\w+)"', page) == ["CONSISTENT"]
-        assert 'class="change"' not in page and page.count('<rect class="band"') >= 3  # calibration bands drawn
+        html = dom(page, f"{base}/?refresh=0")
+        assert "verinfer: verification in production" in html
+        assert len(set(re.findall(r'<circle class="pt[^"]*" data-window="(\d+)"', html))) == 3
+        assert page.locator("circle.pt").count() >= 3  # rendered SVG points, as the browser laid them out
+        assert re.findall(r'data-provider="acme" data-state="(\w+)"', html) == ["CONSISTENT"]
+        assert 'class="change"' not in html and html.count('<rect class="band"') >= 3  # calibration bands drawn
 
         write_traces(timed(wrong, T0 + dt.timedelta(minutes=3), 30), d / "wrong.parquet")  # 2 more windows
         assert len(monitor.run_once().verified) == 1
-        page = dom(browser, f"{base}/?refresh=0")
-        ids = re.findall(r'<rect class="cell cell-(\w+)" data-window="(\d+)"', page)
+        html = dom(page, f"{base}/?refresh=0")
+        ids = re.findall(r'<rect class="cell cell-(\w+)" data-window="(\d+)"', html)
         assert [v for v, _ in ids] == ["CONSISTENT"] * 3 + ["INCONSISTENT"] * 2
-        assert len(set(re.findall(r'<circle class="pt[^"]*" data-window="(\d+)"', page))) == 5
-        assert re.findall(r'data-provider="acme" data-state="(\w+)"', page) == ["INCONSISTENT"]
-        assert re.findall(r'class="change-label"[^>]*>→ (\w+)<', page) == ["INCONSISTENT"]
-        shot = screenshot(browser, f"{base}/?refresh=0", tmp_path / "dashboard.png")
+        assert len(set(re.findall(r'<circle class="pt[^"]*" data-window="(\d+)"', html))) == 5
+        assert re.findall(r'data-provider="acme" data-state="(\w+)"', html) == ["INCONSISTENT"]
+        assert re.findall(r'class="change-label"[^>]*>→ (\w+)<', html) == ["INCONSISTENT"]
+        shot = screenshot(page, tmp_path / "dashboard.png")
         red = ((shot[..., 0] > 180) & (shot[..., 1] < 110) & (shot[..., 2] < 100)).sum()
         green = ((shot[..., 1] > 150) & (shot[..., 0] < 120) & (shot[..., 2] < 130)).sum()
         assert red > 100 and green > 100, (red, green)  # the verdict strip and state badges are drawn
@@ -114,11 +120,14 @@ def test_dashboard_in_chromium_follows_a_verdict_change(backend, traffic, tmp_pa
         flagged = int(ids[3][1])
         assert alert["link"] == f"{base}/window/{flagged}" and alert["p_value"] < 0.01
 
-        drill = dom(browser, alert["link"])
-        assert drill.count('class="trace-row"') == 2 and drill.count('<mark class="div') >= 3
+        page.locator(f'rect.cell[data-window="{flagged}"]').click()  # the drill-down, as a person opens it
+        page.wait_for_url(f"**/window/{flagged}")
+        drill = page.content()
+        assert drill.count('class="trace-row"') == 2 and page.locator("mark.div").count() >= 3
         assert re.search(r'id="verdict">INCONSISTENT<', drill)
-        assert "<script" not in drill and "wrong-&lt;script&gt;" in drill  # escaped, never run
-        screenshot(browser, alert["link"], tmp_path / "dashboard-window.png", "1200,800")
-        calm = dom(browser, f"{base}/window/{ids[0][1]}")
-        assert calm.count('class="trace-row"') == 2 and '<mark class="div' not in calm  # honest: nothing highlighted
+        assert page.title() != "pwned" and "<script" not in drill and "wrong-&lt;script&gt;" in drill  # escaped, never run
+        page.set_viewport_size({"width": 1200, "height": 800})
+        screenshot(page, tmp_path / "dashboard-window.png")
+        calm = dom(page, f"{base}/window/{ids[0][1]}")
+        assert calm.count('class="trace-row"') == 2 and page.locator("mark.div").count() == 0  # honest: none
     store.close()
