@@ -301,7 +301,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
           max_response_mb: float = 64.0, api_key_env: str | None = "OPENAI_API_KEY", reference_url: str | None = None,
           reference_api_model: str | None = None, reference_api_key_env: str | None = None,
           backend: Backend | None = None, on_stage: Callable[[str], None] | None = None, samples: int = 16,
-          stream: bool = False, top_logprobs: int = 5, extra_body: Mapping[str, Any] | None = None):
+          stream: bool = False, top_logprobs: int = 5, extra_body: Mapping[str, Any] | None = None,
+          choices: int = 1):
     """Audit OpenAI-compatible providers against a trusted reference.
 
     ``providers`` maps names to base URLs (ending in ``/v1``), or is a list of
@@ -310,7 +311,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     scored (re-running with the same ``out`` resumes); the verdict comes from the shipped or given
     bands, or from a calibration, by the one verdict rule; both are checked against the audit's
     settings before any request is paid for (``mode="rank"`` / ``"mmd"`` audit sampled traffic without
-    seeds against ``samples`` local draws per prompt and need neither). ``extra_body`` adds fields to
+    seeds against ``samples`` local draws per prompt and need neither; a seeded audit with ``choices > 1``
+    asks ``n`` completions per request, choice j claiming seed + j as vLLM seeds it). ``extra_body`` adds fields to
     every generation request (``verinfer.auditing.plan``; the audit's own fields win). ``timeout`` bounds
     each network operation, ``deadline`` each request as a whole and ``max_response_mb`` its body
     (``verinfer.auditing.client.RetryPolicy``); everything is checked before the first request, and a
@@ -327,7 +329,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
 
     spec = AuditSpec(mode=mode, sampler=sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids, samples=samples,
-                     stream=stream, top_logprobs=top_logprobs, extra_body=extra_body)
+                     stream=stream, top_logprobs=top_logprobs, extra_body=extra_body, choices=choices)
     if spec.problems():
         raise ValueError(spec.problems()[0])
     if not 0 < fpr < 1:

@@ -3,6 +3,10 @@
 Greedy spot checks (temperature 0) need nothing from the provider but argmax decoding. Seeded
 mode asks for sampling with a per-prompt seed and replays it with the provider's sampler profile
 (``--sampler vllm``), so only engines whose sampler the project reproduces can be audited that way.
+With ``choices > 1`` a seeded request asks for ``n`` completions: vLLM seeds choice j of a request
+with seed ``seed + j`` (``SamplingParams`` children, REFERENCE.md 1.2 and 8; ``verinfer serve`` does
+the same), so prompt i is sent seed ``seed + i * choices`` and its choice j claims one more per j:
+every claimed seed of an audit is distinct, and ``choices = 1`` keeps ``seed + i``.
 The seedless modes ask for sampling at the claimed temperature and top-k/top-p without a seed, as
 customers do: ``rank`` one completion per prompt, ranked among ``samples`` reference draws (RUT,
 ``verinfer.auditing.rank``); ``mmd`` ``samples`` completions per prompt in one request (``n``),
@@ -52,6 +56,7 @@ class AuditSpec:
     stream: bool = False  # ask for server-sent events (stream: true), as chat clients do
     top_logprobs: int = 5  # logprobs mode: alternatives per position
     extra_body: Mapping[str, Any] | None = None  # more request fields; the audit's own fields win
+    choices: int = 1  # seeded: completions per request (n); choice j claims the request's seed + j
 
     @property
     def seedless(self) -> bool:
@@ -65,6 +70,9 @@ class AuditSpec:
             out.append(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
         if self.max_tokens < 1:
             out.append(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.choices < 1 or (self.choices > 1 and self.mode != "seeded"):
+            out.append(f"choices (n per request) must be >= 1 and applies to --mode seeded only, got {self.choices} "
+                       f"with --mode {self.mode}" + (" (mmd sends --samples as n)" if self.mode == "mmd" else ""))
         if self.extra_body is not None:
             if not isinstance(self.extra_body, Mapping) or not all(isinstance(k, str) for k in self.extra_body):
                 out.append(f"extra_body must be a JSON object, got {str(self.extra_body)[:80]!r}")
@@ -94,11 +102,16 @@ class AuditSpec:
         return out
 
     def params(self, index: int) -> SamplingParams:
-        """The sampling parameters prompt ``index`` claims (what the verifier replays)."""
+        """The sampling parameters claim ``index`` claims (what the verifier replays): prompt i's choice j
+        is claim ``i * choices + j`` (``claim_index``), so its seed is the request's seed + j."""
         if self.mode == "greedy":
             return SamplingParams(profile="greedy", temperature=0.0)
         return SamplingParams(profile=self.sampler, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, min_p=self.min_p, seed=None if self.seedless else self.seed + index)
+
+    def claim_index(self, prompt_index: int, choice: int = 0) -> int:
+        """The claim (and seed offset) of choice ``choice`` of prompt ``prompt_index``'s request."""
+        return prompt_index * self.choices + choice
 
     def signature(self) -> dict:
         """The settings a calibration band must share with the audit (seeds excluded)."""
@@ -109,7 +122,7 @@ def generation_calls(spec: AuditSpec, prompts: Sequence[Prompt], tokenizer, mode
     """One request per prompt; metadata carries the prompt id and our rendering of the prompt."""
     calls = []
     for i, prompt in enumerate(prompts):
-        params = spec.params(i)
+        params = spec.params(spec.claim_index(i))
         ids = render(tokenizer, prompt)
         body: dict = {**(spec.extra_body or {}), "model": model, "max_tokens": spec.max_tokens,
                       "temperature": params.temperature}
@@ -129,6 +142,8 @@ def generation_calls(spec: AuditSpec, prompts: Sequence[Prompt], tokenizer, mode
                 body["min_p"] = params.min_p
         if spec.mode == "mmd":
             body["n"] = spec.samples
+        elif spec.choices > 1:
+            body["n"] = spec.choices
         if spec.mode == "logprobs":
             body.update({"logprobs": True, "top_logprobs": spec.top_logprobs} if spec.endpoint == "chat"
                         else {"logprobs": spec.top_logprobs})

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -141,8 +141,8 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         if spec.seedless:
             audits.append(_sampled_audit(e, store, client, records, spec, reference, out_dir, fpr, stops, stage))
             continue
-        claims = [parse_generation(r, tokenizer, stops, reference.vocab_size,
-                                   f"provider {e.name!r}: {store.path} (prompt {r['prompt_id']})") for r in records]
+        claims = [c for r in records for c in _seeded_claims(r, spec, tokenizer, stops, reference.vocab_size,
+                                                              f"provider {e.name!r}: {store.path} (prompt {r['prompt_id']})")]
         empty = [c.prompt_id for c in claims if not c.output_token_ids]
         served = summarize_served(claims)  # empty outputs included
         claims = [c for c in claims if c.output_token_ids]
@@ -189,6 +189,18 @@ def _replayer(reference, provider: str, model_id: str, spec: AuditSpec, scratch:
                 for t in traces]
 
     return replay
+
+
+def _seeded_claims(record: dict, spec: AuditSpec, tokenizer, stops: set[int], vocab_size: int, where: str) -> list[Claim]:
+    """The ``spec.choices`` claims of one greedy or seeded response: choice j of prompt i becomes claim
+    ``spec.claim_index(i, j)`` (its seed), named ``<prompt id>/<j>`` when a request asks for several."""
+    got = len(record["response"]["choices"])
+    if got < spec.choices:
+        raise ProviderError(f"{where}: asked for n={spec.choices} completions, got {got} (does the provider support n?)")
+    claims = [parse_generation(record, tokenizer, stops, vocab_size, where, j) for j in range(spec.choices)]
+    if spec.choices == 1:
+        return claims
+    return [replace(c, prompt_id=f"{c.prompt_id}/{j}", index=spec.claim_index(c.index, j)) for j, c in enumerate(claims)]
 
 
 def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, records: list[dict], spec: AuditSpec,

@@ -127,6 +127,8 @@ def run(
     samples: int = typer.Option(16, help="rank: reference draws per prompt; mmd: completions per prompt from the "
                                 "provider (one request with n) and from the reference"),
     stream: bool = typer.Option(False, help="ask for streamed responses (stream: true, server-sent events)"),
+    choices: int = typer.Option(1, help="seeded mode: completions per request (sent as n); choice j claims the "
+                                "request's seed + j, as vLLM seeds it (prompt i is sent seed + i x choices)"),
     top_logprobs: int = typer.Option(5, help="logprobs mode: alternatives asked for per position (0-20; the "
                                      "sampled token's own logprob is always compared)"),
     temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
@@ -168,7 +170,8 @@ def run(
                        reference_url=reference_url,
                        reference_api_model=reference_api_model, reference_api_key_env=reference_api_key_env,
                        backend=backend, on_stage=lambda s: err.print(s), samples=samples, stream=stream,
-                       top_logprobs=top_logprobs, extra_body=_json_object("--extra-body", extra_body))
+                       top_logprobs=top_logprobs, extra_body=_json_object("--extra-body", extra_body),
+                       choices=choices)
     json_path, html_path = result.reports
     for a in result.providers:
         style = "green" if a.verdict.consistent else "red"
