@@ -10,6 +10,7 @@ honest case is in tests/test_engine_llama_server.py."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -143,10 +144,13 @@ def test_a_count_still_off_after_alignment_scores_up_to_the_first_mismatch_only(
     assert unscored([out], "x") == {"x/p": set(range(3, len(ids)))}
 
 
-def test_verify_aligns_traces_whose_ids_were_retokenized_from_text(backend):
+def test_verify_aligns_traces_whose_ids_were_retokenized_from_text(backend, monkeypatch):
     """``verinfer verify`` (and so the monitor) aligns traces the gateway recorded from a text-only
-    engine (``meta.token_source: retokenized``) the same way; other traces are scored as they stand."""
+    engine (``meta.token_source: retokenized``) the same way; other traces are scored as they stand.
+    The alignment's last replay of each trace is its score: no trace is replayed again for the verdict."""
     from dataclasses import replace
+
+    import verinfer.scoring.traces as scoring_traces
 
     from verinfer.api import generate, verify
 
@@ -166,10 +170,30 @@ def test_verify_aligns_traces_whose_ids_were_retokenized_from_text(backend):
                                                                                  if i not in stops]]
     assert merged, "no sampled output re-tokenizes differently: the test needs one"
     plain = verify([replace(r, meta=None) for r in recorded], backend=backend)
+    replayed: list[str] = []
+    real = scoring_traces.verify_traces
+
+    def counting(backend, traces, **kw):
+        replayed.extend(t.id for t in traces)
+        return real(backend, traces, **kw)
+
+    monkeypatch.setattr(scoring_traces, "verify_traces", counting)
     aligned = verify(recorded, backend=backend)
+    monkeypatch.undo()
     print(f"\n{len(merged)} of {len(recorded)} outputs re-tokenize differently; exact match "
           f"{plain.summary.exact_match_rate:.4f} as they stand, {aligned.summary.exact_match_rate:.4f} aligned")
     assert plain.summary.exact_match_rate < 1.0  # scored as they stand, the merges look like divergence
     assert aligned.summary.exact_match_rate == 1.0
     sampled_tokens = sum(len([i for i in t.output_token_ids if i not in stops]) for t in sampled)
     assert sampled_tokens - aligned.summary.tokens >= len(merged)  # each merge leaves a re-split position unscored
+    times = Counter(replayed)
+    assert all(times[r.id] == 1 for r in recorded if r.id not in merged)  # never replayed again for the verdict
+    assert all(times[i] >= 2 for i in merged)  # once as recorded, once per re-split
+
+    # the reused replays are the scores a fresh replay of the aligned traces gives
+    traces, skip, replays = scoring_traces.align_retokenized(backend, recorded)
+    reused = scoring_traces.score_traces(backend, traces, skip=skip, reuse=replays).columns
+    fresh = scoring_traces.score_traces(backend, traces, skip=skip).columns
+    assert list(reused["trace_id"]) == list(fresh["trace_id"]) and np.array_equal(reused["position"], fresh["position"])
+    np.testing.assert_allclose(reused["margin"], fresh["margin"], atol=1e-4)
+    assert np.array_equal(reused["exact_match"], fresh["exact_match"])

@@ -99,9 +99,9 @@ def check_batch_size(batch_size: int | None, calibrator: Calibrator | None, wher
     work, so a wrong one never costs a scoring pass (or a paid request) and never falls back to another."""
     if batch_size is None:
         return
-    _positive("--batch-size", batch_size)
+    _positive("--verdict-batch", batch_size)
     if calibrator is not None and batch_size not in calibrator.batch_sizes:
-        raise ValueError(f"{where}: --batch-size {batch_size} was not calibrated (calibrated: "
+        raise ValueError(f"{where}: --verdict-batch {batch_size} was not calibrated (calibrated: "
                          f"{', '.join(map(str, calibrator.batch_sizes))})")
 
 
@@ -233,12 +233,12 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
             raise ValueError(f"{source}: traces claim several models ({', '.join(claimed)}); pass model=")
         backend = load_model(model or claimed[0], dtype, device)
     kept, skipped = check_traces(trace_list, backend, source, skip_invalid, allow_model_mismatch)
-    kept, unaligned = align_retokenized(backend, kept)  # re-tokenization drift is never scored as divergence
+    kept, unaligned, replays = align_retokenized(backend, kept)  # re-tokenization drift is never scored as divergence
     if calibrator is not None:  # refuse a calibration of another configuration before scoring
         problem = signature_mismatch(calibrator.signature, signature(kept, backend.model_id, backend.dtype_name))
         if problem:
             raise ValueError(f"{calibration_path or 'calibration'}: does not match {source}: {problem}")
-    scored = score_traces(backend, kept, scores, commit_scores_out, on_rows, skip=unaligned)
+    scored = score_traces(backend, kept, scores, commit_scores_out, on_rows, skip=unaligned, reuse=replays)
     summary = summarize(scored.columns, calibrator, batch_size, scored.commit_checks,
                         commit_scores(scored.commit_checks), alpha)
     return VerifyResult(summary, scored, skipped)
@@ -351,11 +351,11 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     band_set = None
     if calibrator is None and not spec.seedless:  # the bands a verdict needs, found before any request is paid for
         band_set = Bands.load(bands) if bands else find_bands(backend.model_id, spec.signature())
-        if band_set is None:
+        if band_set is None and spec.mode != "auto":  # auto runs its seeded test only with them
             raise ValueError(f"no bands for {backend.model_id} with {spec.signature()} "
                              f"(looked for {bands_filename(backend.model_id, spec.signature())}); build them with "
                              "`verinfer audit bands` and pass --bands, or pass --calibration")
-        if band_set.signature != spec.signature():
+        if band_set is not None and band_set.signature != spec.signature():
             raise ValueError(f"{band_set.source}: bands were built for sampling {band_set.signature}, the audit "
                              f"uses {spec.signature()}")
     if reference_url:
@@ -365,7 +365,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
         reference = ApiReference(ProviderClient(ref_endpoint, store, concurrency, policy), backend.tokenizer)
     else:
         reference = LocalReference(backend)
-    prompt_list = load_prompts(prompts, n, seed=prompt_seed) if isinstance(prompts, str) else list(prompts)[:n]
+    prompt_list = (load_prompts(prompts, n, seed=prompt_seed, distinct=True) if isinstance(prompts, str)
+                   else list(prompts)[:n])  # distinct: --n 4 sends 4 requests
     result = run_audit(endpoints, prompt_list, spec, reference, out, band_set, calibrator, batch_size, fpr,
                        concurrency, policy, on_stage=on_stage)
     result.reports = write_reports(result, backend.tokenizer)

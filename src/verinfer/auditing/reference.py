@@ -28,6 +28,7 @@ from verinfer.auditing.client import Call, ProviderClient, ProviderError
 from verinfer.auditing.responses import Claim
 from verinfer.sampling.params import SamplingParams
 from verinfer.scoring.alignment import keep_rows
+from verinfer.scoring.traces import Replays
 from verinfer.trace import Trace
 
 Columns = dict[str, np.ndarray]
@@ -63,14 +64,16 @@ class LocalReference:
     def describe(self) -> str:
         return f"local {self.backend.model_id} ({self.backend.dtype_name}), Token-DiFR margins"
 
-    def score(self, traces: list[Trace], out_dir: Path, on_rows=None, skip: dict[str, set[int]] | None = None) -> Columns:
+    def score(self, traces: list[Trace], out_dir: Path, on_rows=None, skip: dict[str, set[int]] | None = None,
+              reuse: Replays | None = None) -> Columns:
         """Per-token scores of ``traces`` (also in ``out_dir/scores.parquet``), without the positions
-        ``skip`` names per trace id (re-tokenization drift, ``verinfer.auditing.alignment``)."""
+        ``skip`` names per trace id (re-tokenization drift, ``verinfer.auditing.alignment``); traces
+        ``reuse`` already replayed as they stand are not replayed again."""
         from verinfer.scoring.scores import read_scores
         from verinfer.scoring.traces import check_traces, in_trace_order, score_traces
 
         check_traces(traces, self.backend, f"{out_dir.name} responses")
-        score_traces(self.backend, traces, out_dir / "scores.parquet", on_rows=on_rows, skip=skip)
+        score_traces(self.backend, traces, out_dir / "scores.parquet", on_rows=on_rows, skip=skip, reuse=reuse)
         return in_trace_order(read_scores(out_dir / "scores.parquet"), traces)
 
 

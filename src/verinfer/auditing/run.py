@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from verinfer.auditing.alignment import align_claims, count_mismatch, unscored
+from verinfer.auditing.auto import component_spec, judge_auto, probe_calls
 from verinfer.auditing.bands import Bands
 from verinfer.auditing.client import Endpoint, ProviderClient, ProviderError, RetryPolicy
 from verinfer.auditing.plan import AuditSpec, generation_calls
@@ -33,6 +34,7 @@ from verinfer.auditing.seedless import judge_logprobs, judge_sampled
 from verinfer.auditing.store import ResponseStore
 from verinfer.prompts import Prompt
 from verinfer.scoring.scores import signature
+from verinfer.scoring.traces import Replays, by_trace
 from verinfer.stats.calibration import Calibrator, signature_mismatch
 from verinfer.stats.pooling import MARGIN_CLIP, sequence_stats
 from verinfer.stats.verdict import Verdict, adjust, calibrated_verdict, pooled_verdict
@@ -53,6 +55,7 @@ class ProviderAudit:
     empty_outputs: list[str] = field(default_factory=list)
     served: dict = field(default_factory=dict)  # what the provider said it served, with warnings (summarize_served)
     prompts: list[dict] | None = None  # seedless modes: per-prompt results (verinfer.auditing.seedless)
+    tests: list[dict] | None = None  # auto mode: each test, whether it ran and its Holm-adjusted p (auditing.auto)
 
 
 @dataclass
@@ -106,14 +109,12 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     stage = on_stage or (lambda _: None)
     if spec.problems():
         raise ValueError(spec.problems()[0])
-    if spec.seedless and getattr(reference, "backend", None) is None:
-        raise ValueError(f"--mode {spec.mode} draws reference samples with a local model; a reference API "
-                         "cannot be used (drop --reference-url)")
     if spec.seedless and (bands is not None or calibrator is not None):
         raise ValueError(f"--mode {spec.mode} is exact without bands or a calibration (its null is the "
                          "reference's own sampling distribution); drop --bands / --calibration")
-    if not spec.seedless and (bands is None) == (calibrator is None):
-        raise ValueError("give exactly one of bands or a calibration file for the verdict")
+    if not spec.seedless and (bands is None) == (calibrator is None) and not (spec.mode == "auto" and bands is None):
+        raise ValueError("give exactly one of bands or a calibration file for the verdict" +
+                         (" (auto: they judge its seeded test)" if spec.mode == "auto" else ""))
     if calibrator is not None:  # refuse before any request is paid for (speculation is only known from
         # the responses, which claim it in verinfer_sampling: checked against the traces below)
         problem = signature_mismatch(_unspeculative(calibrator.signature), reference_signature(reference, spec))
@@ -131,6 +132,8 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         asked = generation_calls(spec, prompts, tokenizer, e.model)
         calls = list({c.key: c for c in asked[::-1]}.values())  # identical prompts: asked and counted once,
         calls.sort(key=lambda c: c.meta["index"])  # keeping the first of each
+        if spec.mode == "auto":  # are seeds honoured? (verinfer.auditing.auto)
+            calls += probe_calls(calls)
         stage(f"{e.name}: {sum(c.key not in store for c in calls)} of {len(calls)} requests to send"
               + (f" ({len(asked) - len(calls)} duplicate prompt(s) skipped)" if len(asked) > len(calls) else ""))
         records = client.fetch(calls)
@@ -141,52 +144,70 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         if spec.seedless:
             audits.append(_sampled_audit(e, store, client, records, spec, reference, out_dir, fpr, stops, stage))
             continue
-        claims = [c for r in records for c in _seeded_claims(r, spec, tokenizer, stops, reference.vocab_size,
-                                                              f"provider {e.name!r}: {store.path} (prompt {r['prompt_id']})")]
-        empty = [c.prompt_id for c in claims if not c.output_token_ids]
-        served = summarize_served(claims)  # empty outputs included
-        claims = [c for c in claims if c.output_token_ids]
-        if not claims:
-            raise ProviderError(f"provider {e.name!r}: every response has an empty output; nothing to verify")
-        model_id = getattr(getattr(reference, "backend", None), "model_id", e.model)
-        if getattr(reference, "backend", None) is not None and any(c.source == "retokenized" for c in claims):
-            stage(f"{e.name}: aligning re-tokenized text with the reference's replay")
-            scratch = out_dir / e.name / "alignment"
-            claims = align_claims(claims, _replayer(reference, e.name, model_id, spec, scratch), tokenizer)
-            shutil.rmtree(scratch, ignore_errors=True)
-        claims = [count_mismatch(c) for c in claims]
-        traces = claim_traces(claims, e.name, model_id, spec.params)
-        write_traces(traces, out_dir / e.name / "traces.jsonl")
-        if calibrator is not None:  # the traces may claim speculative decoding: judged only by its calibration
-            problem = signature_mismatch(calibrator.signature, signature(traces, model_id, reference.backend.dtype_name)
-                                         if getattr(reference, "backend", None) is not None else None)
-            if problem:
-                raise ValueError(f"provider {e.name!r}: the calibration does not match its traces "
-                                 f"({out_dir / e.name / 'traces.jsonl'}; responses kept): {problem}")
-        stage(f"{e.name}: scoring {sum(len(c.output_token_ids) for c in claims)} tokens with the reference")
-        columns = reference.score(traces, out_dir / e.name, skip=unscored(claims, e.name))
-        seq = sequence_stats(columns, bands.clip if bands is not None else MARGIN_CLIP)
-        if calibrator is not None:
-            verdict = calibrated_verdict(columns["margin"], calibrator, batch_size)
-            verdict.exact_match_rate, verdict.sequences = float(seq[:, 2].sum() / seq[:, 0].sum()), len(seq)
-        else:
-            verdict = pooled_verdict(seq, bands.honest_bands(), fpr, all_bands=bands.labelled(),
-                                     source=Path(bands.source).name, clip=bands.clip)
-        audits.append(ProviderAudit(e, claims, columns, seq, verdict, summarize_drift(claims), client.sent,
-                                    len(store), store.damaged_lines, empty, served))
+        if spec.mode == "auto":
+            audits.append(_auto_audit(e, store, client, records, spec, reference, out_dir, bands, calibrator,
+                                      batch_size, fpr, stops, stage))
+            continue
+        audits.append(_replayed_audit(e, store, client, records, spec, reference, out_dir, bands, calibrator,
+                                      batch_size, fpr, stops, stage))
     adjust([a.verdict for a in audits])  # Holm over providers, whatever the mode
-    return AuditResult(audits, spec, reference.describe(), calibrator.fpr if calibrator else fpr, out_dir, bands,
+    return AuditResult(audits, spec, reference.describe(), calibrator.fpr if calibrator and spec.mode != "auto" else fpr,
+                       out_dir, bands,
                        started, time.time() - started)
 
 
-def _replayer(reference, provider: str, model_id: str, spec: AuditSpec, scratch: Path):
-    """Claims -> (claimed ids, the reference's replayed tokens) per claim, scored in ``scratch``."""
+def _replayed_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, records: list[dict], spec: AuditSpec,
+                    reference, out_dir: Path, bands: Bands | None, calibrator: Calibrator | None,
+                    batch_size: int | None, fpr: float, stops: set[int], stage,
+                    alpha: float | None = None) -> ProviderAudit:
+    """A provider judged by replaying its greedy or seeded outputs on the reference (Token-DiFR margins)
+    against ``bands`` at ``fpr`` or ``calibrator`` at its own FPR (``alpha``: at that level instead)."""
+    tokenizer = reference.tokenizer
+    claims = [c for r in records for c in _seeded_claims(r, spec, tokenizer, stops, reference.vocab_size,
+                                                          f"provider {e.name!r}: {store.path} (prompt {r['prompt_id']})")]
+    empty = [c.prompt_id for c in claims if not c.output_token_ids]
+    served = summarize_served(claims)  # empty outputs included
+    claims = [c for c in claims if c.output_token_ids]
+    if not claims:
+        raise ProviderError(f"provider {e.name!r}: every response has an empty output; nothing to verify")
+    model_id = getattr(getattr(reference, "backend", None), "model_id", e.model)
+    replays: Replays = {}
+    if getattr(reference, "backend", None) is not None and any(c.source == "retokenized" for c in claims):
+        stage(f"{e.name}: aligning re-tokenized text with the reference's replay")
+        scratch = out_dir / e.name / "alignment"
+        claims = align_claims(claims, _replayer(reference, e.name, model_id, spec, scratch, replays), tokenizer)
+        shutil.rmtree(scratch, ignore_errors=True)
+    claims = [count_mismatch(c) for c in claims]
+    traces = claim_traces(claims, e.name, model_id, spec.params)
+    write_traces(traces, out_dir / e.name / "traces.jsonl")
+    if calibrator is not None:  # the traces may claim speculative decoding: judged only by its calibration
+        problem = signature_mismatch(calibrator.signature, signature(traces, model_id, reference.backend.dtype_name)
+                                     if getattr(reference, "backend", None) is not None else None)
+        if problem:
+            raise ValueError(f"provider {e.name!r}: the calibration does not match its traces "
+                             f"({out_dir / e.name / 'traces.jsonl'}; responses kept): {problem}")
+    stage(f"{e.name}: scoring {sum(len(c.output_token_ids) for c in claims)} tokens with the reference")
+    columns = reference.score(traces, out_dir / e.name, skip=unscored(claims, e.name),
+                              **({"reuse": replays} if replays else {}))
+    seq = sequence_stats(columns, bands.clip if bands is not None else MARGIN_CLIP)
+    if calibrator is not None:
+        verdict = calibrated_verdict(columns["margin"], calibrator, batch_size, alpha=alpha)
+        verdict.exact_match_rate, verdict.sequences = float(seq[:, 2].sum() / seq[:, 0].sum()), len(seq)
+    else:
+        verdict = pooled_verdict(seq, bands.honest_bands(), fpr if alpha is None else alpha, all_bands=bands.labelled(),
+                                 source=Path(bands.source).name, clip=bands.clip)
+    return ProviderAudit(e, claims, columns, seq, verdict, summarize_drift(claims), client.sent, len(store),
+                         store.damaged_lines, empty, served)
+
+
+def _replayer(reference, provider: str, model_id: str, spec: AuditSpec, scratch: Path, last: Replays):
+    """Claims -> (claimed ids, the reference's replayed tokens) per claim, scored in ``scratch``; each
+    claim's last replay is kept in ``last`` (the final scoring reuses it rather than replaying again)."""
     def replay(claims: list[Claim]) -> list[tuple[np.ndarray, np.ndarray]]:
         traces = claim_traces(claims, provider, model_id, spec.params)
-        columns = reference.score(traces, scratch)
-        ids = np.asarray(columns["trace_id"])
-        return [(np.asarray(columns["claimed"])[ids == t.id], np.asarray(columns["verifier_token"])[ids == t.id])
-                for t in traces]
+        got = by_trace(reference.score(traces, scratch))
+        last.update(got)
+        return [(got[t.id]["claimed"], got[t.id]["verifier_token"]) for t in traces]
 
     return replay
 
@@ -215,10 +236,31 @@ def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, re
             raise ProviderError(f"{where}: asked for n={want} completions, got {got} (does the provider support n?)")
         claims += [parse_generation(r, reference.tokenizer, stops, reference.vocab_size, where, i) for i in range(want)]
     stage(f"{e.name}: judging {len(claims)} sampled completions ({spec.mode})")
+    backend = getattr(reference, "backend", None)
+    remote = None if backend is not None else reference  # a reference API (verinfer.auditing.remote_reference)
     if spec.mode == "logprobs":
-        judged = judge_logprobs(claims, records, spec, reference.backend, fpr, e.name, store)
+        judged = judge_logprobs(claims, records, spec, backend, fpr, e.name, store, remote=remote)
     else:
-        judged = judge_sampled(claims, spec, reference.backend, out_dir, fpr, stage)
+        judged = judge_sampled(claims, spec, backend, out_dir, fpr, stage, remote=remote)
     empty = sorted({c.prompt_id for c in claims if not c.output_token_ids})
     return ProviderAudit(e, claims, {}, np.zeros((0, 3)), judged.verdict, summarize_drift(claims), client.sent,
                          len(store), store.damaged_lines, empty, summarize_served(claims), judged.prompts)
+
+
+def _auto_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, records: list[dict], spec: AuditSpec,
+                reference, out_dir: Path, bands: Bands | None, calibrator: Calibrator | None, batch_size: int | None,
+                fpr: float, stops: set[int], stage) -> ProviderAudit:
+    """``--mode auto``: every test the responses allow, one verdict (``verinfer.auditing.auto``); the seeded
+    test replays the same responses as ``--mode seeded`` would, when bands or a calibration judge it."""
+    generated = [r for r in records if r.get("kind") != "seed-probe"]
+    probes = [r for r in records if r.get("kind") == "seed-probe"]
+    seeded = None
+    if bands is not None or calibrator is not None:
+        seeded = lambda alpha: _replayed_audit(e, store, client, generated, component_spec(spec, "seeded"),  # noqa: E731
+                                               reference, out_dir, bands, calibrator, batch_size, alpha, stops,
+                                               stage, alpha=alpha).verdict
+    judged = judge_auto(generated, probes, spec, reference, out_dir, fpr, stops, e.name, store, seeded, stage)
+    claims = judged.claims
+    return ProviderAudit(e, claims, {}, np.zeros((0, 3)), judged.verdict, summarize_drift(claims), client.sent,
+                         len(store), store.damaged_lines, sorted({c.prompt_id for c in claims if not c.output_token_ids}),
+                         summarize_served(claims), judged.prompts, [t.to_dict() for t in judged.tests])

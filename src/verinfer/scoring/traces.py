@@ -4,6 +4,7 @@ stream per-token scores to Parquet and check activation commits from the same pr
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Sequence
@@ -60,28 +61,52 @@ class Scored:
     commits_path: Path | None = None
 
 
-def align_retokenized(backend: Backend, traces: Sequence[Trace]) -> tuple[list[Trace], dict[str, set[int]]]:
+Replays = dict[str, dict[str, np.ndarray]]  # per trace id, the score columns of its last replay
+
+
+def by_trace(columns: dict[str, np.ndarray]) -> Replays:
+    """Score columns split per trace id (one stable sort, not one mask per trace), rows by position."""
+    ids = np.asarray(columns["trace_id"])
+    if not len(ids):
+        return {}
+    order = np.lexsort((np.asarray(columns["position"]), ids.astype(str)))
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    ends = np.r_[starts[1:], len(order)]
+    return {str(sorted_ids[a]): {k: np.asarray(v)[order[a:b]] for k, v in columns.items()}
+            for a, b in zip(starts, ends)}
+
+
+def reusable(traces: Sequence[Trace], replays: Replays | None) -> Replays:
+    """The replays that score ``traces`` exactly as they now stand (same output ids, no commits to
+    check, which need the prefill's hidden states): scoring them again would repeat the same prefill."""
+    out = {}
+    for t in traces:
+        r = (replays or {}).get(t.id)
+        if r is not None and not t.fingerprints and np.array_equal(r["claimed"], t.output_token_ids):
+            out[t.id] = r
+    return out
+
+
+def align_retokenized(backend: Backend, traces: Sequence[Trace]) -> tuple[list[Trace], dict[str, set[int]], Replays]:
     """Traces whose output ids were re-tokenized from text (``meta.token_source == "retokenized"``, the
     text kept in ``output_text``, as the gateway records text-only engines) re-split at every
     tokenization break the replay reveals (``verinfer.scoring.alignment``); returns the traces (the
-    re-split ones with ``meta.realigned``) and, per trace id, the positions to leave unscored."""
+    re-split ones with ``meta.realigned``), per trace id the positions to leave unscored, and the
+    alignment's last replays, which ``score_traces(reuse=)`` takes instead of scoring them again."""
     out = list(traces)
     which = [i for i, t in enumerate(out) if (t.meta or {}).get("token_source") == "retokenized"
              and t.output_text and t.output_token_ids and not t.sampling.speculative]
     if not which:
-        return out, {}
+        return out, {}, {}
+    last: Replays = {}
 
     def replay(ids: list[list[int]], todo: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
         subset = [replace(out[which[k]], output_token_ids=i) for k, i in zip(todo, ids)]
-        rows: dict[str, list[np.ndarray]] = {"item": [], "position": [], "claimed": [], "verifier_token": []}
-        for block in verify_traces(backend, subset):
-            rows["item"].append(block.items)
-            for k in ("position", "claimed", "verifier_token"):
-                rows[k].append(np.asarray(block.columns[k]))
-        item, position, claimed, replayed = (np.concatenate(rows[k]) for k in rows)
-        order = np.lexsort((position, item))
-        item, claimed, replayed = item[order], claimed[order], replayed[order]
-        return [(claimed[item == j], replayed[item == j]) for j in range(len(subset))]
+        blocks = [block.columns for block in verify_traces(backend, subset)]
+        got = by_trace({k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]})
+        last.update(got)
+        return [(got[t.id]["claimed"], got[t.id]["verifier_token"]) for t in subset]
 
     skip = {}
     for i, a in zip(which, align([(out[i].output_token_ids, out[i].output_text) for i in which], replay,
@@ -89,32 +114,37 @@ def align_retokenized(backend: Backend, traces: Sequence[Trace]) -> tuple[list[T
         if a.realigned:
             out[i] = replace(out[i], output_token_ids=a.ids, meta={**out[i].meta, "realigned": a.realigned})
             skip[out[i].id] = set(a.realigned)
-    return out, skip
+    return out, skip, last
 
 
 def score_traces(backend: Backend, traces: Sequence[Trace], scores_path: Path | None = None,
                  commits_path: Path | None = None, on_rows: Progress = None,
-                 skip: dict[str, set[int]] | None = None) -> Scored:
+                 skip: dict[str, set[int]] | None = None, reuse: Replays | None = None) -> Scored:
     """Score every token (streaming to ``scores_path`` when given) and check every trace's commits.
 
     Commit scores go to ``commits_path`` when given and some trace carries commits. ``skip`` names,
-    per trace id, positions left out of the scores (re-tokenization drift: ``align_retokenized``).
+    per trace id, positions left out of the scores (re-tokenization drift: ``align_retokenized``);
+    ``reuse`` holds replays already made of some traces (the alignment's), which are not replayed again.
     """
     parts: dict[str, list[np.ndarray]] = {k: [] for k in COMPACT}
     checks: list[CommitCheck] = []
     sig = signature(traces, backend.model_id, backend.dtype_name)
 
+    reused = reusable(traces, reuse)
+    fresh = [t for t in traces if t.id not in reused]
+
     def check(i: int, hidden) -> None:
-        t = traces[i]
+        t = fresh[i]
         if t.fingerprints:
             rows = commit_rows(hidden, len(t.prompt_token_ids), len(t.output_token_ids))
             checks.append(check_commits(t.id, t.fingerprints, rows, len(t.prompt_token_ids)))
 
-    wants_hidden = any(t.fingerprints for t in traces)
+    wants_hidden = any(t.fingerprints for t in fresh)
+    blocks = (b.columns for b in verify_traces(backend, fresh, on_rows=on_rows,
+                                               on_sequence_hidden=check if wants_hidden else None)) if fresh else ()
     with ScoreWriter(scores_path, sig) if scores_path else contextlib.nullcontext() as writer:
-        for block in verify_traces(backend, traces, on_rows=on_rows,
-                                   on_sequence_hidden=check if wants_hidden else None):
-            columns = keep_rows(block.columns, skip or {})
+        for block_columns in itertools.chain(blocks, _replayed(reused.values(), on_rows)):
+            columns = keep_rows(block_columns, skip or {})
             if writer:
                 writer.write(columns)
             for k in COMPACT:
@@ -123,3 +153,11 @@ def score_traces(backend: Backend, traces: Sequence[Trace], scores_path: Path | 
     columns = in_trace_order({k: np.concatenate(v) for k, v in parts.items()}, traces)
     return Scored(columns, checks, sig,
                   Path(scores_path) if scores_path else None, written)
+
+
+def _replayed(replays, on_rows: Progress):
+    """Replays made before (``reuse``), as the score blocks the verifier would have streamed."""
+    for columns in replays:
+        if on_rows:
+            on_rows(len(columns["position"]))
+        yield columns
