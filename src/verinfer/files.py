@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import os
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -59,6 +60,29 @@ def derived_path(source: str | Path, suffix: str, keep_extension: bool = False) 
     source = Path(source)
     stem = source.name[: -len(source.suffix)] if source.suffix and not keep_extension else source.name
     return source.with_name(stem + suffix)
+
+
+def fresh_path(path: str | Path, directory: bool = False) -> Path:
+    """The first of ``path``, ``path-2``, ``path-3``, ... (``name-2.json`` for a file) that nothing
+    occupies, claimed at once (the directory made, or an empty file created exclusively) so that two
+    runs never get the same one: a default output never overwrites another run's results, nor
+    anything committed (issue #31, item 5)."""
+    path = Path(path)
+    stem, suffix = (path.name, "") if directory or not path.suffix else (path.name[: -len(path.suffix)], path.suffix)
+    for i in itertools.count(1):
+        candidate = path if i == 1 else path.with_name(f"{stem}-{i}{suffix}")
+        try:
+            if directory:
+                candidate.mkdir(parents=True)
+            else:
+                candidate.parent.mkdir(parents=True, exist_ok=True)
+                os.close(os.open(candidate, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise OutputError(f"{candidate}: cannot create ({exc.strerror or exc})") from None
+        return candidate
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def remove_stale_temporaries(path: str | Path) -> list[Path]:

@@ -99,18 +99,55 @@ def read_prompt_file(path: Path) -> list[Prompt]:
     return out
 
 
-def load_prompts(source: str, n: int | None = None, seed: int = 0) -> list[Prompt]:
-    """``n`` prompts from a built-in set (a seeded sample) or a JSONL file (the first ``n``)."""
+def load_prompts(source: str, n: int | None = None, seed: int = 0, distinct: bool = False) -> list[Prompt]:
+    """``n`` prompts from a built-in set (a seeded sample) or a JSONL file (the first ``n``).
+
+    ``distinct``: no two with the same content (an audit would ask the same greedy request twice and
+    count it once). The seeded sample is drawn as without it, then each repeat is replaced by the
+    next unused prompt of one more seeded draw, so a sample without repeats is the same either way;
+    a set with fewer distinct prompts than ``n`` is refused, naming how many it has."""
     if source in BUILTIN:
         prompts = BUILTIN[source]()
         if n is not None and n < len(prompts):
-            pick = np.random.default_rng(seed).choice(len(prompts), size=n, replace=False)
+            rng = np.random.default_rng(seed)
+            pick = rng.choice(len(prompts), size=n, replace=False)
+            if distinct:
+                pick = _distinct(prompts, sorted(pick), rng.permutation(len(prompts)), n, source)
             prompts = [prompts[i] for i in sorted(pick)]
-        return prompts
+        return _distinct_all(prompts) if distinct else prompts
     path = Path(source)
     if not path.is_file():
         raise PromptError(f"prompt set {source!r} is neither a built-in set ({', '.join(BUILTIN)}) nor a file")
-    return read_prompt_file(path)[:n]
+    return (_distinct_all(read_prompt_file(path)) if distinct else read_prompt_file(path))[:n]
+
+
+def _key(prompt: Prompt) -> tuple:
+    return prompt.messages, prompt.token_ids
+
+
+def _distinct_all(prompts: list[Prompt]) -> list[Prompt]:
+    """The first prompt of each content, in order."""
+    seen: set = set()
+    return [p for p in prompts if not (_key(p) in seen or seen.add(_key(p)))]
+
+
+def _distinct(prompts: list[Prompt], pick: list[int], order, n: int, source: str) -> list[int]:
+    """``pick`` with each repeated content replaced by the next prompt of ``order`` not yet used."""
+    seen, out = set(), []
+    for i in pick:
+        if _key(prompts[i]) not in seen:
+            seen.add(_key(prompts[i]))
+            out.append(int(i))
+    chosen = set(out)
+    for i in order:
+        if len(out) == n:
+            break
+        if int(i) not in chosen and _key(prompts[i]) not in seen:
+            seen.add(_key(prompts[i]))
+            out.append(int(i))
+    if len(out) < n:
+        raise PromptError(f"prompt set {source!r} holds {len(out)} distinct prompts; --n {n} asks for more")
+    return out
 
 
 def inject_system(messages: Sequence[dict[str, str]], text: str) -> list[dict[str, str]]:
