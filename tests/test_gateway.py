@@ -295,16 +295,22 @@ def test_unrecordable_exchanges_are_counted_and_logged_and_an_unreachable_engine
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
 
 
-def test_a_full_queue_drops_visibly_and_never_holds_the_client(tmp_path):
+def _held_writer():
+    """A shard writer that holds each write until released: (entered, release, write)."""
     from verinfer.trace import write_traces
 
     entered, release = threading.Event(), threading.Event()
 
-    def slow_write(traces, path):
+    def write(traces, path):
         entered.set()
         release.wait(30)
         return write_traces(traces, path)
 
+    return entered, release, write
+
+
+def test_a_full_queue_drops_visibly_and_never_holds_the_client(tmp_path):
+    entered, release, slow_write = _held_writer()
     logs: list = []
     with asgi_in_thread(fake_engine()) as engine:
         g = _gateway(engine, tmp_path, Recording("fake"), lambda level, event, **f: logs.append(event),
@@ -359,15 +365,7 @@ def test_a_trace_directory_that_turns_into_a_file_stops_recording(tmp_path):
 
 
 def test_block_policy_waits_for_room_and_loses_nothing(tmp_path):
-    from verinfer.trace import write_traces
-
-    entered, release = threading.Event(), threading.Event()
-
-    def slow_write(traces, path):
-        entered.set()
-        release.wait(30)
-        return write_traces(traces, path)
-
+    entered, release, slow_write = _held_writer()
     with asgi_in_thread(fake_engine()) as engine:
         g = _gateway(engine, tmp_path, Recording("fake"), None, write=slow_write, queue_size=1, shard_records=1,
                      on_full="block")
