@@ -14,6 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
+from verinfer.files import write_atomic
 from verinfer.stats.summary import token_statistics
 from verinfer.studies.detection import ConfigData, Matrix, pool, split, split_ids
 from verinfer.stats.power import (BATCH_SIZES, COMBINED, DETECTORS, fit_transforms, held_out, power_curves,
@@ -195,8 +196,8 @@ def write_report(result: dict, out: Path, machine: str, command: str) -> list[Pa
     out.mkdir(parents=True, exist_ok=True)
     result = {**result, "machine": machine, "command": command}
     paths = [out / "detection.json", out / "detection.md"]
-    paths[0].write_text(json.dumps(result, indent=1, default=str))
-    paths[1].write_text(f"Command: `{command}`\n\nMachine: {machine}\n\n" + markdown(result))
+    write_atomic(paths[0], json.dumps(result, indent=1, default=str))
+    write_atomic(paths[1], f"Command: `{command}`\n\nMachine: {machine}\n\n" + markdown(result))
     plain = [n for n, c in result["configs"].items() if not c["attack"]]
     if plain:
         paths.append(plot_curves(result, out / "auc_vs_tokens.png", plain))
