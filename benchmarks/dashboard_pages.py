@@ -71,7 +71,8 @@ def fill(url: str, windows: int, series: int, seed: int = 0):
             with store.transaction() as s:
                 s.execute(insert(Window), rows)
         with store.transaction() as s:
-            advance_stream(s, s.scalars(timeline(Key(f"provider-{k}", "smollm2-135m", "greedy", 60), newest=1)).one())
+            advance_stream(s, s.scalars(timeline(Key(f"provider-{k}", "smollm2-135m", "greedy", 60), newest=1)).one(),
+                           per, int(tokens.sum()))
     return store, T0 + dt.timedelta(minutes=per)
 
 

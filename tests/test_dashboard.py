@@ -44,7 +44,7 @@ def add_window(s, provider: str, i: int, verdict: str | None, model: str = "smol
                updated_at=start + dt.timedelta(minutes=11))
     s.add(w)
     s.flush()
-    advance_stream(s, w)  # as the monitor records it: the stream's newest window
+    advance_stream(s, w, 1, tokens)  # as the monitor records it: the stream's newest window and its totals
 
 
 @pytest.fixture()

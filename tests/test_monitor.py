@@ -117,6 +117,8 @@ def test_every_shard_and_window_recorded_once(db_url, backend, honest, tmp_path)
     notes = query(db_url, "SELECT DISTINCT note FROM windows")
     assert len(notes) == 1 and notes[0][0].startswith("uncalibrated")  # ... and the record says so
     assert query(db_url, "SELECT computed FROM windows WHERE shards = 2") == [(2,)]  # recomputed when b arrived
+    assert query(db_url, "SELECT provider, windows, tokens FROM streams ORDER BY provider") == \
+        query(db_url, "SELECT provider, COUNT(*), SUM(tokens) FROM windows GROUP BY provider ORDER BY provider")
 
     again = Monitor(d, store, window_s=60, backend=backend).run_once()  # a restarted monitor
     assert again.found == 0 and again.verified == []
@@ -260,6 +262,9 @@ def _exactly_once(url: str, shards: int, traces: int, tokens: int) -> None:
     assert query(url, "SELECT COUNT(*), COUNT(DISTINCT trace_id) FROM window_traces") == [(traces, traces)]
     assert query(url, "SELECT SUM(tokens), SUM(traces) FROM windows") == [(tokens, traces)]
     assert query(url, "SELECT COUNT(*) FROM shard_results") == [(shards,)]
+    # each stream's counters (kept by advance_stream, in the windows' transaction) agree with a recount
+    assert query(url, "SELECT windows, tokens FROM streams ORDER BY provider, seconds") == \
+        query(url, "SELECT COUNT(*), SUM(tokens) FROM windows GROUP BY provider, seconds ORDER BY provider, seconds")
 
 
 def test_kill_9_mid_shard_then_a_restart_loses_and_doubles_nothing(db_url, honest, tmp_path):

@@ -53,6 +53,41 @@ def test_two_processes_opening_a_new_database_migrate_it_once(db_url):
     store.close()
 
 
+def test_migration_0002_fills_stream_totals_from_existing_windows(db_url):
+    """A history written at revision 0001 (totals summed from the windows on every read) keeps its
+    totals when upgraded: each stream's new counters are its windows' count, tokens and last update."""
+    from alembic import command
+
+    from verinfer.production.store import make_engine
+
+    engine = make_engine(db_url)
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0001")
+    t0 = dt.datetime(2026, 1, 1)
+    with engine.begin() as conn:
+        for k, (provider, n) in enumerate((("acme", 3), ("other", 2))):
+            for i in range(n):
+                conn.execute(text(
+                    "INSERT INTO windows (id, provider, model, profile, seconds, start_time, end_time, shards, computed, "
+                    "traces, tokens, updated_at) VALUES (:id, :p, 'm', 'greedy', 60, :s, :e, 1, 1, 2, :tok, :u)"),
+                    dict(id=10 * k + i + 1, p=provider, s=t0 + dt.timedelta(minutes=i), e=t0 + dt.timedelta(minutes=i + 1),
+                         tok=100 + i, u=t0 + dt.timedelta(minutes=i + 5)))
+            conn.execute(text("INSERT INTO streams (provider, model, profile, seconds, last_start, last_window_id) "
+                              "VALUES (:p, 'm', 'greedy', 60, :s, :w)"),
+                         dict(p=provider, s=t0 + dt.timedelta(minutes=n - 1), w=10 * k + n))
+    engine.dispose()
+    store = open_store(db_url)
+    with store.engine.connect() as conn:
+        got = conn.execute(text("SELECT provider, windows, tokens, updated_at FROM streams ORDER BY provider")).all()
+    assert [(p, w, t) for p, w, t, _ in got] == [("acme", 3, 303), ("other", 2, 201)]
+    assert [u if isinstance(u, dt.datetime) else dt.datetime.fromisoformat(u) for *_, u in got] == \
+        [t0 + dt.timedelta(minutes=7), t0 + dt.timedelta(minutes=6)]
+    store.close()
+
+
 def _plan(conn, statement: str, parameters) -> str:
     """The query plan of one statement as the driver ran it (its own parameters)."""
     if conn.dialect.name == "sqlite":
@@ -79,7 +114,8 @@ def test_dashboard_reads_use_indexes_with_100000_windows(db_url):
                  updated_at=t0, verdict=verdicts[(i // 7) % 4], exact_match_rate=1.0, mean_margin=0.0)
             for p, m, f in streams for i in range(per)])
         s.execute(insert(Stream), [dict(provider=p, model=m, profile=f, seconds=600,
-                                        last_start=t0 + dt.timedelta(minutes=10 * (per - 1)), last_window_id=(k + 1) * per)
+                                        last_start=t0 + dt.timedelta(minutes=10 * (per - 1)), last_window_id=(k + 1) * per,
+                                        windows=per, tokens=48 * per, updated_at=t0)
                                    for k, (p, m, f) in enumerate(streams)])
         shard = Shard(path="/x/a.parquet", sha256="0" * 64, bytes=1, status="done", attempts=1, discovered_at=t0)
         s.add(shard)

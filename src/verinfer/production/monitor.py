@@ -418,22 +418,26 @@ class Monitor:
             for t in traces:
                 buckets.setdefault((key, window_start(data.times[t.id], self.window_s)), []).append(t)
         verdicts, windows = [], []
+        added: dict[Key, list[int]] = {}  # per stream: new windows, change in tokens (its totals' counters)
         sorted_buckets = sorted(buckets, key=lambda b: (b[0].provider, b[0].model, b[0].profile, b[1]))
         for (key, start) in sorted_buckets:
             window = self._lock_window(s, key, start)
             windows.append(window)
+            new, before = window.computed == 0, window.tokens
             s.add_all([WindowTrace(window_id=window.id, shard_id=shard.id, trace_id=t.id,
                                    request_time=data.times[t.id], tokens=trace_stats[t.id][0],
                                    exact_matches=trace_stats[t.id][1], mean_margin=trace_stats[t.id][2])
                        for t in buckets[(key, start)]])
             s.flush()
             self._recompute(s, window)
+            delta = added.setdefault(key, [0, 0])
+            delta[0], delta[1] = delta[0] + new, delta[1] + window.tokens - before
             verdicts.append(window.verdict)
         newest: dict[Key, Window] = {}
         for (key, start), window in zip(sorted_buckets, windows):
             newest[key] = window  # sorted by start within a key: the last is the newest
         for key in sorted(newest, key=lambda k: (k.provider, k.model, k.profile)):
-            advance_stream(s, newest[key])  # locked after the windows: one lock order
+            advance_stream(s, newest[key], *added[key])  # locked after the windows: one lock order
         return verdicts
 
     def _lock_window(self, s, key: Key, start: dt.datetime) -> Window:

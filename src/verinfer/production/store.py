@@ -10,8 +10,9 @@ monitor claims it with a conditional UPDATE (pending, or claimed with an expired
 records its results together with ``status='done'`` in one transaction (``verinfer.production.monitor``).
 
 Indexes serve the dashboard (issue #30), whose every read is a query builder below: the streams and
-their current state are the ``streams`` rows and their newest windows (by primary key); a timeline and
-a stream's totals are range scans of ``uq_windows_key``; "since when" is index lookups of the latest
+their current state are the ``streams`` rows and their newest windows (by primary key); a stream's
+totals (windows, tokens, last update) are counters kept in its ``streams`` row, so ``/metrics`` costs
+the same however long the history; a timeline is a range scan of ``uq_windows_key``; "since when" is index lookups of the latest
 window with each other verdict (``ix_windows_state``); a window's traces are ``ix_window_traces_window``.
 """
 
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from sqlalchemy import (BigInteger, DateTime, Float, ForeignKey, Index, Integer, Select, String, Text,
-                        UniqueConstraint, and_, create_engine, event, func, select, text, update)
+                        UniqueConstraint, and_, case, create_engine, event, func, or_, select, text, update)
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Engine, make_url
@@ -118,8 +119,8 @@ class Window(ResultColumns, Base):
 
 
 class Stream(Base):
-    """A provider/model/profile at one window length, and its newest window: the current state is one
-    row per stream, read without scanning the windows (``latest``)."""
+    """A provider/model/profile at one window length, its newest window and its totals: the current
+    state is one row per stream, read without scanning the windows (``latest``, ``totals``)."""
 
     __tablename__ = "streams"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
@@ -129,6 +130,9 @@ class Stream(Base):
     seconds: Mapped[int] = mapped_column(Integer)
     last_start: Mapped[dt.datetime] = mapped_column(DateTime)
     last_window_id: Mapped[int] = mapped_column(ForeignKey("windows.id", ondelete="CASCADE"))
+    windows: Mapped[int] = mapped_column(Integer, default=0)  # totals, kept by advance_stream (migration 0002)
+    tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    updated_at: Mapped[dt.datetime | None] = mapped_column(DateTime)  # the newest windows.updated_at
     __table_args__ = (UniqueConstraint("provider", "model", "profile", "seconds", name="uq_streams_key"),)
 
 
@@ -193,9 +197,9 @@ class Key:
     def of(cls, row: "Window | Stream") -> "Key":
         return cls(row.provider, row.model, row.profile, row.seconds)
 
-    def where(self) -> Any:
-        return and_(Window.provider == self.provider, Window.model == self.model, Window.profile == self.profile,
-                    Window.seconds == self.seconds)
+    def where(self, table: type[Window] | type[Stream] = Window) -> Any:
+        return and_(table.provider == self.provider, table.model == self.model, table.profile == self.profile,
+                    table.seconds == self.seconds)
 
     @property
     def label(self) -> str:
@@ -213,8 +217,8 @@ def latest(provider: str | None = None, model: str | None = None, profile: str |
 
 
 def totals(key: Key) -> Select:
-    """A stream's window count, tokens and last update (``uq_windows_key`` range)."""
-    return select(func.count(), func.coalesce(func.sum(Window.tokens), 0), func.max(Window.updated_at)).where(key.where())
+    """A stream's window count, tokens and last update: its ``streams`` row (``uq_streams_key`` lookup)."""
+    return select(Stream.windows, Stream.tokens, Stream.updated_at).where(key.where(Stream))
 
 
 def _range(key: Key, since: dt.datetime | None, until: dt.datetime | None) -> list:
@@ -276,14 +280,20 @@ def dialect_insert(dialect: str, table) -> Any:
     return (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
 
 
-def advance_stream(s: Session, window: Window) -> None:
-    """Point the window's stream at it if it is the stream's newest (the monitor calls it after locking
-    the windows: one lock order, no deadlock)."""
+def advance_stream(s: Session, window: Window, windows: int = 0, tokens: int = 0) -> None:
+    """Point the window's stream at it if it is the stream's newest, and add ``windows`` new windows and
+    ``tokens`` (the change in the stream's token count) to its totals. The monitor calls it after locking
+    the windows (one lock order, no deadlock), in the transaction that wrote them: the counters move with
+    the windows or not at all."""
     key = Key.of(window)
     s.execute(dialect_insert(s.get_bind().dialect.name, Stream).values(
         provider=key.provider, model=key.model, profile=key.profile, seconds=key.seconds,
-        last_start=window.start_time, last_window_id=window.id)
+        last_start=window.start_time, last_window_id=window.id, windows=0, tokens=0)
         .on_conflict_do_nothing(index_elements=["provider", "model", "profile", "seconds"]))
+    s.execute(update(Stream).where(key.where(Stream)).values(
+        windows=Stream.windows + windows, tokens=Stream.tokens + tokens,
+        updated_at=case((or_(Stream.updated_at.is_(None), Stream.updated_at < window.updated_at), window.updated_at),
+                        else_=Stream.updated_at)))
     s.execute(update(Stream).where(Stream.provider == key.provider, Stream.model == key.model,
                                    Stream.profile == key.profile, Stream.seconds == key.seconds,
                                    Stream.last_start < window.start_time)
