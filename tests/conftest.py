@@ -7,12 +7,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import pytest  # noqa: E402
 
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    # `pytest -n 2` on two cores: one torch thread per worker instead of two threads spinning
-    # against each other (the same prefill measured 4x slower oversubscribed: benchmarks/verify_speed.py).
-    import torch
+# The commands' thread policy (verinfer.machine): one torch thread in a pytest-xdist worker (`-n 2` on
+# two cores: the same prefill measured 4x slower oversubscribed, benchmarks/verify_speed.py).
+from verinfer.machine import use_threads  # noqa: E402
 
-    torch.set_num_threads(1)
+use_threads()
 
 
 @pytest.fixture(scope="session")

@@ -215,12 +215,11 @@ class ShardVerifier:
 
     def __init__(self, out_dir: str, model: str, dtype: str, device: str, threads: int,
                  skip_invalid: bool, allow_model_mismatch: bool):
-        import torch
-
         from verinfer.api import load_model
+        from verinfer.machine import use_threads
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        torch.set_num_threads(max(1, threads))
+        use_threads(threads)
         self.out_dir, self.skip_invalid, self.allow = Path(out_dir), skip_invalid, allow_model_mismatch
         self.backend = load_model(model, dtype, device)
 
@@ -235,7 +234,9 @@ def run_ray(shards: Sequence[Path], out_dir: Path, model: str, dtype: str = "flo
             on_shard: Callable[[dict], None] | None = None, verifier: type = ShardVerifier) -> ShardedResult:
     """Verify the shards not done yet on a Ray cluster (``address``; None: start a local one) with an
     actor pool of ``workers`` model replicas (default: one per GPU, else one per CPU)."""
-    import ray
+    from verinfer.extras import require
+
+    ray, _ = require("ray", "verinfer.sharded.run_ray")
 
     out_dir.mkdir(parents=True, exist_ok=True)
     todo, resumed = _todo(shards, out_dir)

@@ -94,10 +94,10 @@ class Backend:
             input_ids=to(input_ids),
             attention_mask=to(attention_mask),
             position_ids=to(position_ids),
-            past_key_values=cache,
+            cache=cache,  # transformers >= 5.24 (``past_key_values`` is deprecated)
             use_cache=cache is not None,
         )
-        return out.last_hidden_state, out.past_key_values
+        return out.last_hidden_state, out.cache
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, on_device: bool = False) -> torch.Tensor:
