@@ -28,15 +28,21 @@ from verinfer.stats.pooling import MARGIN_CLIP
 TEMPLATE = Path(__file__).with_name("templates") / "report.html.j2"
 
 
+def prompt_text(tokenizer, claim) -> str:
+    """The prompt a provider was asked to continue, as text: our chat-template rendering decoded
+    without special tokens (so a report reader sees the question, not only its id)."""
+    return tokenizer.decode(claim.prompt_token_ids, skip_special_tokens=True).strip()
+
+
 def prompt_rows(audit: ProviderAudit, tokenizer, clip: float) -> list[dict]:
-    """One row per verified sequence: scores and the output as tokens with their margins (seedless
-    modes: the per-prompt results and the first completion's text)."""
+    """One row per verified sequence: the prompt's text, scores and the output as tokens with their
+    margins (seedless modes: the per-prompt results and the first completion's text)."""
     if audit.prompts is not None:
         first = {}
         for c in audit.claims:
             first.setdefault(c.prompt_id, c)
-        return [{**r, "pieces": [(tokenizer.decode(first[r["prompt_id"]].output_token_ids, skip_special_tokens=True),
-                                  None)]}
+        return [{**r, "prompt_text": prompt_text(tokenizer, first[r["prompt_id"]]),
+                 "pieces": [(tokenizer.decode(first[r["prompt_id"]].output_token_ids, skip_special_tokens=True), None)]}
                 for r in audit.prompts]
     ids = np.asarray(audit.columns["trace_id"], dtype=object)
     margin = np.asarray(audit.columns["margin"], dtype=np.float64)
@@ -44,7 +50,8 @@ def prompt_rows(audit: ProviderAudit, tokenizer, clip: float) -> list[dict]:
     for c in audit.claims:
         m = margin[ids == f"{audit.endpoint.name}/{c.prompt_id}"]
         pieces = [tokenizer.decode([t]) for t in c.output_token_ids]
-        rows.append({"prompt_id": c.prompt_id, "tokens": int(m.size), "exact": int((m == 0).sum()),
+        rows.append({"prompt_id": c.prompt_id, "prompt_text": prompt_text(tokenizer, c), "tokens": int(m.size),
+                     "exact": int((m == 0).sum()),
                      "mean_clipped_margin": float(np.minimum(m, clip).mean()) if m.size else 0.0,
                      "divergent_positions": [int(i) for i in np.flatnonzero(m > 0)],
                      "token_source": c.source, "drift": c.drift,
@@ -169,6 +176,7 @@ def to_json(result: AuditResult, tokenizer) -> dict:
             "drift": a.drift, "requests_sent": a.requests_sent,
             "responses_stored": a.responses_stored, "damaged_lines": a.damaged_lines, "empty_outputs": a.empty_outputs,
             "prompts": [{k: v for k, v in r.items() if k != "pieces"} for r in prompt_rows(a, tokenizer, clip)],
+            **({"tests": a.tests} if a.tests is not None else {}),  # auto mode (verinfer.auditing.auto)
             **({"reference_draws": display_path(result.out_dir / "reference" / "draws.jsonl", result.out_dir)}
                if a.prompts is not None else {}),
         } for a in result.providers],

@@ -7,17 +7,20 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from verinfer.cli import options as opt
+from verinfer.cli.console import console as _console
 from verinfer.cli.errors import one_line_errors as _friendly
-from verinfer.files import write_atomic
+from verinfer.files import fresh_path, write_atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Audit OpenAI-compatible providers against a trusted reference, with calibrated bands.")
-console = Console()
-err = Console(stderr=True)
+console = _console()
+err = _console(stderr=True)
+TOP_K_HELP = ("seeded and seedless modes: top-k (-1: off; sent only when > 0, so requests carry only OpenAI "
+              "fields: generate's 50 simulates a vLLM chat deployment, an audit asks what any provider accepts)")
+TOP_P_HELP = "seeded and seedless modes: top-p (1.0: off, the whole distribution; generate's 0.95 simulates vLLM chat)"
 
 
 def _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, endpoint, token_ids=True):
@@ -33,27 +36,30 @@ def _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, end
 @app.command()
 @_friendly
 def bands(
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="bands file; default: the shipped data directory"),
-    model: str = typer.Option("smollm2-135m", help="reference model"),
-    prompts: str = typer.Option("chitchat", help="prompt set or JSONL file"),
-    n: int = typer.Option(48, help="prompts per band"),
-    prompt_seed: int = typer.Option(1, help="which prompts a built-in set samples"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="bands file; default: a new file named after the "
+                                       "model and settings in the current directory (-2, -3, ... if taken)"),
+    model: str = opt.model(help="reference model whose variants the bands measure"),
+    prompts: str = opt.prompts(),
+    n: int = opt.n(48, "number of prompts per band"),
+    prompt_seed: int = opt.prompt_seed(1, "which prompts a built-in set samples (default 1: another sample "
+                                       "than the one `audit run` audits by default, 0)"),
     variants: str = typer.Option(",".join(("honest", "bf16", "w8", "fp8-kv", "w4")), help="comma-separated variants"),
-    mode: str = typer.Option("greedy", help="greedy or seeded"),
+    mode: str = typer.Option("greedy", help="greedy or seeded (the seedless modes need no bands)"),
     sampler: str = typer.Option("vllm", help="seeded mode: sampler profile"),
-    temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
-    seed: int = typer.Option(1000, help="seeded mode: prompt i uses seed + i"),
-    max_tokens: int = 48,
-    batch_size: int = 16,
+    temperature: float = opt.temperature(),
+    top_k: int = typer.Option(-1, help=TOP_K_HELP),
+    top_p: float = typer.Option(1.0, help=TOP_P_HELP),
+    min_p: float = opt.min_p(),
+    seed: int = opt.seed(),
+    max_tokens: int = opt.max_tokens(48),
+    batch_size: int = opt.batch_size(16),
+    threads: int = opt.threads(),
 ):
     """Build calibrated bands (honest, bf16-, 8-bit-, fp8-KV-, 4-bit-like) for an audit's settings."""
-    import torch
-
-    from verinfer.auditing.bands import DATA_DIR, bands_filename, build_bands
+    from verinfer.auditing.bands import bands_filename, build_bands
     from verinfer.models.backend import Backend
     from verinfer.prompts import load_prompts
 
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     spec = _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, "chat")
     backend = Backend.load(model)
     data = build_bands(backend, load_prompts(prompts, n, seed=prompt_seed), spec,
@@ -64,7 +70,7 @@ def bands(
                             *([f"--sampler {sampler}", f"--temperature {temperature:g}", f"--top-k {top_k}",
                                f"--top-p {top_p:g}", f"--min-p {min_p:g}", f"--seed {seed}"]
                               if mode == "seeded" else []), f"--max-tokens {max_tokens}"]))
-    out = out or DATA_DIR / bands_filename(backend.model_id, spec.signature())
+    out = out or fresh_path(bands_filename(backend.model_id, spec.signature()))  # never the package's data
     write_atomic(out, json.dumps(data, indent=1))
     for name, b in data["bands"].items():
         toks = sum(s[0] for s in b["sequences"])
@@ -108,7 +114,8 @@ def _json_object(option: str, text: Optional[str]) -> Optional[dict]:
 @_friendly
 def run(
     provider: list[str] = typer.Option([], "--provider", "-p", help="NAME=BASE_URL (ending in /v1); repeatable"),
-    providers_file: Optional[Path] = typer.Option(None, help="JSON list of {name, url, model?, api_key_env?}"),
+    providers_file: Optional[Path] = opt.input_file("--providers-file", "JSON list of {name, url, model?, "
+                                                     "api_key_env?}"),
     out: Path = typer.Option(Path("verinfer-audit"), "--out", "-o", help="audit directory (re-running resumes)"),
     model: Optional[str] = typer.Option(None, help="model id sent to providers; default: the reference model's id"),
     reference_model: str = typer.Option("smollm2-135m", help="local reference model (also the tokenizer)"),
@@ -122,7 +129,10 @@ def run(
     n: int = opt.n(),
     prompt_seed: int = opt.prompt_seed(),
     mode: str = typer.Option("greedy", help="greedy (temperature 0 spot checks), seeded (the provider honours "
-                             "seeds with a known sampler), rank or mmd (sampled traffic without seeds)"),
+                             "seeds with a known sampler), or sampled traffic without seeds: rank (one completion "
+                             "ranked among reference draws), mmd (many completions per prompt), logprobs (the "
+                             "provider's returned logprobs against the reference's), or auto (every test the responses "
+                             "allow, combined by Holm's procedure)"),
     sampler: str = typer.Option("vllm", help="seeded mode: the provider's sampler profile"),
     samples: int = typer.Option(16, help="rank: reference draws per prompt; mmd: completions per prompt from the "
                                 "provider (one request with n) and from the reference"),
@@ -131,17 +141,25 @@ def run(
                                 "request's seed + j, as vLLM seeds it (prompt i is sent seed + i x choices)"),
     top_logprobs: int = typer.Option(5, help="logprobs mode: alternatives asked for per position (0-20; the "
                                      "sampled token's own logprob is always compared)"),
-    temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0,
+    temperature: float = opt.temperature(),
+    top_k: int = typer.Option(-1, help=TOP_K_HELP),
+    top_p: float = typer.Option(1.0, help=TOP_P_HELP),
+    min_p: float = opt.min_p(),
     seed: int = opt.seed(),
     max_tokens: int = opt.max_tokens(48),
     endpoint: str = typer.Option("chat", help="chat (messages) or completions (token-id prompts)"),
-    no_token_ids: bool = typer.Option(False, help="do not ask for return_token_ids (re-tokenize text instead)"),
+    token_ids: bool = opt.token_ids("ask for the output's token ids (return_token_ids), or only text "
+                                    "(re-tokenized)"),
+    no_token_ids: Optional[bool] = opt.hidden("--no-token-ids/--no-no-token-ids"),
     extra_body: Optional[str] = typer.Option(None, help="JSON object of more fields for every generation request "
                                              "(fields the audit sets keep its values); llama-cpp-python's server: "
                                              "'{\"top_k\": 0, \"min_p\": 0, \"repeat_penalty\": 1}'"),
-    bands_file: Optional[Path] = typer.Option(None, "--bands", help="bands file from `verinfer audit bands`"),
-    calibration: Optional[Path] = typer.Option(None, help="calibration file from `verinfer calibrate` instead of bands"),
-    batch_size: Optional[int] = typer.Option(None, help="with --calibration: tokens per batch"),
+    bands_file: Optional[Path] = opt.input_file("--bands", "bands file from `verinfer audit bands`"),
+    calibration: Optional[Path] = opt.input_file("--calibration", "calibration file from `verinfer calibrate` "
+                                                 "instead of bands"),
+    verdict_batch: Optional[int] = opt.verdict_batch("with --calibration: tokens per verdict batch (a calibrated "
+                                                     "size)"),
+    batch_size: Optional[int] = opt.hidden("--batch-size"),
     fpr: float = opt.fpr(),
     concurrency: int = typer.Option(4, help="requests in flight per provider"),
     timeout: float = typer.Option(120.0, help="seconds per network operation (connect, each read)"),
@@ -150,22 +168,24 @@ def run(
     max_response_mb: float = typer.Option(64.0, help="largest response body read, in MiB (a larger one is kept "
                                           "as rejected, cut there, and stops the audit)"),
     retries: int = typer.Option(4, help="retries on connection errors, timeouts, 5xx and 429"),
+    threads: int = opt.threads(),
 ):
     """Audit providers: ask, persist, verify against the reference, judge against calibrated bands.
 
     Exit 0: every provider consistent; 1: some provider INCONSISTENT; 2: bad input."""
-    import torch
-
     from verinfer import api
     from verinfer.auditing.report import warning_lines
 
-    torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    verdict_batch = opt.alias(verdict_batch, batch_size, "--batch-size (tokens per verdict batch)", "--verdict-batch")
+    if no_token_ids is not None:
+        token_ids = not opt.alias(no_token_ids, no_token_ids, "--no-token-ids", "--token-ids/--text-only")
+    _endpoints(provider, providers_file, model or reference_model, api_key_env)  # refused before the model loads
     backend = api.load_model(reference_model, "float32", device)
     endpoints = _endpoints(provider, providers_file, model or backend.model_id, api_key_env)
     result = api.audit(endpoints, out=out, prompts=prompts, n=n, prompt_seed=prompt_seed, mode=mode, sampler=sampler,
                        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
-                       max_tokens=max_tokens, endpoint=endpoint, token_ids=not no_token_ids, bands=bands_file,
-                       calibration=calibration, batch_size=batch_size, fpr=fpr, concurrency=concurrency,
+                       max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids, bands=bands_file,
+                       calibration=calibration, batch_size=verdict_batch, fpr=fpr, concurrency=concurrency,
                        timeout=timeout, retries=retries, deadline=deadline, max_response_mb=max_response_mb,
                        reference_url=reference_url,
                        reference_api_model=reference_api_model, reference_api_key_env=reference_api_key_env,

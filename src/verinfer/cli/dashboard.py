@@ -37,7 +37,7 @@ def _token(host: str, env_name: str | None) -> str | None:
 def dashboard(
     db: str = typer.Option(..., "--db", help="the monitor's database: sqlite:///PATH or postgresql://USER@HOST/DB"),
     port: int = typer.Option(8300, help="port to listen on"),
-    host: str = typer.Option("127.0.0.1", help="address to bind (beyond loopback it needs --auth-token-env)"),
+    host: str = typer.Option("127.0.0.1", help="interface to listen on (beyond loopback it needs --auth-token-env)"),
     auth_token_env: Optional[str] = typer.Option(None, help="environment variable holding the token every route but "
                                                  "/health asks for (Bearer, or the basic-auth password)"),
     alert_url: Optional[str] = typer.Option(None, help="webhook POSTed a JSON body on every verdict change"),
@@ -49,6 +49,10 @@ def dashboard(
 ):
     """Serve the verification history: current state, timelines, drill-down, /metrics and alerts."""
     import uvicorn
+
+    from verinfer.extras import require
+
+    require("production", "verinfer dashboard")
 
     from verinfer.production.dashboard import create_app
     from verinfer.production.store import open_store, shown

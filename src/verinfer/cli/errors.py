@@ -10,14 +10,17 @@ import functools
 from typing import NoReturn
 
 import typer
-from rich.console import Console
+from rich.markup import escape
 
-err = Console(stderr=True)
+from verinfer.cli.console import console
+
+err = console(stderr=True)
 
 
 def fail(message: str) -> NoReturn:
-    """Report bad input as one red line on stderr and exit with code 2."""
-    err.print(f"[red]error:[/red] {message}", highlight=False, soft_wrap=True)
+    """Report bad input as one red line on stderr and exit with code 2 (the message is text, not
+    markup: ``pip install -e '.[ray]'`` keeps its brackets)."""
+    err.print(f"[red]error:[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -25,12 +28,13 @@ def one_line_errors(fn):
     """Turn input errors into one red line and exit code 2 (never a traceback)."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from verinfer.extras import MissingExtra
         from verinfer.models.load import ModelNotAvailable
         from verinfer.prompts import PromptError
         from verinfer.trace import TraceError
 
         try:
             return fn(*args, **kwargs)
-        except (TraceError, PromptError, ModelNotAvailable, ValueError, OSError) as exc:
+        except (TraceError, PromptError, ModelNotAvailable, MissingExtra, ValueError, OSError) as exc:
             fail(str(exc))
     return wrapper

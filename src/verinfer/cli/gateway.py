@@ -11,6 +11,7 @@ from typing import Optional
 
 import typer
 
+from verinfer.cli import options as opt
 from verinfer.cli.audit import _json_object  # one JSON-option parser for every command
 from verinfer.cli.errors import one_line_errors
 from verinfer.sampling.profiles import profile_names
@@ -72,23 +73,31 @@ def gateway(
                                              "(clients wait for room)"),
     store_text: str = typer.Option("true", help="false: keep token ids only (no messages, prompts or output "
                                                 "text in the traces)"),
-    token_ids: bool = typer.Option(True, "--token-ids/--no-token-ids",
-                                   help="ask the engine for token ids (vLLM's return_token_ids)"),
+    token_ids: bool = opt.token_ids("ask the engine for the output's token ids (vLLM's return_token_ids), or "
+                                    "only text (re-tokenized with --model's tokenizer)"),
+    no_token_ids: Optional[bool] = opt.hidden("--no-token-ids"),
     request_defaults: Optional[str] = typer.Option(
         None, help="JSON object of fields to add to requests that leave them out, e.g. llama_cpp.server's "
                    "'{\"top_k\": 0, \"min_p\": 0, \"repeat_penalty\": 1}' so its defaults do not apply unrecorded"),
-    timeout: float = typer.Option(600.0, help="seconds an upstream request may take"),
+    timeout: float = typer.Option(600.0, help="seconds per network operation with the engine (connect, each "
+                                  "read or write): a non-streamed completion sends nothing until it is done"),
     access_log: bool = typer.Option(False, "--access-log", help="one JSON log line per request"),
 ):
     """Proxy an OpenAI-compatible engine unchanged for clients and record every exchange as traces
     (Parquet shards that `verinfer verify DIR` reads)."""
     import uvicorn
 
+    from verinfer.extras import require
+
+    require("production", "verinfer gateway")
+
     from verinfer.production.exchange import Recording
     from verinfer.production.gateway import Gateway, GatewayConfig, create_app, json_log
     from verinfer.sampling.profiles import get_profile
     from verinfer.serve.runner import bind
 
+    if no_token_ids:
+        token_ids = not opt.alias(no_token_ids, no_token_ids, "--no-token-ids", "--text-only")
     get_profile(profile)  # an unknown name is refused here, naming the known ones
     store = _bool("--store-text", store_text)
     model_id, tokenizer, stops = _tokenizer(model) if model else (None, None, frozenset())

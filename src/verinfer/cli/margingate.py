@@ -19,6 +19,7 @@ from verinfer.cli.errors import one_line_errors  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="MarginGate: verify only low-margin decode steps against a deterministic path.")
+LLAMA_ONLY = "model alias, .gguf file, local directory or cached hub id (Llama-architecture models only)"
 
 
 def _floats(text: str) -> tuple[float, ...]:
@@ -44,13 +45,9 @@ def command_line(argv: list[str] | None = None) -> str:
     return "verinfer margingate " + " ".join(shlex.quote(a) for a in argv)
 
 
-def _run(cfg, out: Optional[Path], threads: int) -> None:
-    import torch
-
+def _run(cfg, out: Optional[Path]) -> None:
     from verinfer.determinism.experiment import header, run_experiment
 
-
-    torch.set_num_threads(threads)
     command = command_line()
     typer.echo(header([cfg], command))
     rep = run_experiment(cfg, log=typer.echo)
@@ -63,17 +60,17 @@ def _run(cfg, out: Optional[Path], threads: int) -> None:
 @app.command()
 @one_line_errors
 def measure(
-    prompts: str = typer.Option("chitchat", help="prompt set: chitchat, human-eval, gsm8k, or a JSONL file"),
-    n: int = typer.Option(12, help="number of prompts"),
+    prompts: str = opt.prompts(),
+    n: int = opt.n(12),
     max_tokens: int = opt.max_tokens(32),
     max_new_tokens: Optional[int] = opt.hidden("--max-new-tokens"),
-    batch_size: int = opt.batch_size(4, "largest running batch"),
+    batch_size: int = opt.batch_size(4, "requests decoded together (the largest running batch)"),
     batch: Optional[int] = opt.hidden("--batch"),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16 (bf16 is several times slower on CPU)"),
-    model: str = typer.Option("smollm2-135m", help="model alias, .gguf file or local Llama directory"),
+    dtype: str = opt.dtype(help="compute dtype (float32, bfloat16: several times slower on CPU)"),
+    model: str = opt.model(help=LLAMA_ONLY),
     prompt_seed: int = opt.prompt_seed(0),
     seed: Optional[int] = opt.hidden("--seed"),
-    threads: int = typer.Option(1, help="torch threads"),
+    threads: int = opt.threads(),
     fidelity: bool = typer.Option(True, help="also recompute each fast step deterministically on the fast "
                                              "path's cache and compare with the reference (doubles the cost)"),
     out: Optional[Path] = typer.Option(None, help="also write the tables to this markdown file"),
@@ -83,28 +80,30 @@ def measure(
     from verinfer.determinism.experiment import Config
 
     _run(Config(model=model, dtype=dtype, calibration=prompts, transfer=(), n=n, max_new_tokens=max_new_tokens,
-                batch=batch, seed=seed, measure_only=True, fidelity=fidelity), out, threads)
+                batch=batch, seed=seed, measure_only=True, fidelity=fidelity), out)
 
 
 @app.command()
 @one_line_errors
 def sweep(
-    prompts: str = typer.Option("chitchat", help="calibration prompt set"),
+    prompts: str = opt.prompts(help="built-in prompt set (chitchat, human-eval, gsm8k) or a JSONL file: the "
+                               "calibration set"),
     transfer: str = typer.Option("gsm8k,human-eval", help="comma-separated prompt sets for the transfer table"),
-    n: int = typer.Option(12, help="calibration prompts"),
+    n: int = opt.n(12, "number of prompts in the calibration set"),
     n_transfer: int = typer.Option(6, help="prompts per transfer set"),
     max_tokens: int = opt.max_tokens(32),
     max_new_tokens: Optional[int] = opt.hidden("--max-new-tokens"),
-    batch_size: int = opt.batch_size(4, "largest running batch"),
+    batch_size: int = opt.batch_size(4, "requests decoded together (the largest running batch)"),
     batch: Optional[int] = opt.hidden("--batch"),
-    batch_sizes: str = typer.Option("", help="comma-separated extra batch sizes for the scaling table"),
+    batch_sizes: str = typer.Option("", help="requests decoded together, comma-separated: extra batch sizes for the "
+                                    "scaling table"),
     thresholds: str = typer.Option("", help="comma-separated margin thresholds (default depends on dtype)"),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16"),
-    model: str = typer.Option("smollm2-135m", help="model alias, .gguf file or local Llama directory"),
+    dtype: str = opt.dtype(),
+    model: str = opt.model(help=LLAMA_ONLY),
     repeats: int = typer.Option(1, help="interleaved repeats per policy (median time)"),
     prompt_seed: int = opt.prompt_seed(0),
     seed: Optional[int] = opt.hidden("--seed"),
-    threads: int = typer.Option(1, help="torch threads"),
+    threads: int = opt.threads(),
     out: Optional[Path] = typer.Option(None, help="also write the tables to this markdown file"),
 ):
     """Baselines and the threshold sweep (window rule and the paper's single-column rule) on a
@@ -112,13 +111,10 @@ def sweep(
     max_new_tokens, batch, seed = _old_spellings(max_tokens, max_new_tokens, batch_size, batch, prompt_seed, seed)
     from verinfer.determinism.experiment import Config
 
-    try:
-        sizes = tuple(int(b) for b in batch_sizes.split(",") if b.strip())
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {batch_sizes!r}") from None
+    sizes = opt.sizes("--batch-sizes", batch_sizes)
     _run(Config(model=model, dtype=dtype, calibration=prompts, transfer=tuple(s for s in transfer.split(",") if s),
                 n=n, n_transfer=n_transfer, max_new_tokens=max_new_tokens, batch=batch, batch_sizes=sizes,
-                thresholds=_floats(thresholds), repeats=repeats, seed=seed), out, threads)
+                thresholds=_floats(thresholds), repeats=repeats, seed=seed), out)
 
 
 POLICIES = ("margingate", "fast", "always", "deterministic")
@@ -128,28 +124,26 @@ POLICIES = ("margingate", "fast", "always", "deterministic")
 @one_line_errors
 def decode(
     out: Path = typer.Option(..., "--out", "-o", help="greedy traces to write (.jsonl or .parquet)"),
-    prompts: str = typer.Option("chitchat", help="prompt set: chitchat, human-eval, gsm8k, or a JSONL file"),
-    n: int = typer.Option(16, help="number of prompts"),
+    prompts: str = opt.prompts(),
+    n: int = opt.n(16),
     prompt_seed: int = opt.prompt_seed(0),
     seed: Optional[int] = opt.hidden("--seed"),
     max_tokens: int = opt.max_tokens(64),
     max_new_tokens: Optional[int] = opt.hidden("--max-new-tokens"),
-    batch_size: int = opt.batch_size(8, "largest running batch"),
+    batch_size: int = opt.batch_size(8, "requests decoded together (the largest running batch)"),
     batch: Optional[int] = opt.hidden("--batch"),
     arrival_gap: int = typer.Option(2, help="request i joins at engine step i * gap (a changing batch)"),
     policy: str = typer.Option("margingate", help="margingate, fast, always or deterministic"),
     threshold: float = typer.Option(0.13, help="margingate: verify steps whose top-1/top-2 margin is below this"),
     commit: str = typer.Option("window", help="margingate: window (exact), repair (the paper's rule) or verified"),
-    dtype: str = typer.Option("bfloat16", help="float32 or bfloat16"),
-    model: str = typer.Option("smollm2-135m", help="model alias, .gguf file or local Llama directory"),
-    threads: int = typer.Option(1, help="torch threads"),
+    dtype: str = opt.dtype(help="compute dtype (float32, bfloat16); float32 as in every other command"),
+    model: str = opt.model(help=LLAMA_ONLY),
+    threads: int = opt.threads(),
 ):
     """Decode prompts greedily through the dynamic-batching engine under a policy and write traces
     (greedy profile): with margingate's window rule or the deterministic policy, every output is the
     one the request gets decoded alone, whatever the batch."""
     max_new_tokens, batch, seed = _old_spellings(max_tokens, max_new_tokens, batch_size, batch, prompt_seed, seed)
-    import torch
-
     from verinfer.determinism.engine import Engine, Policy
     from verinfer.determinism.model import Llama
     from verinfer.determinism.study import load_prompt_set, make_requests
@@ -157,7 +151,6 @@ def decode(
     from verinfer.sampling.params import SamplingParams
     from verinfer.trace import Trace, write_traces
 
-    torch.set_num_threads(threads)
     if policy not in POLICIES:
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, not {policy!r}")
     pol = {"margingate": lambda: Policy.margingate(threshold, commit), "fast": Policy.fast,

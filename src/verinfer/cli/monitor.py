@@ -34,25 +34,31 @@ def monitor(
     once: bool = typer.Option(False, "--once", help="verify what is there, record it, exit"),
     ray: bool = typer.Option(False, "--ray", help="verify shards on a local Ray cluster (verinfer.sharded.run_ray)"),
     workers: Optional[int] = typer.Option(None, help="--ray: model replicas (default: one per CPU)"),
-    calibration: Optional[Path] = typer.Option(None, help="calibration file from `verinfer calibrate`; without "
-                                               "it: the shipped bands where they fit, else recorded uncalibrated"),
+    calibration: Optional[Path] = opt.input_file("--calibration", "calibration file from `verinfer calibrate`; "
+                                                 "without it: the shipped bands where they fit, else recorded "
+                                                 "uncalibrated"),
     window: str = typer.Option("10m", help="window length of the per-window verdicts (e.g. 90s, 10m, 1h)"),
     poll: float = typer.Option(10.0, help="seconds between directory scans"),
     model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
     dtype: str = opt.dtype("float32", "verifier compute dtype"),
     device: str = opt.device(),
-    threads: Optional[int] = typer.Option(None, help="torch threads of the in-process verifier"),
+    threads: int = opt.threads(),
     out_dir: Optional[Path] = typer.Option(None, help="per-token scores per shard (default: DIR.verinfer)"),
     lease: float = typer.Option(120.0, help="seconds a claim holds without renewal before another monitor "
                                 "may take the shard (renewed every third of it while verifying)"),
     alpha: float = opt.fpr(),
-    audits: Optional[Path] = typer.Option(None, help="providers file (JSON list of {name, url, model?, "
-                                          "api_key_env?}) to audit on a schedule into the same database"),
+    audits: Optional[Path] = opt.input_file("--audits", "providers file (JSON list of {name, url, model?, "
+                                            "api_key_env?}) to audit on a schedule into the same database"),
     every: str = typer.Option("60", help="--audits: interval (a bare number is minutes; or 30m, 2h)"),
     audit_mode: str = typer.Option("greedy", help="--audits: audit mode (verinfer audit run --mode)"),
     audit_n: int = typer.Option(16, help="--audits: prompts per provider"),
 ):
     """Verify each new trace shard in DIR exactly once and record per-shard and per-window verdicts."""
+    from verinfer.extras import require
+
+    require("production", "verinfer monitor")
+    if ray:
+        require("ray", "verinfer monitor --ray")
     from verinfer.production.monitor import AuditSchedule, Judge, Monitor, parse_duration
     from verinfer.production.store import open_store, shown
     from verinfer.stats.calibration import Calibrator
@@ -74,10 +80,6 @@ def monitor(
         schedule = AuditSchedule(audits, parse_duration(every, "--every", unit="m"),
                                  (out_dir or Path(f"{directory.resolve()}.verinfer")) / "audits",
                                  {"mode": audit_mode, "n": audit_n, "fpr": alpha, "model": model})
-    if threads is not None:
-        import torch
-
-        torch.set_num_threads(max(1, threads))
     store = open_store(db)
     mon = Monitor(directory, store, out_dir=out_dir, judge=Judge(calibrator, str(calibration or ""), alpha),
                   window_s=window_s, model=model, dtype=dtype, device=device, lease_s=lease, use_ray=ray,

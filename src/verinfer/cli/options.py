@@ -3,22 +3,28 @@
 ``--model`` (alias, .gguf file, local directory or cached hub id), ``--dtype``, ``--device``,
 ``--prompts`` / ``--n`` / ``--prompt-seed`` (which prompts), ``--seed`` (the first request's
 sampling seed: request i uses seed + i), ``--max-tokens`` (new tokens per request), ``--batch-size``
-(requests decoded together), ``--fpr`` (target false-positive rate), ``--out`` / ``-o``.
-Old spellings (``--max-new-tokens``, ``--batch``, ``--n-prompts``) are hidden aliases for one
-release and print a deprecation note.
+/ ``--batch-sizes`` (requests decoded together), ``--verdict-batch`` / ``--verdict-batches`` (tokens
+per verdict batch), ``--token-ids/--text-only``, ``--fpr`` (target false-positive rate), ``--out`` /
+``-o``. Old spellings (``--max-new-tokens``, ``--batch``, ``--n-prompts``, ``--batch-size`` and
+``--batch-sizes`` for verdict batches, ``--no-token-ids``) are hidden aliases for one release and
+print a deprecation note. ``tests/test_options.py`` walks every command and holds them to this.
+
+Input files are checked as the command line is parsed (``input_file``, ``prompts``): a missing one
+is one line and exit 2 before any model loads (issue #31, item 4).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 
+from verinfer.cli.console import console
 from verinfer.cli.errors import fail
 from verinfer.models.load import DEFAULT_MODEL
 
-err = Console(stderr=True)
+err = console(stderr=True)
 
 
 def model(default: str = DEFAULT_MODEL, help: str = "model alias, .gguf file, local directory or cached hub id"):
@@ -46,16 +52,49 @@ def _check_device(value: str) -> str:
     return value
 
 
-def prompts(default: str = "chitchat"):
-    return typer.Option(default, "--prompts", help="built-in prompt set (chitchat, human-eval, gsm8k) or a JSONL file")
+def prompts(default: str = "chitchat", help: str = "built-in prompt set (chitchat, human-eval, gsm8k) or a JSONL file"):
+    return typer.Option(default, "--prompts", help=help, callback=_check_prompts)
+
+
+def _check_prompts(value: str) -> str:
+    """A prompt set that is neither built in nor a file is refused as it is parsed."""
+    from verinfer.prompts import BUILTIN
+
+    if value not in BUILTIN and not Path(value).is_file():
+        fail(f"--prompts {value}: neither a built-in set ({', '.join(BUILTIN)}) nor a file "
+             + ("(does not exist)" if not Path(value).exists() else "(not a regular file)"))
+    return value
+
+
+def input_file(flag: str, help: str, default: Optional[Path] = None):
+    """An input file option (``--calibration``, ``--bands``, ...), checked to exist as it is parsed."""
+    return typer.Option(default, flag, help=help, callback=_check_inputs)
+
+
+def input_files(help: str, default=..., metavar: Optional[str] = None):
+    """Input file arguments (score files), each checked to exist as it is parsed."""
+    return typer.Argument(default, help=help, metavar=metavar, callback=_check_inputs)
+
+
+def _check_inputs(ctx: typer.Context, param: typer.CallbackParam, value):
+    """One line and exit 2 for a missing input file, naming the option and the path."""
+    flag = max(param.opts, key=len) if param.param_type_name == "option" else (param.name or "").upper()
+    for path in value if isinstance(value, (list, tuple)) else [value]:
+        if path is None:
+            continue
+        if not Path(path).exists():
+            fail(f"{flag} {path}: does not exist")
+        if Path(path).is_dir():
+            fail(f"{flag} {path}: is a directory, not a file")
+    return value
 
 
 def n(default: int = 16, help: str = "number of prompts"):
     return typer.Option(default, "--n", help=help)
 
 
-def prompt_seed(default: int = 0):
-    return typer.Option(default, "--prompt-seed", help="which prompts a built-in set samples")
+def prompt_seed(default: int = 0, help: str = "which prompts a built-in set samples"):
+    return typer.Option(default, "--prompt-seed", help=help)
 
 
 def seed(default: int = 1000):
@@ -70,12 +109,59 @@ def batch_size(default: int = 8, help: str = "requests decoded together"):
     return typer.Option(default, "--batch-size", help=help)
 
 
+def verdict_batch(help: str = "tokens per verdict batch (a calibrated size)"):
+    return typer.Option(None, "--verdict-batch", help=help)
+
+
+def verdict_batches(default: Optional[str], help: str = "tokens per verdict batch, comma-separated"):
+    return typer.Option(default, "--verdict-batches", help=help)
+
+
+def token_ids(help: str):
+    return typer.Option(True, "--token-ids/--text-only", help=help)
+
+
+def sizes(flag: str, text: str) -> tuple[int, ...]:
+    """Comma-separated positive integers (``--verdict-batches``, ``--batch-sizes``), or a one-line error."""
+    try:
+        values = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise ValueError(f"{flag}: expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag}: sizes must be at least 1, got {text!r}")
+    return values
+
+
+def temperature(default: float = 1.0):
+    return typer.Option(default, "--temperature", help="sampling temperature (0: greedy)")
+
+
+def min_p(default: float = 0.0):
+    return typer.Option(default, "--min-p", help="min-p (0: off)")
+
+
 def fpr(default: float = 0.01):
     return typer.Option(default, "--fpr", help="target false-positive rate")
 
 
+def threads():
+    """``--threads`` on every command that runs a model, applied to torch as it is parsed, so every
+    command follows one policy (``verinfer.machine``)."""
+    return typer.Option(None, "--threads", min=0, callback=_apply_threads,
+                        help="torch intra-op threads (default or 0: OMP_NUM_THREADS if set, 1 in a worker "
+                             "process, else the physical cores this process may use that other processes "
+                             "leave idle)")
+
+
+def _apply_threads(value: Optional[int]) -> int:
+    from verinfer.machine import use_threads
+
+    return use_threads(value)
+
+
 def hidden(flag: str):
-    """A deprecated spelling, kept hidden for one release."""
+    """A deprecated spelling, kept hidden for one release (a flag pair such as ``--no-x/--no-no-x``
+    for an old boolean)."""
     return typer.Option(None, flag, hidden=True)
 
 

@@ -85,20 +85,20 @@ def serve(
     misconfig: list[str] = typer.Option([], help=MISCONFIG_HELP),
     speculative: Optional[str] = typer.Option(None, "--speculative", metavar="DRAFT:K", help=SPECULATIVE_HELP),
     served_model_name: Optional[str] = typer.Option(None, help="model id the API reports (default: the model's id)"),
-    threads: int = typer.Option(0, help="torch CPU threads (0: torch's default)"),
+    threads: int = opt.threads(),
     list_misconfigs: bool = typer.Option(False, "--list-misconfigs", help="print every misconfiguration and exit"),
 ):
     """Serve MODEL at http://HOST:PORT/v1 (/models, /completions, /chat/completions)."""
-    from rich.console import Console
+    from verinfer.cli.console import console
 
-    err = Console(stderr=True)
+    err = console(stderr=True)
     max_batch = opt.alias(batch_size, max_batch, "--max-batch", "--batch-size")
     if list_misconfigs:
         _list_misconfigs()
         raise typer.Exit(0)
     try:
         _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
-               misconfig, served_model_name, threads, max_prompt_tokens=max_prompt_tokens,
+               misconfig, served_model_name, max_prompt_tokens=max_prompt_tokens,
                max_batch_prompt_tokens=max_batch_prompt_tokens, prefill_chunk_tokens=prefill_chunk,
                queue_timeout_s=queue_timeout, stream_buffer_events=stream_buffer, result_ttl_s=result_ttl,
                max_request_bytes=max_request_bytes, speculative=speculative)
@@ -108,8 +108,7 @@ def serve(
 
 
 def _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
-           misconfig, served_model_name, threads, **limits) -> None:
-    import torch
+           misconfig, served_model_name, **limits) -> None:
     import uvicorn
 
     from verinfer.models.backend import Backend
@@ -118,8 +117,6 @@ def _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait
     from verinfer.serve.config import ServeConfig, split_names
     from verinfer.serve.runner import base_url, bind
 
-    if threads:
-        torch.set_num_threads(threads)
     config = ServeConfig(sampler=sampler, max_batch=max_batch, misconfig=split_names(misconfig),
                          served_model_name=served_model_name, max_tokens_limit=max_tokens_limit,
                          max_model_len=max_model_len, batch_wait_s=batch_wait_ms / 1000, host=host, port=port,
