@@ -2,7 +2,7 @@
 
 One request per prompt asks for everything at once: sampling at the claimed settings with the
 audit's seed (``seed + i * choices``), ``choices`` completions (``n``), the top logprobs and, unless
-``--no-token-ids``, the token ids. What comes back decides which tests can run:
+``--text-only``, the token ids. What comes back decides which tests can run:
 
 - ``rank`` (RUT on every completion against the reference's draws): always, from sampled text;
 - ``mmd`` (Model Equality Testing): when every response holds at least 2 completions;
