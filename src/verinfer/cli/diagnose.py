@@ -1,0 +1,71 @@
+"""``verinfer diagnose TRACES``: which configuration best explains the traces (``verinfer.api.diagnose``'s
+steps: ``scoring/diagnosis_run.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from verinfer.cli import options as opt
+from verinfer.cli.console import console as _console
+from verinfer.cli.errors import one_line_errors
+
+console = _console()
+err = _console(stderr=True)
+
+
+def _table(diagnosis, rows: int) -> Table:
+    table = Table(show_lines=False)
+    for col in ("rank", "candidate", "exact", "mean margin", "unexplained", "log-lik", "LR vs claim", "p"):
+        table.add_column(col, justify="left" if col == "candidate" else "right")
+    for i, r in enumerate(diagnosis.ranked[:rows], 1):
+        table.add_row(str(i), r.candidate.label, f"{r.exact:.1%}", f"{r.mean_margin:.3g}", f"{r.unexplained:.1%}",
+                      f"{r.loglik:.1f}", f"{r.lr:.1f}", "" if r.candidate.axis == "claim" else f"{r.p:.2g}")
+    return table
+
+
+@one_line_errors
+def diagnose(
+    traces: Path = typer.Argument(..., help="trace file (.jsonl or .parquet)", exists=False),
+    model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
+    dtype: str = opt.dtype("float32", "reference compute dtype"),
+    device: str = opt.device(),
+    bands: Optional[str] = typer.Option(None, help="also rank model-side bands, one extra prefill each: 'default' "
+                                        "(bf16, w8-channel, w4-g128, fp8-kv), 'catalogue' (every model-side "
+                                        "variant) or comma-separated variant names"),
+    sigma: Optional[float] = typer.Option(None, help="logit noise (raw-logit std) the likelihood allows "
+                                          "(default 0.1)"),
+    alpha: Optional[float] = typer.Option(None, help="level of the likelihood-ratio test against the claim "
+                                          "(default 0.01, Bonferroni over the candidates)"),
+    rows: int = typer.Option(10, help="candidates shown in the table"),
+    skip_invalid: bool = typer.Option(False, help="skip invalid traces instead of stopping"),
+    allow_model_mismatch: bool = typer.Option(False, help="diagnose traces that claim another model"),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the diagnosis as JSON"),
+):
+    """Replay the traces under candidate configurations (sampler settings, seeds, engine profiles,
+    sampler bugs; with --bands, derived models) over one prefill and rank them by likelihood.
+
+    Exit 0: the claim is not rejected; 1: a candidate explains the traces significantly better
+    than the claim, or none explains them; 2: bad input."""
+    from verinfer.api import load_model
+    from verinfer.scoring.diagnosis_run import diagnose as run, prepare, reference_model
+
+    if not traces.is_file():
+        raise ValueError(f"TRACES {traces}: " + ("is not a file" if traces.exists() else "does not exist"))
+    if rows < 1:
+        raise ValueError(f"--rows must be >= 1, got {rows}")
+    trace_list, source, sigma, alpha, band_names = prepare(traces, out, sigma, alpha, bands)
+    with err.status(f"loading the reference model ({dtype})"):
+        backend = load_model(reference_model(trace_list, model, source), dtype, device)
+    with err.status("diagnosing: one prefill, the candidate replays" + (", one prefill per band" if band_names else "")):
+        result = run(trace_list, backend, source, band_names, sigma, alpha, out, skip_invalid, allow_model_mismatch)
+    console.print(_table(result, rows))
+    style = "red" if result.claim_rejected or not result.explained else "green"
+    console.print(f"[{style}]{result.text}[/{style}]", highlight=False, soft_wrap=True)
+    if out is not None:
+        err.print(f"diagnosis written to {out}", highlight=False)
+    if result.claim_rejected or not result.explained:
+        raise typer.Exit(1)

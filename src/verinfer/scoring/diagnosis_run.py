@@ -1,0 +1,197 @@
+"""Running a diagnosis: one prefill of the traces with the reference model, every sampler candidate
+replayed block by block on its logits (``scoring/diagnosis.py``), then, when model bands are asked
+for, one prefill per derived model replayed with the claimed sampler.
+
+Each block of logits is dropped once every candidate has been replayed on it, so memory does not
+grow with the tokens diagnosed; the only per-token state kept is the claim's log-likelihood (one
+float per token), which the model bands are compared against.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from verinfer.files import check_outputs, write_atomic
+from verinfer.models.backend import Backend
+from verinfer.sampling.profiles import Profile, get_profile
+from verinfer.sampling.sampler import replay
+from verinfer.scoring.diagnosis import (
+    ALPHA, CLAIM, EPS, SIGMA, Candidate, Diagnosis, Tally, bug_loglik, candidate_grid, effective_margin, penalized,
+    rank, token_loglik,
+)
+from verinfer.scoring.scores import signature
+from verinfer.scoring.traces import check_traces
+from verinfer.scoring.token_difr import _keys
+from verinfer.simulate.variants import get_variant, list_variants
+from verinfer.trace import Trace, TraceError, read_traces
+
+DEFAULT_BANDS = ("bf16", "w8-channel", "w4-g128", "fp8-kv")
+
+
+def model_side_variants() -> list[str]:
+    """Catalogue variants that change only the model (usable as bands), honest ones first."""
+    return [v.name for v in list_variants() if v.transform is not None and v.sampling is None and v.hook is None
+            and v.prompt is None and v.spec_rule is None]
+
+
+def resolve_bands(spec: str | Sequence[str] | None) -> list[str]:
+    """``None``/"" (none), ``default``, ``catalogue`` or comma-separated model-side variant names."""
+    if not spec:
+        return []
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    out: list[str] = []
+    for name in (n.strip() for n in names):
+        if name == "default":
+            out += DEFAULT_BANDS
+        elif name == "catalogue":
+            out += model_side_variants()
+        else:
+            try:
+                v = get_variant(name)
+            except KeyError:
+                raise ValueError(f"--bands: unknown model variant {name!r} (model-side variants: "
+                                 f"{', '.join(model_side_variants())})") from None
+            if v.transform is None or v.sampling or v.hook or v.prompt or v.spec_rule:
+                raise ValueError(f"--bands: {name!r} does not change the model (model-side variants: "
+                                 f"{', '.join(model_side_variants())})")
+            out.append(name)
+    return list(dict.fromkeys(out))
+
+
+def _score(logits, items, steps, traces, profiles, sigma, eps):
+    """Replay one block under one candidate (all its traces share one profile): exact matches, raw
+    logit ranks of the claims, effective margins and log-likelihoods. The sampler's own ``replay``,
+    without the verifier's other score columns, which a diagnosis does not read."""
+    name = traces[items[0]].sampling.profile
+    profile = profiles.setdefault(name, get_profile(name))
+    claimed = torch.tensor([traces[i].output_token_ids[k] for i, k in zip(items, steps)], dtype=torch.long,
+                           device=logits.device)
+    out = replay(logits, [traces[i].sampling for i in items], profile, _keys(traces, items, steps), claimed=claimed)
+    margin = effective_margin(out.margin.cpu().numpy(), out.filter_distance.cpu().numpy())
+    cols = {"exact_match": (out.token == claimed).cpu().numpy(), "logit_rank": out.logit_rank.cpu().numpy()}
+    return cols, margin, token_loglik(margin, sigma, eps)
+
+
+def _forget(traces: Sequence[Trace], items: np.ndarray, steps: np.ndarray,
+            profile_sets: Sequence[dict[str, Profile]]) -> None:
+    """Release per-request sampler state of traces whose last row was in the block."""
+    last = steps == np.array([len(traces[i].output_token_ids) - 1 for i in items])
+    for i in np.unique(items[last]):
+        for profiles in profile_sets:
+            for p in profiles.values():
+                p.forget(traces[i].id)
+
+
+def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Sequence[Candidate], sigma: float = SIGMA, eps: float = EPS,
+                    alpha: float = ALPHA, token_budget: int = 4096, row_block: int = 512,
+                    on_rows: Callable[[int], None] | None = None) -> Diagnosis:
+    """Tally every candidate over the traces and rank them (``diagnosis.rank``).
+
+    Sampler candidates share the reference prefill; each ``band`` candidate costs a prefill of the
+    catalogue variant's model derived from ``backend`` (``simulate.variants``), replayed with the
+    claimed sampler.
+    """
+    traces = list(traces)
+    claimed = [t.sampling for t in traces]
+    sampler = [c for c in candidates if c.band is None and c.replays and c != CLAIM]
+    bugs = [c for c in candidates if not c.replays]
+    bands = [c for c in candidates if c.band is not None]
+    as_traces = {c: [replace(t, sampling=p) for t, p in zip(traces, c.params(claimed))]
+                 for c in sampler if not c.penalty}
+    tallies = {c: Tally() for c in [CLAIM, *candidates]}
+    profile_sets: dict[Candidate, dict[str, Profile]] = {c: {} for c in [CLAIM, *sampler, *bands]}
+    offsets = np.concatenate([[0], np.cumsum([len(t.output_token_ids) for t in traces])])
+    claim_ll = np.zeros(int(offsets[-1])) if bands else None
+    sequences = [t.prompt_token_ids + t.output_token_ids for t in traces]
+    starts = [len(t.prompt_token_ids) for t in traces]
+
+    for block in backend.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
+        items, steps = block.items.numpy(), block.steps.numpy()
+        cols, m0, ll0 = _score(block.logits, items, steps, traces, profile_sets[CLAIM], sigma, eps)
+        tallies[CLAIM].add(cols["exact_match"], m0, ll0, ll0, eps)
+        if claim_ll is not None:
+            claim_ll[offsets[items] + steps] = ll0
+        for c in bugs:
+            bug_only = (ll0 <= np.log(eps) + 1e-12) & (cols["logit_rank"] < c.bug[0])
+            tallies[c].add(cols["exact_match"], m0, bug_loglik(m0, cols["logit_rank"], *c.bug, sigma, eps), ll0, eps,
+                           bug_only)
+        histories = None
+        for c in sampler:
+            if c.penalty:
+                if histories is None:
+                    histories = [(traces[i].prompt_token_ids, traces[i].output_token_ids[:k]) for i, k in zip(items, steps)]
+                logits, cand_traces = penalized(block.logits, histories, *c.penalty), traces
+            else:
+                logits, cand_traces = block.logits, as_traces[c]
+            cc, m, ll = _score(logits, items, steps, cand_traces, profile_sets[c], sigma, eps)
+            tallies[c].add(cc["exact_match"], m, ll, ll0, eps)
+        _forget(traces, items, steps, list(profile_sets.values()))
+        if on_rows:
+            on_rows(len(items))
+
+    for c in bands:
+        band = get_variant(c.band).build(backend)
+        for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
+            items, steps = block.items.numpy(), block.steps.numpy()
+            cols, m, ll = _score(block.logits, items, steps, traces, profile_sets[c], sigma, eps)
+            tallies[c].add(cols["exact_match"], m, ll, claim_ll[offsets[items] + steps], eps)
+            _forget(traces, items, steps, [profile_sets[c]])
+            if on_rows:
+                on_rows(len(items))
+    settings = {"sigma": sigma, "eps": eps, "traces": len(traces), "tokens": int(offsets[-1]),
+                "bands": [c.band for c in bands]}
+    return rank(tallies, alpha, settings)
+
+
+def prepare(traces: str | Path | Sequence[Trace], out: str | Path | None = None, sigma: float | None = None,
+            alpha: float | None = None, bands: str | Sequence[str] | None = None):
+    """Everything checked before a model loads: (traces, their source name, sigma, alpha, band names)."""
+    source = str(traces) if isinstance(traces, (str, Path)) else "traces"
+    check_outputs([out], [traces if isinstance(traces, (str, Path)) else None])
+    sigma, alpha = SIGMA if sigma is None else sigma, ALPHA if alpha is None else alpha
+    if not sigma > 0:
+        raise ValueError(f"--sigma must be > 0, got {sigma}")
+    if not 0 < alpha < 1:
+        raise ValueError(f"--alpha must be in (0, 1), got {alpha}")
+    band_names = resolve_bands(bands)
+    trace_list = read_traces(traces) if isinstance(traces, (str, Path)) else list(traces)
+    if not trace_list:
+        raise TraceError(f"{source}: no traces to diagnose")
+    for n, t in enumerate(trace_list, 1):
+        if t.sampling.speculative:
+            raise TraceError(f"{source}: record {n} (id {t.id!r}): diagnose does not replay speculative decoding")
+    return trace_list, source, sigma, alpha, band_names
+
+
+def reference_model(trace_list: Sequence[Trace], model: str | None, source: str) -> str:
+    """The model to replay with: ``model``, else the one model the traces claim."""
+    claimed = sorted({t.model for t in trace_list})
+    if model is None and len(claimed) > 1:
+        raise ValueError(f"{source}: traces claim several models ({', '.join(claimed)}); pass model=")
+    return model or claimed[0]
+
+
+def diagnose(trace_list: Sequence[Trace], backend: Backend, source: str = "traces", bands: Sequence[str] = (),
+             sigma: float = SIGMA, alpha: float = ALPHA, out: str | Path | None = None, skip_invalid: bool = False,
+             allow_model_mismatch: bool = False, on_rows: Callable[[int], None] | None = None) -> Diagnosis:
+    """Check the traces against the reference, diagnose them over the whole candidate grid and
+    write the diagnosis as JSON to ``out`` (atomically) when given. Traces claiming several
+    sampling settings are refused: a diagnosis names one configuration."""
+    kept, skipped = check_traces(trace_list, backend, source, skip_invalid, allow_model_mismatch)
+    sampling = signature(kept, backend.model_id, backend.dtype_name)["sampling"]
+    if len(sampling) > 1:
+        raise ValueError(f"{source}: traces claim {len(sampling)} sampling settings; diagnose one at a time "
+                         f"(first two: {sampling[0]}, {sampling[1]})")
+    result = diagnose_traces(backend, kept, candidate_grid(kept[0].sampling, bands), sigma=sigma, alpha=alpha,
+                             on_rows=on_rows)
+    result.settings.update({"model": backend.model_id, "dtype": backend.dtype_name, "claimed": sampling[0],
+                            "source": source, "skipped": skipped})
+    if out is not None:
+        write_atomic(out, json.dumps(result.to_dict(), indent=2) + "\n")
+    return result

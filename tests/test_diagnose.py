@@ -1,0 +1,242 @@
+"""verinfer diagnose: the core on synthetic logits (a stand-in backend whose prefill yields stored
+logits), then end to end on the bundled model, and bad input."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from verinfer.models.backend import PrefillBlock
+from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.profiles import RowKeys, get_profile
+from verinfer.sampling.sampler import sample
+from verinfer.scoring.diagnosis import (
+    CLAIM, EPS, Candidate, Tally, candidate_grid, penalized, rank, token_loglik, vuong,
+)
+from verinfer.scoring.diagnosis_run import diagnose, diagnose_traces, resolve_bands
+from verinfer.trace import Trace
+
+VOCAB = 300
+CLAIM_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=7000)
+
+
+class StoredLogits:
+    """A backend stand-in: ``prefill`` yields each trace's stored logits in blocks, as Backend.prefill does."""
+
+    def __init__(self, logits: list[torch.Tensor]):
+        self.logits = logits
+
+    def prefill(self, sequences, starts, token_budget=4096, row_block=512, on_device=False, **_):
+        for i, lg in enumerate(self.logits):
+            for lo in range(0, lg.shape[0], 40):  # several blocks per trace: sums must not depend on blocking
+                hi = min(lo + 40, lg.shape[0])
+                yield PrefillBlock(torch.full((hi - lo,), i), torch.arange(lo, hi), lg[lo:hi], torch.zeros(hi - lo, 1))
+
+
+def synthetic(true: Candidate, n_traces: int = 8, length: int = 80, seed: int = 0):
+    """Traces claiming CLAIM_PARAMS whose tokens were sampled under ``true`` from random logits (a
+    penalty sees each trace's own earlier tokens, as an engine's does)."""
+    gen = torch.Generator().manual_seed(seed)
+    claimed = [CLAIM_PARAMS.with_(seed=CLAIM_PARAMS.seed + i) for i in range(n_traces)]
+    actual = true.params(claimed)
+    logits, traces = [], []
+    for i in range(n_traces):
+        lg = torch.randn(length, VOCAB, generator=gen) * 2.5
+        prompt = [int(t) for t in torch.randint(VOCAB, (5,), generator=gen)]
+        profile, out = get_profile(actual[i].profile), []
+        for k in range(length):
+            row = lg[k:k + 1]
+            if true.penalty:
+                row = penalized(row, [(prompt, out)], *true.penalty)
+            keys = RowKeys((f"t{i}",), np.array([actual[i].seed], dtype=object), np.array([len(prompt) - 1 + k]),
+                           np.array([k]))
+            out.append(int(sample(row, [actual[i]], profile, keys)[0]))
+        logits.append(lg)
+        traces.append(Trace.of_output(f"t{i}", "synthetic", prompt, out, claimed[i]))
+    return StoredLogits(logits), traces
+
+
+def by_label(label: str) -> Candidate:
+    return next(c for c in candidate_grid(CLAIM_PARAMS) if c.label == label)
+
+
+# -- the core ------------------------------------------------------------------------------------------
+
+
+def test_token_loglik_is_zero_at_a_match_and_floored_for_what_noise_cannot_explain():
+    ll = token_loglik(np.array([0.0, 0.05, 0.2, 5.0, np.inf]), sigma=0.1, eps=EPS)
+    assert ll[0] == pytest.approx(0.0, abs=1e-12)
+    assert ll[0] > ll[1] > ll[2] > ll[3]
+    assert ll[3] == ll[4] == pytest.approx(np.log(EPS))
+
+
+def test_penalties_follow_vllm():
+    x = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    prompt, out = [0], [1, 1, 2]
+    rep = penalized(x, [(prompt, out)], "repetition", 2.0)
+    assert rep.tolist() == [[1.0, -2.0, 0.25, 3.0]]  # prompt and output tokens; positive /, negative *
+    freq = penalized(x, [(prompt, out)], "frequency", 0.5)
+    assert freq.tolist() == [[2.0, -2.0, 0.0, 3.0]]  # output counts only (token 1 twice)
+    pres = penalized(x, [(prompt, out)], "presence", 0.5)
+    assert pres.tolist() == [[2.0, -1.5, 0.0, 3.0]]
+    assert penalized(x, [(prompt, [])], "presence", 0.5).tolist() == x.tolist()
+
+
+def test_grid_starts_with_the_claim_and_every_candidate_differs_and_is_replayable():
+    grid = candidate_grid(CLAIM_PARAMS, ["bf16"])
+    assert grid[0] == CLAIM
+    assert len(grid) == len(set(grid)) >= 50
+    for c in grid[1:]:
+        if c.replays and not c.penalty and c.band is None:
+            assert c.params([CLAIM_PARAMS])[0] != CLAIM_PARAMS, c.label
+    assert {c.axis for c in grid} == {"claim", "temperature", "top_k", "top_p", "min_p", "seed", "profile",
+                                      "penalty", "bug", "model"}
+    greedy = candidate_grid(SamplingParams(profile="greedy"))
+    assert {c.axis for c in greedy} == {"claim", "penalty", "bug"}
+
+
+def test_seed_maps():
+    claimed = [CLAIM_PARAMS.with_(seed=s) for s in (10, 11, 12)]
+    assert [p.seed for p in Candidate("x", "seed", seed_map="+1").params(claimed)] == [11, 12, 13]
+    assert [p.seed for p in Candidate("x", "seed", seed_map="-1").params(claimed)] == [9, 10, 11]
+    assert [p.seed for p in Candidate("x", "seed", seed_map="same").params(claimed)] == [10, 10, 10]
+
+
+def test_vuong_and_rank_keep_the_claim_first_among_equals():
+    claim, same, better = Tally(), Tally(), Tally()
+    ll0 = np.array([0.0, -9.0, -9.0, 0.0])
+    claim.add(np.array([1, 0, 0, 1]), np.zeros(4), ll0, ll0)
+    same.add(np.array([1, 0, 0, 1]), np.zeros(4), ll0, ll0)
+    better.add(np.ones(4), np.zeros(4), np.zeros(4), ll0)
+    assert vuong(same) == (0.0, 1.0)
+    assert vuong(better)[1] < 0.5
+    d = rank({CLAIM: claim, Candidate("same", "top_k", (("top_k", 9),)): same})
+    assert d.best.candidate == CLAIM and not d.claim_rejected
+
+
+@pytest.mark.parametrize("label", ["top-k 20", "top-p 0.8", "temperature 0.8", "seed +1", "profile vllm-v1",
+                                   "repetition penalty 1.3", "frequency penalty 0.5"])
+def test_synthetic_misconfigurations_are_recovered(label):
+    backend, traces = synthetic(by_label(label))
+    d = diagnose_traces(backend, traces, candidate_grid(CLAIM_PARAMS))
+    tied = [r.candidate.label for r in d.ranked if r.loglik == d.best.loglik]
+    assert label in tied and len(tied) <= 2, d.text  # presence and frequency tie where no repeat changed a token
+    assert d.best.candidate.axis == by_label(label).axis
+    assert d.claim_rejected and d.explained and d.best.exact > 0.99
+    assert d.text.startswith("best explained by " + d.best.candidate.label)
+
+
+def test_synthetic_honest_traces_keep_the_claim():
+    backend, traces = synthetic(CLAIM)
+    d = diagnose_traces(backend, traces, candidate_grid(CLAIM_PARAMS))
+    assert not d.claim_rejected and d.explained
+    assert d.claim.exact == 1.0 and d.text.startswith("the claim is best explained")
+
+
+def test_a_configuration_outside_the_grid_is_explained_by_no_candidate():
+    backend, traces = synthetic(Candidate("seed +17", "seed", seed_map="+17"))  # offsets tried: +-1, +1000003
+    d = diagnose_traces(backend, traces, candidate_grid(CLAIM_PARAMS))
+    assert not d.explained and d.text.startswith("no candidate explains it")
+
+
+def test_bands_are_checked_before_any_work():
+    assert resolve_bands("default") == ["bf16", "w8-channel", "w4-g128", "fp8-kv"]
+    assert "w4-g32-asym" in resolve_bands("catalogue") and "temperature-1.1" not in resolve_bands("catalogue")
+    with pytest.raises(ValueError, match="unknown model variant 'w5'"):
+        resolve_bands("bf16,w5")
+    with pytest.raises(ValueError, match="does not change the model"):
+        resolve_bands("top-p-0.85")
+
+
+# -- end to end on the bundled model -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model():
+    from verinfer.api import load_model
+
+    return load_model()
+
+
+def _traces(model, variant: str, n: int = 6, tokens: int = 48):
+    from verinfer.prompts import load_prompts
+    from verinfer.simulate.generate import build_requests
+    from verinfer.simulate.variants import get_variant
+
+    requests = build_requests(model, load_prompts("chitchat", n), CLAIM_PARAMS)
+    return get_variant(variant).generate(model, requests, max_new_tokens=tokens, batch_size=n)
+
+
+def test_bundled_model_honest_traces_keep_the_claim(model):
+    d = diagnose(_traces(model, "honest"), model)
+    assert not d.claim_rejected and d.explained, d.text
+
+
+@pytest.mark.parametrize("variant, label", [("temperature-0.8", "temperature 0.8"), ("wrong-seed", "seed +1000003")])
+def test_bundled_model_sampler_misconfiguration_is_recovered(model, variant, label):
+    d = diagnose(_traces(model, variant), model)
+    assert d.best.candidate.label == label and d.claim_rejected, d.text
+
+
+def _served_as(model, change: dict):
+    """Honest requests served with ``change`` (``seed_shift``: every seed + that), claiming CLAIM_PARAMS."""
+    from verinfer.simulate.generate import Request, generate
+
+    honest = _traces(model, "honest")
+    requests = [Request(t.id, tuple(t.prompt_token_ids), t.sampling.with_(seed=t.sampling.seed + change["seed_shift"])
+                        if "seed_shift" in change else t.sampling.with_(**change)) for t in honest]
+    return [replace(t, sampling=h.sampling) for t, h in zip(generate(model, requests, 48, len(requests)), honest)]
+
+
+def test_bundled_model_seed_offset_not_in_the_catalogue_is_recovered(model):
+    d = diagnose(_served_as(model, {"seed_shift": 1}), model)
+    assert d.best.candidate.label == "seed +1" and d.claim_rejected, d.text
+
+
+def test_cli_recovers_a_top_k_not_in_the_catalogue_and_writes_json(model, tmp_path):
+    from verinfer.trace import write_traces
+
+    path = write_traces(_served_as(model, {"top_k": 20}), tmp_path / "t.jsonl")
+    result = _cli(str(path), "-o", str(tmp_path / "d.json"), "--rows", "3")
+    assert result.exit_code == 1, result.output  # the claim is rejected
+    assert "best explained by top-k 20" in result.output and "Bonferroni" in result.output
+    saved = json.loads((tmp_path / "d.json").read_text())
+    assert saved["best"]["label"] == "top-k 20" and saved["claim_rejected"] and len(saved["candidates"]) >= 50
+
+
+def test_bundled_model_band_names_the_quantized_model(model):
+    d = diagnose(_traces(model, "w4-g128"), model, bands=["bf16", "w4-g128"])
+    assert d.best.candidate.label == "model w4-g128" and d.claim_rejected, d.text
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+
+def _cli(*args):
+    import typer
+
+    from verinfer.cli.diagnose import diagnose as command
+
+    app = typer.Typer()
+    app.command()(command)
+    app.command("unused")(lambda: None)  # two commands: typer keeps the command name, as under `verinfer`
+    return CliRunner().invoke(app, ["diagnose", *args])
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
+    missing = _cli(str(tmp_path / "none.jsonl"))
+    assert missing.exit_code == 2 and "does not exist" in missing.output and "Traceback" not in missing.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1}\n')
+    broken = _cli(str(bad))
+    assert broken.exit_code == 2 and "bad.jsonl" in broken.output
+    good = tmp_path / "t.jsonl"
+    good.write_text(json.dumps(Trace.of_output("a", "smollm2-135m", [1, 2], [3], CLAIM_PARAMS).to_dict()) + "\n")
+    assert _cli(str(good), "--bands", "w5").exit_code == 2
+    same = _cli(str(good), "-o", str(good))
+    assert same.exit_code == 2 and "error" in same.output
