@@ -269,10 +269,5 @@ def smoke_matrix() -> Matrix:
                    chunk=8)
 
 
-def set_threads(n: int | None) -> None:
-    if n:
-        torch.set_num_threads(n)
-
-
 __all__ = ["BASE_PARAMS", "CONFIGS", "DEFAULT_CONFIGS", "SPECULATIVE_CONFIGS", "Config", "ConfigData", "HONEST", "MISCONFIGURED", "Matrix", "pool",
-           "run_config", "run_matrix", "set_threads", "smoke_matrix", "split", "split_ids"]
+           "run_config", "run_matrix", "smoke_matrix", "split", "split_ids"]
