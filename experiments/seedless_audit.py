@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from verinfer.auditing.bands import find_bands
-from verinfer.auditing.draws import reference_draws, sequence_logprobs
-from verinfer.auditing.logprobs import ReturnedLogprobs, logprob_verdict, provider_values, reference_values
+from verinfer.auditing.draws import completion_scores, reference_draws
+from verinfer.auditing.logprobs import logprob_verdict, provider_values, reference_values, returned_logprobs
 from verinfer.auditing.mmd import mmd_verdict
 from verinfer.auditing.plan import AuditSpec
 from verinfer.auditing.rank import rank_p_values, rank_verdict
@@ -76,22 +76,6 @@ def traces(backend, built, variant: str, requests, max_tokens: int, path: Path):
     out = get_variant(variant).generate(backend, requests, max_tokens, 16, backend=built)
     write_traces(out, path)
     return out
-
-
-@torch.inference_mode()
-def returned_logprobs(built, prompt_ids: list[list[int]], outputs: list[list[int]],
-                      seen_ids: list[list[int]]) -> list[ReturnedLogprobs]:
-    """What a provider running ``built`` returns with ``top_logprobs``: per position, the sampled token's
-    raw log-softmax and its top alternatives (from a prefill of its own model over the prompt it saw,
-    ``seen_ids``, and its own output), reported against the client's ``prompt_ids``."""
-    entries: list[list] = [[None] * len(o) for o in outputs]
-    for block in built.prefill([p + o for p, o in zip(seen_ids, outputs)], [len(p) for p in seen_ids]):
-        lp = torch.log_softmax(block.logits.float(), dim=-1)
-        top = lp.topk(TOP_LOGPROBS, dim=-1).indices
-        for row, (i, step) in enumerate(zip(block.items.tolist(), block.steps.tolist())):
-            ids = [outputs[i][step]] + [t for t in top[row].tolist() if t != outputs[i][step]]
-            entries[i][step] = (ids, lp[row, ids].tolist())
-    return [ReturnedLogprobs(str(i), p, o, e, 0) for i, (p, o, e) in enumerate(zip(prompt_ids, outputs, entries))]
 
 
 def needed(v: Verdict, tokens: np.ndarray, per_unit: int) -> tuple[int | None, int | None]:
@@ -131,8 +115,7 @@ def main() -> None:
     store = ResponseStore(cache / "draws.jsonl")
     draws = reference_draws(backend, [(r.id, r.prompt_token_ids) for r in seeded_reqs], sampled.with_(seed=None),
                             m, 7, L, store, batch_size=32, on_stage=print)
-    draws = [draws[r.id] for r in seeded_reqs]
-    ref_scores = [sequence_logprobs(backend, [p] * m, d, 1.0) for p, d in zip(prompt_ids, draws)]
+    ref_scores = [completion_scores(backend, [p] * m, d, sampled).logprob for p, d in zip(prompt_ids, draws)]
     greedy_bands = find_bands(backend.model_id, AuditSpec(mode="greedy").signature())
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -150,7 +133,8 @@ def main() -> None:
         data[name]["seeded"] = score_traces(backend, data[name]["first"]).columns
         rewrite = get_variant(name).prompt  # a hidden system prompt: the provider's model sees another prompt
         seen = [list(rewrite(built, r).prompt_token_ids) for r in seeded_reqs] if rewrite else prompt_ids
-        data[name]["logprobs"] = returned_logprobs(built, prompt_ids, [seq[0] for seq in data[name]["sampled"]], seen)
+        data[name]["logprobs"] = returned_logprobs(built, prompt_ids, [seq[0] for seq in data[name]["sampled"]], seen,
+                                                   TOP_LOGPROBS)
     if "honest" not in data:
         raise SystemExit("--variants must include honest (its other completions are the seeded band)")
     band_cols = score_traces(backend, data["honest"]["rest"]).columns
@@ -163,7 +147,7 @@ def main() -> None:
     rows = []
     for name, d in data.items():
         firsts = [seq[0] for seq in d["sampled"]]
-        obs = sequence_logprobs(backend, prompt_ids, firsts, 1.0)
+        obs = completion_scores(backend, prompt_ids, firsts, sampled).logprob
         u = rank_p_values(obs, ref_scores, np.random.default_rng(0))
         first_tokens = np.array([len(f) for f in firsts])
         seeded_seq = sequence_stats(d["seeded"], seeded_clip)

@@ -121,6 +121,19 @@ def test_rank_audit_over_streams_keeps_the_honest_provider_and_reports(servers, 
     assert stored["request"]["stream"] is True and stored["stream_chunks"] > 2
 
 
+def test_rank_audit_judges_every_completion_of_each_prompt(servers, prompts, backend, tmp_path):
+    """Asked with n = 3 (here through extra_body), rank judges all 3 completions of each prompt,
+    each against draws of its own (issue #29: it used to judge the first and drop the rest)."""
+    spec = AuditSpec(mode="rank", temperature=1.0, max_tokens=4, samples=2, seed=3, extra_body={"n": 3})
+    result = run_audit(_endpoints({"honest": servers["honest"]}, backend.model_id), prompts[:2], spec,
+                       LocalReference(backend), tmp_path)
+    (audit,) = result.providers
+    assert len(audit.claims) == 6 and audit.verdict.units == 6, audit.verdict.text
+    assert [len(r["rank_quantiles"]) for r in audit.prompts] == [3, 3]
+    stored = [json.loads(line) for line in (tmp_path / "reference" / "draws.jsonl").read_text().splitlines()]
+    assert len(stored) == 6 and len({json.dumps(r["response"]) for r in stored}) == 6
+
+
 def test_mmd_audit_asks_for_n_completions_and_resumes(servers, prompts, backend, tmp_path):
     spec = AuditSpec(mode="mmd", temperature=1.0, max_tokens=8, samples=4, seed=3)
     endpoints = _endpoints({"honest": servers["honest"]}, backend.model_id)

@@ -103,6 +103,22 @@ def reference_values(backend, returned: Sequence[ReturnedLogprobs]) -> list[np.n
     return [np.concatenate(o) if o else np.zeros(0) for o in out]
 
 
+@torch.inference_mode()
+def returned_logprobs(built, prompt_ids: list[list[int]], outputs: list[list[int]],
+                      seen_ids: list[list[int]], top: int = 5) -> list[ReturnedLogprobs]:
+    """What a provider running ``built`` returns with ``top_logprobs``: per position, the sampled token's
+    raw log-softmax and its top alternatives (from a prefill of its own model over the prompt it saw,
+    ``seen_ids``, and its own output), reported against the client's ``prompt_ids``."""
+    entries: list[list] = [[None] * len(o) for o in outputs]
+    for block in built.prefill([p + o for p, o in zip(seen_ids, outputs)], [len(p) for p in seen_ids]):
+        lp = torch.log_softmax(block.logits.float(), dim=-1)
+        best = lp.topk(top, dim=-1).indices
+        for row, (i, step) in enumerate(zip(block.items.tolist(), block.steps.tolist())):
+            ids = [outputs[i][step]] + [t for t in best[row].tolist() if t != outputs[i][step]]
+            entries[i][step] = (ids, lp[row, ids].tolist())
+    return [ReturnedLogprobs(str(i), p, o, e, 0) for i, (p, o, e) in enumerate(zip(prompt_ids, outputs, entries))]
+
+
 def provider_values(returned: Sequence[ReturnedLogprobs]) -> list[np.ndarray]:
     return [np.array([v for _, lps in r.entries for v in lps], dtype=np.float64) for r in returned]
 

@@ -6,6 +6,11 @@ token sequences padded to ``L`` (the request's ``max_tokens``), ``k(x, y) = #{i 
 and completions of different prompts have kernel 0 (the prompt is part of what is sampled). The
 statistic is the unbiased squared MMD between the provider's and the reference's completions.
 
+With one completion per prompt from each side every within-side kernel term vanishes (completions
+of different prompts have kernel 0) and a within-pair swap leaves the statistic unchanged, so the
+test would return p = 1 whatever the provider sends: ``mmd_verdict`` refuses it, and
+``completions_per_prompt`` plans a query budget into at least 2 prompts of at least 2 completions.
+
 Its p-value is a permutation test (SciPy's ``permutation_test``): the provider's j-th completion
 of a prompt is paired with the reference's j-th, and the null distribution swaps the two within
 pairs, which is exact when both come from the same distribution. Like every audit verdict it is
@@ -65,14 +70,24 @@ def mmd_p_value(gram: np.ndarray, n: int, resamples: int, seed: int) -> tuple[fl
     return float(res.statistic), float(res.pvalue)
 
 
+def completions_per_prompt(budget: int, samples: int) -> int:
+    """Completions per prompt (``n``) for a budget of ``budget`` completions: ``samples`` when the
+    budget holds 2 prompts of it, else the most that does (at least 2 prompts of at least 2)."""
+    if budget < 4:
+        raise ValueError(f"an MMD audit needs a budget of at least 4 completions (2 prompts x 2), got {budget}")
+    return max(2, min(samples, budget // 2))
+
+
 def mmd_verdict(provider: Sequence[Sequence[Sequence[int]]], reference: Sequence[Sequence[Sequence[int]]],
                 length: int, alpha: float = 0.01, seed: int = 0) -> Verdict:
     """Sequential MMD verdict: ``provider[i]`` and ``reference[i]`` hold prompt i's n completions each."""
     if len(provider) < 2:
         raise ValueError(f"an MMD audit needs at least 2 prompts, got {len(provider)}")
     per = [min(len(p), len(r)) for p, r in zip(provider, reference)]
-    if min(per) < 1:
-        raise ValueError("every prompt needs at least one provider and one reference completion")
+    if min(per) < 2:
+        i = per.index(min(per))
+        raise ValueError(f"an MMD audit needs at least 2 completions per prompt from each side (prompt {i} has "
+                         f"{per[i]}): with one, its within-pair permutation test cannot reject (p = 1)")
     groups = np.repeat(np.arange(len(per)), per)
     xs = padded([s for p, k in zip(provider, per) for s in list(p)[:k]], length)
     ys = padded([s for r, k in zip(reference, per) for s in list(r)[:k]], length)

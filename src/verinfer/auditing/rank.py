@@ -1,8 +1,10 @@
 """Rank-uniformity test of sampled outputs (RUT: Zhu et al., ICLR 2026).
 
-For each prompt the provider returns one sampled completion y; the reference draws m completions
-under the same sampling parameters and every m + 1 of them is scored by the reference's
-log-probability (``verinfer.auditing.draws``). If the provider samples from the reference's
+For each completion y the provider returns (every one of the ``n`` of each prompt), the reference
+draws m completions of its own under the same sampling parameters, and every m + 1 of them is
+scored by a fixed function of the completion: ``rank_score``, the reference's log-probability
+minus its expectation position by position (``CompletionScores.centred``, issue #29; RUT ranks
+by the raw log-probability, which mixes the signal with the entropy each path happens to cross). If the provider samples from the reference's
 distribution, y and the m draws are exchangeable, so y's rank among them is uniform on 0..m; with
 ties broken at random, ``u = (#{below} + U * (#{tied} + 1)) / (m + 1)`` with U uniform on (0, 1) is
 exactly uniform on (0, 1), whatever the model, prompt or length. A provider that samples from
@@ -27,6 +29,17 @@ from scipy.stats import cramervonmises
 from verinfer.stats.verdict import Verdict, look_sizes, sequential
 
 
+def rank_score(scores) -> np.ndarray:
+    """The score completions are ranked by: centred log-probability (``verinfer.auditing.draws``).
+    Chosen by measured power over the raw log-probability (RESULTS.md section 21)."""
+    return scores.centred
+
+
+def split(values: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """``values`` cut into consecutive pieces of ``sizes`` (each completion's reference draws)."""
+    return np.split(np.asarray(values), np.cumsum(sizes)[:-1])
+
+
 def rank_p_values(observed: np.ndarray, reference: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
     """Randomized rank quantile of each ``observed[i]`` among ``reference[i]`` (uniform under the null)."""
     out = np.empty(len(observed))
@@ -38,7 +51,7 @@ def rank_p_values(observed: np.ndarray, reference: Sequence[np.ndarray], rng: np
 
 
 def rank_looks(n: int) -> list[int]:
-    """Doubling prefixes of prompts from 2 on (the Cramér-von Mises test needs two values)."""
+    """Doubling prefixes of completions from 2 on (the Cramér-von Mises test needs two values)."""
     return [k for k in look_sizes(n) if k >= 2] or [n]
 
 
@@ -57,8 +70,8 @@ def rank_verdict(u: np.ndarray, tokens: np.ndarray, m: int, alpha: float = 0.01)
     p, first = sequential(lambda k: uniformity_p(u[:k]), looks, alpha)
     mean, half = float(u.mean()), 1.96 * float(u.std(ddof=1)) / np.sqrt(u.size)
     method = (f"sequential Cramér-von Mises test of uniformity ({len(looks)} doubling looks of prompts, "
-              f"Bonferroni) of each provider completion's randomized rank among {m} reference samples by the "
-              "reference's log-probability (RUT)")
+              f"Bonferroni) of each provider completion's randomized rank among {m} reference samples of its own by the "
+              "reference's centred log-probability (RUT)")
     return Verdict(p >= alpha, p, alpha, int(tokens.sum()), int(u.size), "sequence", mean, "mean rank quantile",
                    mean - half, mean + half, len(looks), None if first is None else int(tokens[:first].sum()),
                    method, sequences=int(u.size))

@@ -234,7 +234,8 @@ def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, re
         got = len(r["response"]["choices"])
         if got < want:
             raise ProviderError(f"{where}: asked for n={want} completions, got {got} (does the provider support n?)")
-        claims += [parse_generation(r, reference.tokenizer, stops, reference.vocab_size, where, i) for i in range(want)]
+        use = got if spec.mode == "rank" else want  # rank judges every completion returned (n > 1 included)
+        claims += [parse_generation(r, reference.tokenizer, stops, reference.vocab_size, where, i) for i in range(use)]
     stage(f"{e.name}: judging {len(claims)} sampled completions ({spec.mode})")
     backend = getattr(reference, "backend", None)
     remote = None if backend is not None else reference  # a reference API (verinfer.auditing.remote_reference)

@@ -22,11 +22,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from verinfer.auditing.draws import reference_draws, retokenize, sequence_logprobs, store_path
+from verinfer.auditing.draws import completion_scores, reference_draws, retokenize, store_path
 from verinfer.auditing.logprobs import logprob_verdict, parse_returned, provider_values, reference_values, token_table
 from verinfer.auditing.mmd import mmd_verdict
 from verinfer.auditing.plan import AuditSpec
-from verinfer.auditing.rank import rank_p_values, rank_verdict
+from verinfer.auditing.rank import rank_p_values, rank_score, rank_verdict, split
+from verinfer.auditing.remote_reference import remote_completion_scores, remote_draws, remote_values
 from verinfer.auditing.responses import Claim
 from verinfer.auditing.store import ResponseStore
 from verinfer.stats.verdict import Verdict
@@ -39,50 +40,67 @@ class SampledJudgement:
 
 
 def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fpr: float,
-                  on_stage: Callable[[str], None] | None = None) -> SampledJudgement:
-    """The verdict on ``claims`` (each prompt's completions, choice order kept) as ``spec.mode`` asks."""
+                  on_stage: Callable[[str], None] | None = None, remote=None) -> SampledJudgement:
+    """The verdict on ``claims`` (each prompt's completions, choice order kept) as ``spec.mode`` asks.
+
+    ``rank`` judges every completion (all ``n`` of each prompt), each against its own ``samples``
+    reference draws; ``mmd`` compares each prompt's n completions with n reference draws. With
+    ``remote`` (an ``ApiReference``) the draws and scores come from that API instead of ``backend``
+    (``verinfer.auditing.remote_reference``)."""
     by_prompt: dict[str, list[Claim]] = {}
     for c in claims:
         by_prompt.setdefault(c.prompt_id, []).append(c)
     groups = sorted(by_prompt.values(), key=lambda cs: cs[0].index)
     params = spec.params(0)
     store = ResponseStore(store_path(out_dir))
-    draws = reference_draws(backend, [(cs[0].prompt_id, cs[0].prompt_token_ids) for cs in groups], params,
-                            spec.samples, spec.seed, spec.max_tokens, store, batch_size=64, on_stage=on_stage)
-    ref = [draws[cs[0].prompt_id] for cs in groups]
-    ref = [retokenize(backend.tokenizer, d) if cs[0].source == "retokenized" else d for cs, d in zip(groups, ref)]
     outputs = [[c.output_token_ids for c in cs] for cs in groups]
-    tokens = [sum(len(o) for o in outs) for outs in outputs]
-    rows = [{"prompt_id": cs[0].prompt_id, "tokens": t, "completions": len(cs)} for cs, t in zip(groups, tokens)]
-    if spec.mode == "rank":
-        prompts = [cs[0].prompt_token_ids for cs in groups]
-        firsts = [outs[0] for outs in outputs]
-        if on_stage:
-            on_stage(f"scoring {len(firsts)} provider completions and {sum(map(len, ref))} reference draws")
-        scores = sequence_logprobs(backend, prompts + [p for p, d in zip(prompts, ref) for _ in d],
-                                   firsts + [o for d in ref for o in d], params.temperature)
-        observed, rest = scores[: len(firsts)], scores[len(firsts):]
-        bounds = np.cumsum([0] + [len(d) for d in ref])
-        u = rank_p_values(observed, [rest[a:b] for a, b in zip(bounds[:-1], bounds[1:])],
-                          np.random.default_rng(spec.seed))
-        for row, q, first in zip(rows, u, firsts):
-            row.update(rank_quantile=float(q), tokens=len(first))
-        verdict = rank_verdict(u, np.array([len(o) for o in firsts]), spec.samples, fpr)
+    rows = [{"prompt_id": cs[0].prompt_id, "tokens": sum(len(o) for o in outs), "completions": len(cs)}
+            for cs, outs in zip(groups, outputs)]
+    same_form = (lambda c, d: retokenize((remote or backend).tokenizer, d) if c.source == "retokenized" else d)
+    if remote is None:
+        draw = lambda entries: reference_draws(backend, entries, params, spec.samples, spec.seed,  # noqa: E731
+                                               spec.max_tokens, store, on_stage=on_stage)
     else:
-        verdict = mmd_verdict(outputs, ref, spec.max_tokens, fpr, seed=spec.seed)
+        draw = lambda entries: remote_draws(remote, entries, params, spec.samples, spec.seed,  # noqa: E731
+                                            spec.max_tokens, on_stage)
+    if spec.mode == "mmd":
+        draws = draw([(cs[0].prompt_id, cs[0].prompt_token_ids) for cs in groups])
+        ref = [same_form(cs[0], d) for cs, d in zip(groups, draws)]
+        return SampledJudgement(mmd_verdict(outputs, ref, spec.max_tokens, fpr, seed=spec.seed), rows)
+    judged = [c for cs in groups for c in cs]  # every completion, each with its own draws
+    draws = draw([(c.prompt_id, c.prompt_token_ids) for c in judged])
+    ref = [same_form(c, d) for c, d in zip(judged, draws)]
+    if on_stage:
+        on_stage(f"scoring {len(judged)} provider completions and {sum(map(len, ref))} reference draws")
+    prompts = [c.prompt_token_ids for c in judged]
+    scores = (completion_scores if remote is None else remote_completion_scores)(
+        remote or backend, prompts + [p for p, d in zip(prompts, ref) for _ in d],
+                               [c.output_token_ids for c in judged] + [o for d in ref for o in d], params)
+    u = rank_p_values(rank_score(scores[: len(judged)]),
+                      split(rank_score(scores[len(judged):]), [len(d) for d in ref]),
+                      np.random.default_rng(spec.seed))
+    at = np.cumsum([0] + [len(cs) for cs in groups])
+    for row, a, b in zip(rows, at[:-1], at[1:]):
+        row["rank_quantiles"] = [float(q) for q in u[a:b]]
+        row["rank_quantile"] = float(np.mean(u[a:b]))
+    verdict = rank_verdict(u, np.array([len(c.output_token_ids) for c in judged]), spec.samples, fpr)
     return SampledJudgement(verdict, rows)
 
 
 def judge_logprobs(claims: Sequence[Claim], records: Sequence[dict], spec: AuditSpec, backend, fpr: float,
-                   provider: str, store: ResponseStore) -> SampledJudgement:
-    """The ``logprobs`` verdict on each prompt's first completion and its returned top-k logprobs."""
-    table = token_table(backend.tokenizer)
+                   provider: str, store: ResponseStore, remote=None) -> SampledJudgement:
+    """The ``logprobs`` verdict on each prompt's first completion and its returned top-k logprobs
+    (against a reference API's prompt logprobs with ``remote``: ``remote_reference.remote_values``)."""
+    table = token_table((remote or backend).tokenizer)
     returned = [parse_returned(r, 0, table, c.prompt_id, c.prompt_token_ids,
                                f"provider {provider!r}: {store.path} (prompt {c.prompt_id})")
                 for r, c in zip(records, claims)]
-    theirs, ours = provider_values(returned), reference_values(backend, returned)
+    if remote is None:
+        theirs, ours, bounded = provider_values(returned), reference_values(backend, returned), [0] * len(returned)
+    else:
+        theirs, ours, bounded = remote_values(remote, returned, table)
     tokens = np.array([len(r.token_ids) for r in returned])
     rows = [{"prompt_id": r.prompt_id, "tokens": len(r.token_ids), "completions": 1, "unmapped_positions": r.unmapped,
-             "mean_abs_logprob_diff": float(np.mean(np.abs(a - b))) if a.size else 0.0}
-            for r, a, b in zip(returned, theirs, ours)]
+             "mean_abs_logprob_diff": float(np.mean(np.abs(a - b))) if a.size else 0.0, "bounded_alternatives": d}
+            for r, a, b, d in zip(returned, theirs, ours, bounded)]
     return SampledJudgement(logprob_verdict(theirs, ours, tokens, fpr), rows)

@@ -71,8 +71,12 @@ def decode_batch(backend: Backend, batch: Sequence[Request], max_new_tokens: int
                  profiles: dict[str, Profile], token_hook: TokenHook | None = None,
                  capture: bool = False, prefill_chunk: int | None = None,
                  between_chunks: Callable[[], None] | None = None,
-                 gone: Callable[[str], bool] | None = None) -> list[Decoded]:
+                 gone: Callable[[str], bool] | None = None, shared: int = 1) -> list[Decoded]:
     """Decode one batch with a shared KV cache (left padding).
+
+    ``shared``: consecutive groups of this many requests have the same prompt (many samples of one
+    prompt, as an audit's reference draws are): each prompt is prefilled once and its KV cache copied
+    to the group's rows, as vLLM's prefix caching does for ``n`` > 1.
 
     With ``capture``, keep each request's final normed hidden states as they are computed (prompt
     rows from the prefill, one row per fed-back output token), for activation commits: no extra pass.
@@ -95,6 +99,10 @@ def decode_batch(backend: Backend, batch: Sequence[Request], max_new_tokens: int
         ids[b, width - len(r.prompt_token_ids):] = torch.as_tensor(r.prompt_token_ids)
         mask[b, width - len(r.prompt_token_ids):] = 1
     positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    if shared > 1 and (len(batch) % shared or any(batch[b].prompt_token_ids != batch[b - b % shared].prompt_token_ids
+                                                   for b in range(len(batch)))):
+        raise ValueError(f"shared={shared}: the batch must be groups of {shared} requests with one prompt each")
+    first = slice(None, None, shared)  # one row per prompt for the prefill
     cache = DynamicCache()
     chunk = prefill_chunk if prefill_chunk and prefill_chunk > 0 else width
     parts = []
@@ -102,9 +110,12 @@ def decode_batch(backend: Backend, batch: Sequence[Request], max_new_tokens: int
         if lo and between_chunks is not None:
             between_chunks()
         hi = min(lo + chunk, width)
-        part, cache = backend.hidden(ids[:, lo:hi], mask[:, :hi], positions[:, lo:hi], cache)
+        part, cache = backend.hidden(ids[first, lo:hi], mask[first, :hi], positions[first, lo:hi], cache)
         parts.append(part if capture else part[:, -1:])
     h = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    if shared > 1:
+        cache.batch_repeat_interleave(shared)
+        h = h.repeat_interleave(shared, dim=0)
     logits = backend.logits(h[:, -1])
     rows = [[h[b, width - len(r.prompt_token_ids):].float().cpu()] for b, r in enumerate(batch)] if capture else None
     outputs: list[list[int]] = [[] for _ in batch]

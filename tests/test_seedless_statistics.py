@@ -1,0 +1,182 @@
+"""Seedless audits (issue #29): draws never shared between completions, MMD's applicability and
+budget planning, the shared prompt prefill of reference draws, and the centred log-probability
+scores behind the surprise and rank tests.
+
+The false-positive checks are simulations with fixed seeds (deterministic): the rejection rate's
+95% Wilson interval must cover the test's level, which dependent ranks (repeated prompts sharing
+reference draws) push far above it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import kstest
+
+import verinfer.auditing.draws as draws_module
+from verinfer.auditing.draws import CompletionScores, completion_scores, occurrences, reference_draws
+from verinfer.auditing.mmd import completions_per_prompt, mmd_verdict
+from verinfer.auditing.rank import rank_p_values, uniformity_p
+from verinfer.auditing.surprise import surprise_p, surprise_verdict, surprise_z
+from verinfer.sampling.params import SamplingParams
+from verinfer.simulate.generate import Request, decode_batch
+from verinfer.stats.evaluation import wilson_interval
+
+CLAIMED = SamplingParams(profile="torch-exponential", temperature=1.0)
+PROBS = np.array([0.5, 0.25, 0.15, 0.1])
+LENGTH = 5
+
+
+class MemoryStore:
+    """The part of ``ResponseStore`` that ``reference_draws`` uses, in memory."""
+
+    def __init__(self):
+        self.records = {}
+
+    def __contains__(self, key):
+        return key in self.records
+
+    def get(self, key):
+        return self.records.get(key)
+
+    def append(self, key, path, body, response):
+        self.records[key] = {"response": response}
+
+
+def _fake_sampler(monkeypatch):
+    """Reference draws from a fixed categorical distribution, seeded by each draw's seed."""
+    def tokens(seed):
+        return np.random.default_rng(seed).choice(len(PROBS), size=LENGTH, p=PROBS).tolist()
+
+    def fake_decode(backend, requests, max_tokens, stops, profiles, shared=1):
+        return [SimpleNamespace(tokens=tokens(r.params.seed)) for r in requests]
+
+    monkeypatch.setattr(draws_module, "decode_batch", fake_decode)
+    return SimpleNamespace(model_id="fake", dtype_name="float32", stop_ids=lambda: set())
+
+
+def _score(seq) -> float:
+    return float(np.log(PROBS[np.asarray(seq)]).sum())
+
+
+def test_occurrences_count_earlier_copies_of_the_same_prompt():
+    assert occurrences([[1, 2], [3], [1, 2], [1, 2], [3]]) == [0, 0, 1, 2, 1]
+
+
+def test_repeated_prompts_hold_the_rank_tests_false_positive_rate(monkeypatch):
+    """An honest provider asked 5 prompts 20 times each under new ids: ranks against draws keyed by
+    prompt content alone would be dependent (the issue measured 1.3-3.9% rejected at a 1% target)."""
+    backend = _fake_sampler(monkeypatch)
+    contents = [[10 + i] * (i + 1) for i in range(5)]
+    entries = [(f"id-{r}-{i}", ids) for r in range(20) for i, ids in enumerate(contents)]
+    alpha, sims, rejected = 0.05, 200, 0
+    provider = np.random.default_rng(123)
+    for sim in range(sims):
+        ref = reference_draws(backend, entries, CLAIMED, 3, sim, LENGTH, MemoryStore())
+        assert len(ref) == len(entries) and all(len(d) == 3 for d in ref)
+        observed = np.array([_score(provider.choice(len(PROBS), size=LENGTH, p=PROBS)) for _ in entries])
+        u = rank_p_values(observed, [np.array([_score(o) for o in d]) for d in ref], provider)
+        rejected += uniformity_p(u) < alpha
+    ci = wilson_interval(rejected, sims)
+    assert ci.low <= alpha <= ci.high, (rejected, sims, ci)
+
+
+def test_each_completion_of_a_prompt_gets_draws_of_its_own(monkeypatch):
+    backend = _fake_sampler(monkeypatch)
+    store = MemoryStore()
+    ref = reference_draws(backend, [("a", [1, 2]), ("a", [1, 2]), ("b", [1, 2])], CLAIMED, 4, 0, LENGTH, store)
+    assert len(store.records) == 3 and ref[0] != ref[1] != ref[2]
+    again = reference_draws(backend, [("x", [1, 2]), ("y", [1, 2]), ("z", [1, 2])], CLAIMED, 4, 0, LENGTH, store)
+    assert again == ref  # keyed by content and occurrence, not by id: a rerun draws nothing new
+
+
+def test_mmd_refuses_one_completion_per_prompt():
+    rng = np.random.default_rng(0)
+    one = [[rng.integers(0, 4, 8).tolist()] for _ in range(6)]
+    with pytest.raises(ValueError, match="at least 2 completions per prompt"):
+        mmd_verdict(one, one, 8)
+
+
+@pytest.mark.parametrize("samples", [2, 4, 16])
+def test_mmd_budgets_plan_at_least_two_prompts_of_two(samples):
+    for budget in range(4, 201):
+        n = completions_per_prompt(budget, samples)
+        assert 2 <= n <= samples and budget // n >= 2 and (budget // n) * n <= budget
+    assert completions_per_prompt(100, 16) == 16
+    with pytest.raises(ValueError, match="at least 4"):
+        completions_per_prompt(3, samples)
+
+
+# --------------------------------------------------------------------------------------------------
+# The surprise statistic on synthetic position-wise distributions
+
+
+def _chain(rng, positions: int, vocab: int = 50):
+    logits = rng.normal(0, 2.5, size=(positions, vocab))
+    return logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
+
+
+def _scores(rng, logp, sample_logq, completions: int, length: int) -> CompletionScores:
+    """Completions of ``length`` positions, each position a fresh random distribution ``logp``; tokens
+    drawn from ``sample_logq(logp)``; scored as ``completion_scores`` does."""
+    lp, mean, var = [], [], []
+    for _ in range(completions):
+        rows = logp[rng.integers(0, len(logp), size=length)]
+        q = np.exp(sample_logq(rows))
+        y = np.array([rng.choice(rows.shape[1], p=qi / qi.sum()) for qi in q])
+        p = np.exp(rows)
+        m = (p * rows).sum(1)
+        lp.append(rows[np.arange(length), y].sum())
+        mean.append(m.sum())
+        var.append((p * (rows - m[:, None]) ** 2).sum(1).sum())
+    return CompletionScores(np.array(lp), np.array(mean), np.array(var), np.full(completions, length))
+
+
+def test_surprise_z_is_standard_normal_under_the_null_and_sees_a_temperature():
+    rng = np.random.default_rng(4)
+    logp = _chain(rng, 400)
+    same = lambda rows: rows  # noqa: E731
+    z = np.array([surprise_z(_scores(rng, logp, same, 10, 16)) for _ in range(400)])
+    assert kstest(z, "norm").pvalue > 1e-3  # 160 tokens per test already close to N(0, 1)
+    hotter = lambda rows: rows / 1.3  # noqa: E731
+    assert surprise_p(_scores(rng, logp, hotter, 25, 16)) < 1e-3
+    v = surprise_verdict(_scores(rng, logp, hotter, 25, 16))
+    assert not v.consistent and v.statistic < 0 and v.tokens_needed <= v.tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# On the bundled model
+
+
+@pytest.fixture(scope="module")
+def prompts(backend):
+    from verinfer.prompts import load_prompts, render
+
+    return [render(backend.tokenizer, p) for p in load_prompts("chitchat", 2, seed=5)]
+
+
+def test_shared_prompt_prefill_draws_the_same_tokens(backend, prompts):
+    requests = [Request(f"r{i}-{j}", tuple(p), CLAIMED.with_(seed=100 * i + j)) for i, p in enumerate(prompts)
+                for j in range(3)]
+    stops = backend.stop_ids()
+    alone = decode_batch(backend, requests, 6, stops, {})
+    shared = decode_batch(backend, requests, 6, stops, {}, shared=3)
+    assert [d.tokens for d in shared] == [d.tokens for d in alone]
+    with pytest.raises(ValueError, match="groups of 2"):
+        decode_batch(backend, requests, 6, stops, {}, shared=2)
+
+
+def test_completion_scores_centre_on_the_sampling_distributions_entropy(backend, prompts):
+    outputs = [[28, 253, 1165], [355, 30]]
+    s = completion_scores(backend, prompts, outputs, CLAIMED.with_(temperature=0.8))
+    logits = backend.logits(backend.hidden(torch.as_tensor([prompts[0] + outputs[0]]), None)[0][0]).float()
+    logp = torch.log_softmax(logits[len(prompts[0]) - 1: -1] / 0.8, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1).sum()
+    taken = logp[torch.arange(3), torch.as_tensor(outputs[0])].sum()
+    assert s.expected[0] == pytest.approx(-float(entropy), rel=1e-4)
+    assert s.logprob[0] == pytest.approx(float(taken), rel=1e-4)
+    assert list(s.tokens) == [3, 2] and (s.variance > 0).all()
+    top = completion_scores(backend, prompts, outputs, CLAIMED.with_(temperature=0.8, top_k=5))
+    assert (top.expected > s.expected).all()  # sampling among the top 5 expects likelier tokens
