@@ -135,7 +135,7 @@ def test_synthetic_honest_traces_keep_the_claim():
     backend, traces = synthetic(CLAIM)
     d = diagnose_traces(backend, traces, candidate_grid(CLAIM_PARAMS))
     assert not d.claim_rejected and d.explained
-    assert d.claim.exact == 1.0 and d.text.startswith("the claim is best explained")
+    assert d.claim.exact == 1.0 and d.text.startswith("the claim explains it")
 
 
 def test_a_configuration_outside_the_grid_is_explained_by_no_candidate():
@@ -237,6 +237,6 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     assert broken.exit_code == 2 and "bad.jsonl" in broken.output
     good = tmp_path / "t.jsonl"
     good.write_text(json.dumps(Trace.of_output("a", "smollm2-135m", [1, 2], [3], CLAIM_PARAMS).to_dict()) + "\n")
-    assert _cli(str(good), "--bands", "w5").exit_code == 2
+    assert _cli(str(good), "--variants", "w5").exit_code == 2
     same = _cli(str(good), "-o", str(good))
     assert same.exit_code == 2 and "error" in same.output

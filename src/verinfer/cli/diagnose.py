@@ -33,9 +33,10 @@ def diagnose(
     model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
     dtype: str = opt.dtype("float32", "reference compute dtype"),
     device: str = opt.device(),
-    bands: Optional[str] = typer.Option(None, help="also rank model-side bands, one extra prefill each: 'default' "
-                                        "(bf16, w8-channel, w4-g128, fp8-kv), 'catalogue' (every model-side "
-                                        "variant) or comma-separated variant names"),
+    bands: Optional[str] = typer.Option(None, "--variants", help="also rank model-side variants, one extra prefill "
+                                        "each: 'default' (bf16, w8-channel, w4-g128, fp8-kv), 'catalogue' (every "
+                                        "model-side variant) or comma-separated variant names (as `audit bands "
+                                        "--variants`)"),
     sigma: Optional[float] = typer.Option(None, help="logit noise (raw-logit std) the likelihood allows "
                                           "(default 0.1)"),
     alpha: Optional[float] = typer.Option(None, help="level of the likelihood-ratio test against the claim "
@@ -46,7 +47,7 @@ def diagnose(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the diagnosis as JSON"),
 ):
     """Replay the traces under candidate configurations (sampler settings, seeds, engine profiles,
-    sampler bugs; with --bands, derived models) over one prefill and rank them by likelihood.
+    sampler bugs; with --variants, derived models) over one prefill and rank them by likelihood.
 
     Exit 0: the claim is not rejected; 1: a candidate explains the traces significantly better
     than the claim, or none explains them; 2: bad input."""

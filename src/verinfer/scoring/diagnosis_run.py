@@ -55,10 +55,10 @@ def resolve_bands(spec: str | Sequence[str] | None) -> list[str]:
             try:
                 v = get_variant(name)
             except KeyError:
-                raise ValueError(f"--bands: unknown model variant {name!r} (model-side variants: "
+                raise ValueError(f"--variants: unknown model variant {name!r} (model-side variants: "
                                  f"{', '.join(model_side_variants())})") from None
             if v.transform is None or v.sampling or v.hook or v.prompt or v.spec_rule:
-                raise ValueError(f"--bands: {name!r} does not change the model (model-side variants: "
+                raise ValueError(f"--variants: {name!r} does not change the model (model-side variants: "
                                  f"{', '.join(model_side_variants())})")
             out.append(name)
     return list(dict.fromkeys(out))
