@@ -264,8 +264,8 @@ class Diagnosis:
             return (f"no candidate explains it: the best, {b.candidate.label}, leaves {b.unexplained:.1%} of "
                     f"tokens unexplained (exact {b.exact:.1%}; at most {MAX_UNEXPLAINED:.0%} allowed)")
         if not self.claim_rejected:
-            return (f"the claim is best explained (exact {c.exact:.1%}, margin {c.mean_margin:.3g}); no candidate "
-                    f"beats it at p < {self.alpha:g} (best other: {self._runner_up()})")
+            return (f"the claim explains it (exact {c.exact:.1%}, margin {c.mean_margin:.3g}); no candidate "
+                    f"explains it better at p < {self.alpha:g} (next: {self._runner_up()})")
         return (f"best explained by {b.candidate.label} (exact {b.exact:.1%}, margin {b.mean_margin:.3g}) vs the claim "
                 f"(exact {c.exact:.1%}, margin {c.mean_margin:.3g}): LR {b.lr:.1f}, Vuong z {b.z:.1f}, "
                 f"p {b.p:.2g} (Bonferroni over {len(self.ranked)} candidates)")
