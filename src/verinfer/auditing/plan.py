@@ -33,7 +33,7 @@ from verinfer.prompts import Prompt, render
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import get_profile
 
-MODES = ("greedy", "seeded", "rank", "mmd", "logprobs")
+MODES = ("greedy", "seeded", "rank", "mmd", "logprobs", "auto")
 SEEDLESS = ("rank", "mmd", "logprobs")  # sampled without a seed (no bands or calibration)
 ENDPOINTS = {"chat": "chat/completions", "completions": "completions"}
 
@@ -70,8 +70,8 @@ class AuditSpec:
             out.append(f"endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")
         if self.max_tokens < 1:
             out.append(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.choices < 1 or (self.choices > 1 and self.mode != "seeded"):
-            out.append(f"choices (n per request) must be >= 1 and applies to --mode seeded only, got {self.choices} "
+        if self.choices < 1 or (self.choices > 1 and self.mode not in ("seeded", "auto")):
+            out.append(f"choices (n per request) must be >= 1 and applies to --mode seeded or auto only, got {self.choices} "
                        f"with --mode {self.mode}" + (" (mmd sends --samples as n)" if self.mode == "mmd" else ""))
         if self.extra_body is not None:
             if not isinstance(self.extra_body, Mapping) or not all(isinstance(k, str) for k in self.extra_body):
@@ -81,8 +81,8 @@ class AuditSpec:
                     json.dumps(dict(self.extra_body))
                 except (TypeError, ValueError) as exc:
                     out.append(f"extra_body must be JSON-serializable: {exc}")
-        if self.seedless:
-            if self.mode == "logprobs" and not 0 <= self.top_logprobs <= 20:
+        if self.seedless or self.mode == "auto":  # auto runs the seedless tests too (verinfer.auditing.auto)
+            if self.mode in ("logprobs", "auto") and not 0 <= self.top_logprobs <= 20:
                 out.append(f"top_logprobs must be in 0..20, got {self.top_logprobs}")
             if self.samples < (2 if self.mode == "mmd" else 1):
                 out.append(f"--samples must be >= {2 if self.mode == 'mmd' else 1} for --mode {self.mode}, "
@@ -91,14 +91,14 @@ class AuditSpec:
             if self.temperature < 1e-5:
                 out.append(f"--mode {self.mode} audits sampled traffic and needs a temperature > 0 "
                            "(use --mode greedy for argmax spot checks)")
-        if self.mode == "seeded":
+        if self.mode in ("seeded", "auto"):
             try:
                 get_profile(self.sampler)
             except (KeyError, ValueError) as exc:
                 out.append(str(exc.args[0]))
             out += self.params(0).problems()
             if self.params(0).is_greedy:
-                out.append("seeded mode needs a temperature > 0 (use --mode greedy for argmax spot checks)")
+                out.append(f"{self.mode} mode needs a temperature > 0 (use --mode greedy for argmax spot checks)")
         return out
 
     def params(self, index: int) -> SamplingParams:
@@ -144,7 +144,7 @@ def generation_calls(spec: AuditSpec, prompts: Sequence[Prompt], tokenizer, mode
             body["n"] = spec.samples
         elif spec.choices > 1:
             body["n"] = spec.choices
-        if spec.mode == "logprobs":
+        if spec.mode in ("logprobs", "auto"):
             body.update({"logprobs": True, "top_logprobs": spec.top_logprobs} if spec.endpoint == "chat"
                         else {"logprobs": spec.top_logprobs})
         if spec.stream:

@@ -24,9 +24,11 @@ own ``vllm serve``. Everything the local reference computes for those modes come
 - **logprob values** (``remote_values``): the same echo request, ``top_logprobs`` at each output
   position. The claimed token's own logprob is always returned (vLLM includes the prompt token
   beside its top-k); a provider's top-k alternative is known at the reference only when it is in
-  the reference's top-k: **approximated**: the others are dropped from both sides of the comparison
-  (counted per prompt as ``dropped_alternatives``). An honest provider's top-k is the reference's,
-  so nothing is dropped there; a provider whose top tokens differ loses some of that evidence.
+  the reference's top-k: **approximated**: outside it, the reference's k-th logprob stands in, an
+  upper bound of the true value (counted per prompt as ``bounded_alternatives``). An honest
+  provider's top-5 is inside the reference's top-20, so nothing is bounded there and the
+  false-positive rate is untouched; a provider whose top tokens differ keeps part of that evidence
+  (its alternatives look likelier to the reference than they are, which shrinks the difference).
 
 Keys are asked for as ``token_id:<id>`` (``return_tokens_as_token_ids``, a vLLM extension that
 ``verinfer serve`` shares), so top-k keys map to ids without decoding ambiguity; a reference that
@@ -178,8 +180,8 @@ def position_moments(known: np.ndarray, claimed: np.ndarray, params: SamplingPar
         n = x.shape[0]
         kept = kept_set(x, torch.full((n,), params.top_k), torch.full((n,), params.top_p),
                         torch.full((n,), params.min_p))
-        q = np.where(scaled >= kept.threshold.numpy()[:, None], np.exp(scaled - kept.log_norm.double().numpy()[:, None]),
-                     0.0)
+        inside = x.numpy() >= kept.threshold.numpy()[:, None]  # compared in fp32, as kept_set computed it
+        q = np.where(inside, np.exp(scaled - kept.log_norm.double().numpy()[:, None]), 0.0)
         q_tail = np.zeros(n)
     else:
         q, q_tail = np.exp(logp), count * np.exp(tail)
@@ -187,6 +189,23 @@ def position_moments(known: np.ndarray, claimed: np.ndarray, params: SamplingPar
     mean = (q * safe).sum(axis=1) + q_tail * tail
     var = (q * (safe - mean[:, None]) ** 2).sum(axis=1) + q_tail * (tail - mean) ** 2
     return lp_claimed, mean, var
+
+
+def api_view(logprobs: np.ndarray, targets: np.ndarray, k: int = ECHO_TOP) -> tuple[np.ndarray, np.ndarray]:
+    """What a reference API returns for positions with raw log-softmax rows ``logprobs`` [N, V] and
+    claimed tokens ``targets`` [N]: the top-``k`` logprobs plus the claimed token's, as ``known``
+    [N, k + 1] (-inf where the claimed token is already in the top-k) and the claimed token's own
+    logprob [N]. ``position_moments`` of it is what ``remote_completion_scores`` computes; with
+    ``k`` = V it is exact (a test and ``experiments/remote_reference_power.py`` measure the gap)."""
+    n = len(targets)
+    top = np.argpartition(-logprobs, k - 1, axis=1)[:, :k] if k < logprobs.shape[1] else np.tile(
+        np.arange(logprobs.shape[1]), (n, 1))
+    known = np.full((n, top.shape[1] + 1), -np.inf)
+    known[:, :-1] = np.take_along_axis(logprobs, top, axis=1)
+    claimed = logprobs[np.arange(n), targets]
+    outside = ~(top == targets[:, None]).any(axis=1)
+    known[outside, -1] = claimed[outside]
+    return known, claimed
 
 
 def remote_completion_scores(reference, prompt_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
@@ -210,23 +229,22 @@ def remote_completion_scores(reference, prompt_ids: Sequence[Sequence[int]], out
 
 def remote_values(reference, returned: Sequence[ReturnedLogprobs],
                   table: dict[str, int] | None = None) -> tuple[list[np.ndarray], list[np.ndarray], list[int]]:
-    """(provider values, reference values, alternatives dropped) per completion, over the tokens both
-    sides have: the claimed token always, a provider's alternative when the reference's top-k has it."""
+    """(provider values, reference values, alternatives bounded) per completion: the claimed token's
+    reference logprob is always returned; a provider alternative outside the reference's top-k gets
+    the reference's k-th logprob, an upper bound of its own (module docstring)."""
     echoed = _echo(reference, [r.prompt_token_ids for r in returned], [r.token_ids for r in returned],
                    "logprobs of completion", table)
-    theirs, ours, dropped = [], [], []
+    theirs, ours, bounded = [], [], []
     for r, (own, tops) in zip(returned, echoed):
-        a, b, lost = [], [], 0
+        a, b, outside = [], [], 0
         for (ids, lps), lp, top in zip(r.entries, own, tops):
-            a.append(lps[0])
+            a += lps
             b.append(lp)
-            for t, v in zip(ids[1:], lps[1:]):
-                if t in top:
-                    a.append(v)
-                    b.append(top[t])
-                else:
-                    lost += 1
+            floor = min(top.values(), default=lp)  # the reference's k-th logprob bounds every token outside its top-k
+            for t in ids[1:]:
+                b.append(top.get(t, floor))
+                outside += t not in top
         theirs.append(np.array(a, dtype=np.float64))
         ours.append(np.array(b, dtype=np.float64))
-        dropped.append(lost)
-    return theirs, ours, dropped
+        bounded.append(outside)
+    return theirs, ours, bounded
