@@ -104,3 +104,29 @@ def test_seeded_audit_of_a_real_vllm_server_and_of_a_seed_rewriting_proxy(vllm_u
     assert honest.verdict.consistent, honest.verdict.text
     assert np.mean(honest.columns["exact_match"]) >= 0.99
     assert not proxy.verdict.consistent, proxy.verdict.text
+
+
+def test_vllm_as_the_trusted_reference_of_an_auto_audit(vllm_url, backend, tmp_path):
+    """``--reference-url`` for the seedless tests (issue #29 item 4): vLLM samples the reference's
+    draws (``n``, token ids) and returns the prompt logprobs that score them and the providers'
+    logprobs; the providers are ``verinfer serve``: honest CONSISTENT, 4-bit weights INCONSISTENT."""
+    import contextlib
+
+    from verinfer.serve import ServeConfig, serve_in_thread
+
+    with contextlib.ExitStack() as stack:
+        providers = {name: stack.enter_context(serve_in_thread(backend, ServeConfig(misconfig=mis, max_batch=8)))
+                     for name, mis in {"honest": (), "w4": ("w4",)}.items()}
+        result = _audit(backend, providers, tmp_path, n=8, max_tokens=16, mode="auto", samples=4, choices=2, seed=5,
+                        reference_url=vllm_url, reference_api_model="smollm2-135m")
+    honest, w4 = result.providers
+    print(f"\nauto, vLLM as reference: honest {honest.verdict.text}; w4 {w4.verdict.text}")
+    assert honest.verdict.consistent, honest.verdict.text
+    assert not w4.verdict.consistent, w4.verdict.text
+    assert {t["test"] for t in w4.tests if t["ran"]} == {"logprobs", "rank", "mmd"}
+    stored = [json.loads(line) for line in (tmp_path / "reference" / "responses.jsonl").read_text().splitlines()]
+    draws = [r for r in stored if r["kind"] == "reference-draws"]
+    assert draws and all(len(r["response"]["choices"]) == 4 and "token_ids" in r["response"]["choices"][0]
+                         for r in draws)
+    echo = [r for r in stored if r["request"].get("echo")]
+    assert echo and all(r["response"]["choices"][0]["logprobs"]["top_logprobs"][-1] for r in echo)
