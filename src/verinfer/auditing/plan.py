@@ -13,6 +13,8 @@ customers do: ``rank`` one completion per prompt, ranked among ``samples`` refer
 compared with as many reference draws (Model Equality Testing, ``verinfer.auditing.mmd``);
 ``logprobs`` one completion per prompt with its top-k logprobs, compared with the reference's at
 the same positions (LOGIC, ``verinfer.auditing.logprobs``).
+``auto`` asks for all of it in one request per prompt (the seeded request with ``choices`` as ``n``,
+top logprobs and token ids) and runs every test the responses allow (``verinfer.auditing.auto``).
 Chat requests are what customers send (the provider applies its chat template, which is part of
 what gets audited); completion requests send our rendering as token ids, fixing the prompt exactly.
 ``extra_body`` adds fields to every generation request, for servers whose defaults sample
@@ -33,8 +35,8 @@ from verinfer.prompts import Prompt, render
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import get_profile
 
-MODES = ("greedy", "seeded", "rank", "mmd", "logprobs", "auto")
-SEEDLESS = ("rank", "mmd", "logprobs")  # sampled without a seed (no bands or calibration)
+MODES = ("greedy", "seeded", "surprise", "rank", "mmd", "logprobs", "auto")
+SEEDLESS = ("surprise", "rank", "mmd", "logprobs")  # sampled without a seed (no bands or calibration)
 ENDPOINTS = {"chat": "chat/completions", "completions": "completions"}
 
 

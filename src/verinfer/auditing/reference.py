@@ -12,7 +12,9 @@ logprob is returned even outside it, so the margin stays finite where token-difr
 For seeded sampling the Token-DiFR margin is ``max_j (l_j + T G_j) - (l_t + T G_t)`` over the
 tokens the filters keep; it needs the whole kept distribution, of which a top-k list is only a
 part (the maximum over the rest is unknown and top-p needs the full normalizer), so seeded audits
-are refused against a reference API rather than scored with an approximation.
+are refused against a reference API rather than scored with an approximation. The seedless modes
+(``rank``, ``mmd``, ``logprobs``, ``auto``) use the same API for their draws and scores
+(``verinfer.auditing.remote_reference``, which states what it approximates).
 """
 
 from __future__ import annotations
