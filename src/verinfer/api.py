@@ -35,7 +35,8 @@ from verinfer.sampling.profiles import get_profile, params_problems
 from verinfer.simulate.generate import build_requests
 from verinfer.simulate.generate import generate as simulate
 from verinfer.simulate.speculative import generate_speculative as simulate_speculative
-from verinfer.stats.calibration import Calibrator, signature_mismatch
+from verinfer.stats.calibration import Calibrator, normalize_precisions, signature_mismatch
+from verinfer.stats.shipped import find_calibration
 from verinfer.stats.summary import Summary, fit_calibrator, summarize
 from verinfer.stats.verdict import Verdict
 from verinfer.trace import Trace, TraceError, read_traces, write_traces
@@ -197,14 +198,17 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
            device: str = "cpu", calibration: Calibrator | str | Path | None = None, batch_size: int | None = None,
            scores: str | Path | None = None, commit_scores_out: str | Path | None = None,
            skip_invalid: bool = False, allow_model_mismatch: bool = False, alpha: float | None = None,
-           backend: Backend | None = None, on_rows: Progress = None) -> VerifyResult:
+           backend: Backend | None = None, on_rows: Progress = None, default_calibration: bool = True) -> VerifyResult:
     """Replay traces with one prefill each, score every token (Token-DiFR), check activation commits,
     and judge with a calibration when one is given (``verinfer.stats.verdict``).
 
     ``traces`` is a trace file or a list of ``Trace``. For a file, scores go by default to
     ``<stem>.scores.parquet`` and commit scores to ``<stem>.commits.parquet`` beside it
     (``default_outputs``); outputs that would overwrite an input or each other, a device this machine
-    lacks and a batch size the calibration was not fitted at are refused before any work.
+    lacks and a batch size the calibration was not fitted at are refused before any work. Without a
+    ``calibration`` the shipped default for the traces' model and sampling settings is used when one
+    exists (``verinfer.stats.shipped``; ``default_calibration=False`` turns that off), and the
+    summary names the calibration it used.
     """
     source = str(traces) if isinstance(traces, (str, Path)) else "traces"
     if isinstance(traces, (str, Path)):
@@ -236,6 +240,12 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
     kept, unaligned, replays = align_retokenized(backend, kept)  # re-tokenization drift is never scored as divergence
     if calibrator is not None:  # refuse a calibration of another configuration before scoring
         problem = signature_mismatch(calibrator.signature, signature(kept, backend.model_id, backend.dtype_name))
+    used = str(calibration_path) if calibration_path else ("calibration given by the caller" if calibrator else None)
+    if calibrator is None and default_calibration and kept:
+        shipped = find_calibration(signature(kept, backend.model_id, backend.dtype_name))
+        if shipped is not None:
+            calibrator, used = Calibrator.load(shipped), f"{shipped.name} (shipped default)"
+            check_batch_size(batch_size, calibrator, used)
         if problem:
             raise ValueError(f"{calibration_path or 'calibration'}: does not match {source}: {problem}")
     scored = score_traces(backend, kept, scores, commit_scores_out, on_rows, skip=unaligned, reuse=replays)
@@ -243,6 +253,7 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
                         commit_scores(scored.commit_checks), alpha)
     return VerifyResult(summary, scored, skipped)
 
+    summary.calibration = used
 
 # --------------------------------------------------------------------------------------------------
 # calibrate
@@ -250,13 +261,19 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
 
 def calibrate(honest: VerifyResult | str | Path | Sequence[VerifyResult | str | Path], *,
               batch_sizes: Sequence[int] = (10, 100), fpr: float = 0.01,
-              commit_scores_files: Sequence[str | Path] = (), out: str | Path | None = None) -> Calibrator:
+              commit_scores_files: Sequence[str | Path] = (), out: str | Path | None = None,
+              resample: int | None = None, precisions: Sequence[str] | None = None,
+              shape: bool = True) -> Calibrator:
     """Fit detector thresholds on honest scores at a target false-positive rate.
 
     ``honest`` is one or more ``verify`` results or score files of honest traces, all verified under
     one signature (model, dtype, sampling settings), which the calibration records and ``verify``
     and ``audit`` then check. Commit detectors are fitted from the results' commit checks or from
-    ``commit_scores_files``.
+    ``commit_scores_files``. ``precisions`` names the honest providers' precisions behind the
+    scores (``fp32``, ``bf16``, ...), recorded with the profiles as the calibration's coverage
+    (``coverage_warnings`` says what an fp32-only null will reject); ``resample`` bootstraps
+    overlapping windows when honest tokens are scarce (``Calibrator``); ``shape=False`` leaves out
+    the sampler-shape detectors (the margin-only verdict of before issue #28).
     """
     sources = [honest] if isinstance(honest, (VerifyResult, str, Path)) else list(honest)
     if not sources:
@@ -280,7 +297,12 @@ def calibrate(honest: VerifyResult | str | Path | Sequence[VerifyResult | str | 
                              "calibrate each configuration on its own")
     merged = {k: np.concatenate([c[k] for c in columns]) for k in ("margin", "cross_entropy", "exact_match")}
     merged_commits = {m: np.concatenate([c[m] for c in commits if m in c]) for m in {m for c in commits for m in c}}
-    calibrator = fit_calibrator(merged, tuple(batch_sizes), fpr, merged_commits, sig)
+    if all("depth_shift" in c for c in columns):
+        merged["depth_shift"] = np.concatenate([c["depth_shift"] for c in columns])
+    coverage = {"precisions": normalize_precisions(precisions) if precisions else None,
+                "profiles": sorted({s.get("profile", "?") for s in (sig or {}).get("sampling", [])}) or None}
+    calibrator = fit_calibrator(merged, tuple(batch_sizes), fpr, merged_commits, sig, shape=shape,
+                                resample=resample, coverage=coverage)
     if out is not None:
         check_outputs([out], [s for s in sources if not isinstance(s, VerifyResult)] + list(commit_scores_files))
         write_atomic(out, json.dumps(calibrator.to_dict(), indent=1))

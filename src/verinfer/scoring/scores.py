@@ -24,9 +24,9 @@ SCORE_SCHEMA = pa.schema([
     ("exact_match", pa.bool_()), ("margin", pa.float64()), ("filter_distance", pa.float64()),
     ("filtered", pa.bool_()), ("cross_entropy", pa.float64()), ("logit_rank", pa.int64()),
     ("gumbel_rank", pa.int64()), ("ipt_distance", pa.float64()), ("spec_mode", pa.string()),
-    ("accept_slack", pa.float64()),
+    ("accept_slack", pa.float64()), ("depth_shift", pa.float64()),
 ])
-OPTIONAL_SCORE_COLUMNS = ("ipt_distance", "spec_mode", "accept_slack")  # absent from files written before them
+OPTIONAL_SCORE_COLUMNS = ("ipt_distance", "spec_mode", "accept_slack", "depth_shift")  # absent from files written before them
 COMMIT_SCHEMA = pa.schema([("trace_id", pa.string()), ("metric", pa.string()), ("index", pa.int64()),
                            ("score", pa.float64())])
 COMMIT_METRICS = {"fingerprint_l2": "Activation-DiFR L2 per logged token",

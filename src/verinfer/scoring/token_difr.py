@@ -14,6 +14,9 @@ Per-token scores (one row per output token, higher = more divergent unless noted
                     r resampled after a rejection, b bonus
     accept_slack    speculative traces only, else NaN: ``log p - log u - log q`` of the acceptance test
                     at the row (of the claim for ``a``, of the verifier's rejected proposal for ``r``)
+    depth_shift     at mismatches, how much deeper in the claimed sampler's kept set the verifier's token
+                    lies than the claim (``scoring/sampler_shape.py``; > 0: the provider looks narrower or
+                    colder than claimed); 0 at matches, for greedy rows and for speculative traces
 The likelihood variant (DiFR appendix A) is derived from the margin by ``likelihood``.
 """
 
@@ -32,12 +35,13 @@ from verinfer.models.derived import draft_backend
 from verinfer.sampling.profiles import Profile, RowKeys, get_profile
 from verinfer.sampling.sampler import replay
 from verinfer.scoring import speculative
+from verinfer.scoring.sampler_shape import depth_shift
 from verinfer.sampling.speculative import is_speculative
 from verinfer.trace import Trace
 
 SCORE_COLUMNS = ("trace_id", "position", "claimed", "verifier_token", "exact_match", "margin",
                  "filter_distance", "filtered", "cross_entropy", "logit_rank", "gumbel_rank", "ipt_distance",
-                 "spec_mode", "accept_slack")
+                 "spec_mode", "accept_slack", "depth_shift")
 
 
 def likelihood(margin: np.ndarray, sigma: float = 1.0) -> np.ndarray:
@@ -101,6 +105,8 @@ def score_block(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, trac
             cols["ipt_distance"][idx] = out.ipt_distance.cpu().numpy()
     cols["claimed"] = claimed.cpu().numpy()
     cols["exact_match"] = cols["verifier_token"] == cols["claimed"]
+    cols["depth_shift"] = depth_shift(logits, cols["claimed"], cols["verifier_token"],
+                                      [traces[i].sampling for i in items])
     cols["filtered"] = np.isinf(cols["margin"]) & (cols["filter_distance"] > 0)
     cols["trace_id"] = np.array([traces[i].id for i in items], dtype=object)
     cols["position"] = steps.astype(np.int64)
@@ -166,6 +172,7 @@ def _verify_speculative(backend, traces, subset: list[int], token_budget, row_bl
         target_logits, hidden = _rows(backend, t, token_budget, row_block, hook)
         draft_logits, _ = _rows(draft, t, token_budget, row_block)
         cols = speculative.score_columns(t, target_logits, draft_logits)
+        cols.setdefault("depth_shift", np.zeros(len(t.output_token_ids)))  # no shape score for speculative rows
         if on_rows:
             on_rows(len(t.output_token_ids))
         yield ScoreBlock({k: cols[k] for k in SCORE_COLUMNS}, np.full(len(t.output_token_ids), i), hidden)

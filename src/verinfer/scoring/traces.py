@@ -19,7 +19,7 @@ from verinfer.scoring.scores import ScoreWriter, signature, write_commit_scores
 from verinfer.scoring.token_difr import verify_traces
 
 Progress = Callable[[int], None] | None
-COMPACT = ("trace_id", "position", "exact_match", "margin", "cross_entropy")  # what verdicts need, in memory
+COMPACT = ("trace_id", "position", "exact_match", "margin", "cross_entropy", "depth_shift")  # what verdicts need
 
 
 def check_traces(traces: Sequence[Trace], backend: Backend, source: str, skip_invalid: bool = False,

@@ -19,7 +19,7 @@ reference) and record the truth in ``meta["variant"]`` and ``meta["variant_setti
 
 All variants live in one registry (``get_variant(name)``, ``list_variants()``). Besides the named
 entries, parametric families are recognised (``batch-N``, ``wB-gG[-asym]``, ``temperature-X``,
-``top-p-X``, ``bug-topK[-rateR]``) and names compose with ``+`` (``w4-g128+temperature-0.9`` is the
+``top-p-X``, ``top-k-K``, ``min-p-X``, ``bug-topK[-rateR]``) and names compose with ``+`` (``w4-g128+temperature-0.9`` is the
 4-bit model sampling at T=0.9), which is how the cross-entropy-matching adversary
 (``match_cross_entropy``) names what it found.
 
@@ -324,6 +324,20 @@ def top_p_variant(p_: float) -> Variant:
                    sampling=lambda p: p.with_(top_p=float(p_)), settings={"top_p": float(p_)})
 
 
+def top_k_variant(k: int) -> Variant:
+    if k < 1:
+        raise ValueError(f"top-k must be >= 1, got {k}")
+    return Variant(f"top-k-{k}", f"samples with top-k {k} while claiming the requested one (an approximate or "
+                   "misconfigured top-k)", sampling=lambda p: p.with_(top_k=int(k)), settings={"top_k": int(k)})
+
+
+def min_p_variant(m: float) -> Variant:
+    if not 0 <= m <= 1:
+        raise ValueError(f"min-p must be in [0, 1], got {m}")
+    return Variant(f"min-p-{m:g}", f"samples with min-p {m:g} while claiming the requested one",
+                   sampling=lambda p: p.with_(min_p=float(m)), settings={"min_p": float(m)})
+
+
 def bug_variant(k: int, rate: float = 0.01, seed: int = 0) -> Variant:
     suffix = "" if rate == 0.01 else f"-rate{rate:g}"
     return Variant(f"bug-top{k}{suffix}",
@@ -385,7 +399,8 @@ for _v in (
     weight_quant_variant(4, 32, symmetric=False), weight_quant_variant(8, None),
     fp8_kv_variant("unit", True, "fp8-kv"), fp8_kv_variant("tensor", True, "fp8-kv-tensor"),
     fp8_kv_variant("head", True, "fp8-kv-head"), fp8_kv_variant("unit", False, "fp8-kv-fresh"),
-    temperature_variant(1.1), top_p_variant(0.85),
+    temperature_variant(1.1), temperature_variant(0.9), top_p_variant(0.85), top_p_variant(0.76),
+    top_k_variant(40), top_k_variant(60), min_p_variant(0.04), min_p_variant(0.06),
     Variant("wrong-seed", f"samples with seed + {WRONG_SEED_OFFSET} while claiming the requested seed",
             sampling=_wrong_seed, settings={"seed_offset": WRONG_SEED_OFFSET}),
     bug_variant(2), bug_variant(32),
@@ -409,6 +424,8 @@ _FAMILIES: list[tuple[re.Pattern, Callable[[re.Match], Variant], str]] = [
     (re.compile(r"temperature-(\d+(?:\.\d*)?)"), lambda m: temperature_variant(float(m[1])),
      "temperature-X: sample at temperature X"),
     (re.compile(r"top-p-(\d+(?:\.\d*)?)"), lambda m: top_p_variant(float(m[1])), "top-p-X: sample with top-p X"),
+    (re.compile(r"top-k-(\d+)"), lambda m: top_k_variant(int(m[1])), "top-k-K: sample with top-k K"),
+    (re.compile(r"min-p-(\d+(?:\.\d*)?)"), lambda m: min_p_variant(float(m[1])), "min-p-X: sample with min-p X"),
     (re.compile(r"bug-top(\d+)(?:-rate(\d+(?:\.\d*)?(?:e-?\d+)?))?"),
      lambda m: bug_variant(int(m[1]), float(m[2]) if m[2] else 0.01),
      "bug-topK[-rateR]: rate R (default 0.01) of tokens uniform among the top K"),
@@ -445,6 +462,6 @@ def family_docs() -> list[str]:
 
 __all__ = [
     "TopKUniformBug", "Variant", "batch_variant", "bug_variant", "compose", "family_docs", "fp8_kv_variant",
-    "get_variant", "layers_variant", "list_variants", "register", "system_prompt_variant", "temperature_variant",
-    "top_p_variant", "weight_quant_variant",
+    "get_variant", "layers_variant", "list_variants", "min_p_variant", "register", "system_prompt_variant",
+    "temperature_variant", "top_k_variant", "top_p_variant", "weight_quant_variant",
 ]

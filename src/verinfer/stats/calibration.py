@@ -122,6 +122,7 @@ class Calibrator:
         self.resample = resample
         self.random_state = random_state
         self.signature: dict | None = None  # what the honest scores were verified under (verify/scores.py)
+        self.coverage: dict | None = None  # honest noise fitted on: {"precisions": [...], "profiles": [...]}
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must be positive integers, got {self.batch_sizes}")
         if not 0.0 < self.fpr < 1.0:
@@ -218,6 +219,7 @@ class Calibrator:
                 for (m, r, n), (t, k) in self.thresholds_.items()
             ],
             "signature": self.signature,
+            "coverage": self.coverage,
         }
 
     @classmethod
@@ -262,6 +264,7 @@ class Calibrator:
             for t in data["thresholds"]
         }
         cal.signature = data.get("signature")
+        cal.coverage = data.get("coverage")
         return cal
 
     def _rules_for(self, metric: str) -> tuple[str, ...]:
@@ -282,7 +285,7 @@ class Calibrator:
                 f"batch size {n} needs at least {needed} honest {metric!r} tokens "
                 f"({min_batches(self.fpr)} disjoint batches for fpr={self.fpr}), have "
                 f"{per_token.size}; fit smaller batch_sizes, add honest data, or pass "
-                f"resample=<windows> to bootstrap"
+                f"resample=<windows> to bootstrap (command line: --resample WINDOWS)"
             )
         return batch_means(per_token, n)
 
@@ -320,6 +323,34 @@ def _transform(scores: np.ndarray, rule: str, values: Mapping[float, float]) -> 
     if kind == "clip":
         return clip_scores(scores, values[percentiles[0]])
     return tail_scores(scores, clip_hi=values[percentiles[1]], zero_below=values[percentiles[0]])
+
+
+PRECISION_NAMES = {"fp32": "float32", "float32": "float32", "bf16": "bfloat16", "bfloat16": "bfloat16",
+                   "fp16": "float16", "float16": "float16"}
+
+
+def normalize_precisions(names: Iterable[str]) -> list[str]:
+    """Precision names as torch spells them (fp32 -> float32, bf16 -> bfloat16); others (w8, fp8-kv) kept."""
+    out = {PRECISION_NAMES.get(n.strip().lower(), n.strip()) for n in names if n.strip()}
+    if not out:
+        raise ValueError("precisions: name at least one honest precision (e.g. fp32,bf16)")
+    return sorted(out)
+
+
+def coverage_warnings(calibrator: Calibrator, cli: bool = False) -> list[str]:
+    """What a calibration's honest null leaves out, so a user learns before a verdict that honest
+    bf16 providers will be rejected by an fp32-only null (REFERENCE.md: honest vLLM bf16 is 97% exact
+    against the fp32 reference; RESULTS.md section 8)."""
+    precisions = (calibrator.coverage or {}).get("precisions")
+    pooled = ("verinfer calibrate fp32.scores.parquet bf16.scores.parquet --precisions fp32,bf16 -o pooled.json"
+              if cli else "calibrate([fp32_scores, bf16_scores], precisions=['fp32', 'bf16'])")
+    if not precisions:
+        return [f"the honest precisions behind these scores are not recorded (pass {'--precisions' if cli else 'precisions='}"
+                " fp32,bf16): a verdict cannot say whether honest bf16 noise is covered"]
+    if "bfloat16" not in precisions:
+        return [f"fitted on {', '.join(precisions)} only: honest bf16 providers (as GPU engines serve) will be "
+                f"rejected; for a null that covers them verify honest bf16 traces too and pool them: {pooled}"]
+    return []
 
 
 def signature_mismatch(calibration: dict | None, data: dict | None) -> str | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from verinfer.scoring.sampler_shape import shape_scores
 from verinfer.stats.calibration import Calibrator
 from verinfer.stats.pooling import MARGIN_CLIP, clip_scores
 from verinfer.stats.verdict import COMMIT_RULE, Verdict, calibrated_verdict, default_batch_size
@@ -34,6 +35,7 @@ class Summary:
     note: str = UNCALIBRATED  # why there is no verdict
     commits: dict[str, Any] = field(default_factory=dict)
     commit_verdicts: dict[str, Verdict] = field(default_factory=dict)
+    calibration: str | None = None  # which calibration judged (a file, or a shipped default)
 
     @property
     def consistent(self) -> bool | None:
@@ -83,7 +85,7 @@ def summarize(columns: dict[str, np.ndarray], calibrator: Calibrator | None = No
     if size > margin.size:
         summary.note = f"too few tokens: {margin.size} < the smallest calibrated batch ({size})"
     else:
-        summary.verdict = calibrated_verdict(margin, calibrator, size, alpha=alpha)
+        summary.verdict = calibrated_verdict(columns, calibrator, size, alpha=alpha)
     for metric, values in (commit_scores or {}).items():
         if metric not in calibrator.percentile_values_:
             continue
@@ -94,14 +96,20 @@ def summarize(columns: dict[str, np.ndarray], calibrator: Calibrator | None = No
 
 
 def fit_calibrator(columns: dict[str, np.ndarray], batch_sizes: tuple[int, ...], fpr: float = 0.01,
-                   commit_scores: dict[str, np.ndarray] | None = None, signature: dict | None = None) -> Calibrator:
-    """Fit the margin / cross-entropy / exact-match detectors on honest per-token scores, plus the
-    commit detectors (fingerprint_l2 per fingerprint, toploc per chunk) when honest commit scores are given."""
-    calibrator = Calibrator(batch_sizes=batch_sizes, fpr=fpr).fit({
-        "margin": columns["margin"], "cross_entropy": columns["cross_entropy"],
-        "exact_match": np.asarray(columns["exact_match"], dtype=np.float64), **(commit_scores or {}),
-    })
+                   commit_scores: dict[str, np.ndarray] | None = None, signature: dict | None = None,
+                   shape: bool = True, resample: int | None = None, coverage: dict | None = None) -> Calibrator:
+    """Fit the margin / cross-entropy / exact-match detectors on honest per-token scores, the
+    sampler-shape detectors (``narrower`` / ``wider``, ``verinfer.scoring.sampler_shape``) when the
+    scores carry ``depth_shift`` and ``shape`` is on, plus the commit detectors (fingerprint_l2 per
+    fingerprint, toploc per chunk) when honest commit scores are given. ``coverage`` records the honest
+    precisions and engines the scores came from (``Calibrator.coverage``)."""
+    honest = {"margin": columns["margin"], "cross_entropy": columns["cross_entropy"],
+              "exact_match": np.asarray(columns["exact_match"], dtype=np.float64)}
+    if shape and columns.get("depth_shift") is not None:
+        honest.update(shape_scores(columns["depth_shift"]))
+    calibrator = Calibrator(batch_sizes=batch_sizes, fpr=fpr, resample=resample).fit({**honest, **(commit_scores or {})})
     calibrator.signature = signature
+    calibrator.coverage = coverage
     return calibrator
 
 

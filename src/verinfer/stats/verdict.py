@@ -16,6 +16,15 @@ of the statistic's rank among pseudo-audits of the same size that resample whole
 ``(1 + #{>= s}) / (R + 1)``; with n sequences per band, p below ``1 / (n + 1)`` rests on the
 bootstrap's extrapolation and the verdict says so (``beyond_pool``).
 
+*Several detectors, one test.* A token verdict flags batches with the calibrated margin detector and,
+when the calibration has them, the sampler-shape detectors ``narrower`` and ``wider``
+(``verinfer.scoring.sampler_shape``: honest noise puts a mismatched claim above or below the
+verifier's token at random, a wrong top-k / top-p / min-p or temperature on one side). Each look's
+p-value is the Bonferroni minimum over the ``m`` detectors, ``min(1, m * min_j p_j)``, so the
+detectors add power without adding a rule or raising the false-positive rate. A flag verdict also
+states the fewest flagged batches that could reject (one flagged batch at p = fpr never can) and
+the tokens after the last whole batch, which are not judged.
+
 *The sequential test.* Evidence is looked at on doubling prefixes (1, 2, 4, ... units, then all),
 and each look is tested at ``alpha / L`` for ``L`` looks (Bonferroni). The verdict's p-value is
 ``min(1, L * min_k p_k)`` and the set is INCONSISTENT when it is below ``alpha``: the chance of
@@ -30,11 +39,12 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from scipy.stats import binomtest
 
+from verinfer.scoring.sampler_shape import SHAPE_METRICS, shape_scores
 from verinfer.stats.calibration import Calibrator
 from verinfer.stats.evaluation import bootstrap_ci, wilson_interval
 from verinfer.stats.pooling import MARGIN_CLIP
@@ -42,6 +52,7 @@ from verinfer.stats.pooling import MARGIN_CLIP
 CLIPPED = ("margin", "clip:99.9")  # margins clipped at their honest 99.9th percentile (DiFR section 4)
 DETECTOR = ("margin", f"bound:{MARGIN_CLIP:g}")  # the bounded margin min(margin, 20): for a null without noise
 COMMIT_RULE = "clip:99.9"  # commit scores (fingerprint L2, TOPLOC) clipped at their honest 99.9th percentile
+SHAPE_RULE = f"bound:{MARGIN_CLIP:g}"  # sampler-shape scores as they are (|depth_shift| <= 2: the bound never bites)
 
 
 @dataclass
@@ -70,6 +81,11 @@ class Verdict:
     band_ranges: dict = field(default_factory=dict)  # band -> [2.5%, 50%, 97.5%] of pseudo-audits
     pool_sequences: int | None = None  # pooled: honest sequences per band behind the p-value
     p_adjusted: float | None = None  # Holm-adjusted, when several sets are judged together
+    detectors: dict = field(default_factory=dict)  # flags: detector -> {"flagged", "p"} (its own sequential p)
+    decided_by: str | None = None  # flags: the detector with the smallest p-value
+    unjudged_tokens: int = 0  # flags: tokens after the last whole batch (not judged)
+    minimum_evidence: str | None = None  # flags: the fewest flagged batches that could reject here
+    note: str | None = None  # what the calibration does not cover, when that may explain the verdict
 
     @property
     def fpr(self) -> float:
@@ -89,7 +105,8 @@ class Verdict:
         p = self.p_adjusted if self.p_adjusted is not None else self.p_value
         which = "Holm-adjusted p" if self.p_adjusted is not None else "p"
         if self.unit == "batch":
-            evidence = (f"{self.flagged}/{self.units} batches of {self.batch_size} tokens flagged "
+            by = f" by {self.decided_by}" if self.decided_by and len(self.detectors) > 1 else ""
+            evidence = (f"{self.flagged}/{self.units} batches of {self.batch_size} tokens flagged{by} "
                         f"(flag rate 95% CI {self.ci_low:.0%}-{self.ci_high:.0%})")
         else:
             evidence = (f"{self.statistic_name} {self.statistic:.4f} (95% CI {self.ci_low:.4f}-{self.ci_high:.4f}) "
@@ -99,8 +116,11 @@ class Verdict:
         needed = (f"; detected after {self.tokens_needed} tokens"
                   if self.tokens_needed is not None and not self.consistent else "")
         like = f"; resembles {self.resembles}" if self.resembles else ""
+        rest = "".join(f"; {part}" for part in (
+            self.unjudged_tokens and f"the last {self.unjudged_tokens} tokens (less than a batch) were not judged",
+            self.minimum_evidence, self.note) if part)
         return (f"{self.label} with {self.subject} at {self.alpha:.0%} FPR: {evidence}, "
-                f"{which} = {p:.3g}{beyond}{needed}{like}")
+                f"{which} = {p:.3g}{beyond}{needed}{like}{rest}")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "verdict": self.label, "beyond_pool": self.beyond_pool, "text": self.text}
@@ -113,6 +133,11 @@ def look_sizes(n: int) -> list[int]:
         sizes.append(k)
         k *= 2
     return sizes + [n]
+
+
+def doubling_looks(n: int) -> str:
+    """How a verdict's method names its looks: "1 doubling look", "3 doubling looks"."""
+    return f"{n} doubling look{'' if n == 1 else 's'}"
 
 
 def sequential(p_at: Callable[[int], float], looks: Sequence[int], alpha: float) -> tuple[float, int | None]:
@@ -131,26 +156,59 @@ def default_batch_size(calibrator: Calibrator, n: int) -> int:
     return min(calibrator.batch_sizes, key=lambda s: (s > n, -s))
 
 
+def _binom_p(k: int, n: int, fpr: float) -> float:
+    return float(binomtest(k, n, fpr, alternative="greater").pvalue)
+
+
+def minimum_evidence(n: int, fpr: float, alpha: float, detectors: int = 1) -> str:
+    """The fewest flagged batches that can reject among ``n`` (a look of k batches rejects when the
+    binomial p of its flags is below ``alpha / (looks * detectors)``): stated in every flag verdict,
+    because a single flagged batch at p = fpr can never reject."""
+    looks = look_sizes(n)
+    level = alpha / (len(looks) * detectors)
+    best = None
+    for k in looks:
+        j = next((j for j in range(1, k + 1) if _binom_p(j, k, fpr) < level), None)
+        if j is not None and (best is None or j < best[0]):
+            best = (j, k)
+    if best is None:
+        return (f"no count of flagged batches among {n} can reject at {alpha:.0%} "
+                f"({len(looks)} looks x {detectors} detector(s)): judge more tokens")
+    return f"rejecting needs at least {best[0]} flagged batch(es) of one detector among the first {best[1]}"
+
+
 def flag_verdict(flags: np.ndarray, fpr: float, batch_size: int, alpha: float | None = None,
-                 method: str = "", subject: str = "the claimed configuration") -> Verdict:
-    """Sequential one-sided binomial test of batch ``flags`` (honest batches flag at <= ``fpr``)."""
-    flags = np.asarray(flags, dtype=bool)
+                 method: str = "", subject: str = "the claimed configuration",
+                 names: Sequence[str] | None = None, unjudged_tokens: int = 0) -> Verdict:
+    """Sequential one-sided binomial test of batch ``flags`` (honest batches flag at <= ``fpr``).
+
+    ``flags`` is one detector's [batches] or several detectors' [detectors, batches] (named by
+    ``names``): each look's p-value is then the Bonferroni minimum over the detectors.
+    """
+    flags = np.atleast_2d(np.asarray(flags, dtype=bool))
     if flags.size == 0:
         raise ValueError("no batches to judge")
+    m, n = flags.shape
+    names = list(names) if names is not None else [f"detector {j}" for j in range(m)]
     alpha = fpr if alpha is None else alpha
-    looks = look_sizes(flags.size)
-    cum = np.concatenate([[0], np.cumsum(flags)])
+    looks = look_sizes(n)
+    cum = np.concatenate([np.zeros((m, 1), dtype=np.int64), np.cumsum(flags, axis=1)], axis=1)
 
-    def p_at(k: int) -> float:
-        return float(binomtest(int(cum[k]), k, fpr, alternative="greater").pvalue)
+    def p_at(k: int, j: int) -> float:
+        return _binom_p(int(cum[j, k]), k, fpr)
 
-    p, first = sequential(p_at, looks, alpha)
-    k, n = int(flags.sum()), int(flags.size)
+    p, first = sequential(lambda k: min(1.0, m * min(p_at(k, j) for j in range(m))), looks, alpha)
+    own = [sequential(lambda k, j=j: p_at(k, j), looks, alpha)[0] for j in range(m)]
+    best = int(np.argmin(own))
+    k = int(flags[best].sum())
     ci = wilson_interval(k, n)
     return Verdict(p >= alpha, p, alpha, n * batch_size, n, "batch", k / n, "flag rate", ci.low, ci.high, len(looks),
                    None if first is None else first * batch_size,
                    method or f"sequential binomial test of batches flagged at <= {fpr:.2%} when honest",
-                   subject, flagged=k, batch_size=batch_size)
+                   subject, flagged=k, batch_size=batch_size,
+                   detectors={name: {"flagged": int(flags[j].sum()), "p": own[j]} for j, name in enumerate(names)},
+                   decided_by=names[best], unjudged_tokens=int(unjudged_tokens),
+                   minimum_evidence=minimum_evidence(n, fpr, alpha, m))
 
 
 def token_detector(calibrator: Calibrator) -> tuple[str, str]:
@@ -169,23 +227,71 @@ def token_detector(calibrator: Calibrator) -> tuple[str, str]:
     return CLIPPED if usable else DETECTOR
 
 
-def calibrated_verdict(scores: np.ndarray, calibrator: Calibrator, batch_size: int | None = None,
-                       metric: str | None = None, rule: str | None = None, alpha: float | None = None) -> Verdict:
-    """Flag consecutive batches of ``scores`` with a calibrated detector (default: ``token_detector``),
-    then ``flag_verdict``."""
-    if metric is None or rule is None:
-        metric, rule = token_detector(calibrator)
-    scores = np.asarray(scores, dtype=np.float64)
-    size = batch_size or default_batch_size(calibrator, scores.size)
+def token_detectors(calibrator: Calibrator, columns: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray]]:
+    """(metric, rule, per-token scores) of every detector a token verdict uses: the margin
+    (``token_detector``) and the sampler-shape detectors when both the calibration and the scores have them."""
+    metric, rule = token_detector(calibrator)
+    out = [(metric, rule, np.asarray(columns["margin"], dtype=np.float64))]
+    shift = columns.get("depth_shift")
+    if shift is not None and all(m in calibrator.n_tokens_ for m in SHAPE_METRICS):
+        out += [(m, SHAPE_RULE, s) for m, s in shape_scores(shift).items()]
+    return out
+
+
+def calibrated_verdict(scores: np.ndarray | Mapping[str, np.ndarray], calibrator: Calibrator,
+                       batch_size: int | None = None, metric: str | None = None, rule: str | None = None,
+                       alpha: float | None = None) -> Verdict:
+    """Flag consecutive batches with calibrated detectors, then ``flag_verdict``.
+
+    ``scores`` is one metric's per-token scores (judged by ``metric`` / ``rule``, default
+    ``token_detector``) or a verify's score columns (judged by every ``token_detectors`` detector).
+    """
+    if isinstance(scores, Mapping):
+        detectors = token_detectors(calibrator, scores)
+    else:
+        if metric is None or rule is None:
+            metric, rule = token_detector(calibrator)
+        detectors = [(metric, rule, np.asarray(scores, dtype=np.float64))]
+    n_scores = detectors[0][2].size
+    size = batch_size or default_batch_size(calibrator, n_scores)
     if size not in calibrator.batch_sizes:
         raise ValueError(f"batch size {size} is not calibrated (calibrated: {', '.join(map(str, calibrator.batch_sizes))})")
-    if size > scores.size:
-        raise ValueError(f"too few {metric} scores ({scores.size}) for a calibrated batch of {size}")
-    flags = calibrator.predict(scores, size, metric=metric, rule=rule)
-    method = (f"sequential binomial test ({len(look_sizes(flags.size))} doubling looks, Bonferroni) of batches of "
-              f"{size} tokens flagged by the calibrated {metric} {rule} detector (threshold "
-              f"{calibrator.threshold(metric, rule, size):.4g}; honest batches flag at <= {calibrator.fpr:.0%})")
-    return flag_verdict(flags, calibrator.fpr, size, alpha, method)
+    if size > n_scores:
+        raise ValueError(f"too few {detectors[0][0]} scores ({n_scores}) for a calibrated batch of {size}")
+    flags = np.stack([calibrator.predict(s, size, metric=m, rule=r) for m, r, s in detectors])
+    names = [m for m, _, _ in detectors]
+    which = "; ".join(f"{m} {r} (threshold {calibrator.threshold(m, r, size):.4g})" for m, r, _ in detectors)
+    method = (f"sequential binomial test ({doubling_looks(len(look_sizes(flags.shape[1])))}, Bonferroni over looks "
+              f"and {len(detectors)} detector(s)) of batches of {size} tokens flagged by the calibrated {which}; "
+              f"honest batches flag at <= {calibrator.fpr:.0%} per detector")
+    verdict = flag_verdict(flags, calibrator.fpr, size, alpha, method, names=names,
+                           unjudged_tokens=n_scores % size)
+    verdict.note = coverage_note(calibrator, verdict)
+    return verdict
+
+
+def coverage_note(calibrator: Calibrator, verdict: Verdict) -> str | None:
+    """Why an INCONSISTENT verdict may be noise the calibration never saw, or None.
+
+    When the sampler-shape detectors flag batches on both sides about equally (numerical noise
+    puts mismatched claims above and below the verifier's tokens at random; a sampler deviation
+    on one side: a two-sided sign test of the two flag counts at ``alpha`` tells them apart) and
+    the calibration was fitted on fewer precisions than GPU providers run, the verdict says so
+    instead of a bare INCONSISTENT."""
+    if verdict.consistent or not verdict.detectors:
+        return None
+    sides = [verdict.detectors[m]["flagged"] for m in SHAPE_METRICS if m in verdict.detectors]
+    if len(sides) == 2 and sum(sides) and binomtest(min(sides), sum(sides), 0.5).pvalue < verdict.alpha:
+        return None  # one-sided: a sampler deviation, not noise
+    covered = (getattr(calibrator, "coverage", None) or {}).get("precisions")
+    if not covered:
+        what = "the calibration does not record which honest precisions it covers"
+    elif "bfloat16" not in covered:
+        what = f"the calibration covers {', '.join(covered)} only"
+    else:
+        return None
+    return (f"{what}; this looks like numerical noise (mismatches fall on both sides of the verifier's tokens, "
+            "as a bf16 provider's do): use a pooled fp32 + bf16 calibration or `verinfer diagnose`")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -263,7 +369,7 @@ def pooled_verdict(seq: np.ndarray, honest: Sequence[np.ndarray], alpha: float =
         resembles = min(inside or list(ranges), key=lambda name: abs(ranges[name][1] - stat) if inside
                         else min(abs(ranges[name][0] - stat), abs(ranges[name][2] - stat)))
     lo, hi = sequence_ci(seq, seed)
-    method = (f"sequential test ({len(looks)} doubling looks of sequences, Bonferroni) of the mean clipped margin "
+    method = (f"sequential test ({doubling_looks(len(looks))} of sequences, Bonferroni) of the mean clipped margin "
               f"(per-token clip {clip:.4g}): largest over {len(honest)} honest band(s){f' ({source})' if source else ''} "
               f"of the bootstrap p-value among {draws} pseudo-audits resampled from the band's sequences")
     return Verdict(p >= alpha, p, alpha, tokens, len(seq), "sequence", stat, "mean clipped margin", lo, hi,
@@ -295,5 +401,7 @@ def adjust(verdicts: Sequence[Verdict]) -> None:
         v.consistent = p >= v.alpha
 
 
-__all__ = ["CLIPPED", "COMMIT_RULE", "DETECTOR", "Verdict", "adjust", "band_p_value", "calibrated_verdict", "flag_verdict",
-           "holm", "look_sizes", "pooled", "pooled_verdict", "pseudo_audits", "sequence_ci", "sequential", "token_detector"]
+__all__ = ["CLIPPED", "COMMIT_RULE", "DETECTOR", "SHAPE_RULE", "Verdict", "adjust", "band_p_value",
+           "calibrated_verdict", "coverage_note", "doubling_looks", "flag_verdict", "holm", "look_sizes",
+           "minimum_evidence", "pooled", "pooled_verdict", "pseudo_audits", "sequence_ci", "sequential",
+           "token_detector", "token_detectors"]
