@@ -28,6 +28,8 @@ CLAIM_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=7000)
 class StoredLogits:
     """A backend stand-in: ``prefill`` yields each trace's stored logits in blocks, as Backend.prefill does."""
 
+    model_id, dtype_name, vocab_size, max_length = "synthetic", "float32", VOCAB, None
+
     def __init__(self, logits: list[torch.Tensor]):
         self.logits = logits
 
@@ -57,7 +59,7 @@ def synthetic(true: Candidate, n_traces: int = 8, length: int = 80, seed: int = 
                            np.array([k]))
             out.append(int(sample(row, [actual[i]], profile, keys)[0]))
         logits.append(lg)
-        traces.append(Trace.of_output(f"t{i}", "synthetic", prompt, out, claimed[i]))
+        traces.append(Trace.of_output(f"t{i}", StoredLogits.model_id, prompt, out, claimed[i]))
     return StoredLogits(logits), traces
 
 

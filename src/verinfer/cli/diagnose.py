@@ -61,7 +61,8 @@ def diagnose(
     trace_list, source, sigma, alpha, band_names = prepare(traces, out, sigma, alpha, bands)
     with err.status(f"loading the reference model ({dtype})"):
         backend = load_model(reference_model(trace_list, model, source), dtype, device)
-    with err.status("diagnosing: one prefill, the candidate replays" + (", one prefill per band" if band_names else "")):
+    extra = ", one prefill per model variant" if band_names else ""
+    with err.status(f"diagnosing: one prefill, the candidate replays{extra}"):
         result = run(trace_list, backend, source, band_names, sigma, alpha, out, skip_invalid, allow_model_mismatch)
     console.print(_table(result, rows))
     style = "red" if result.claim_rejected or not result.explained else "green"

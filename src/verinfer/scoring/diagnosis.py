@@ -139,7 +139,8 @@ def penalized(logits: torch.Tensor, histories: Sequence[tuple[Sequence[int], Seq
     for r, (prompt, output) in enumerate(histories):
         seen = list(output) + (list(prompt) if kind == "repetition" else [])
         ids, n = np.unique(np.asarray(seen, dtype=np.int64), return_counts=True)
-        rows.append(np.full(ids.size, r)), cols.append(ids), counts.append(n if kind == "frequency" else np.ones(ids.size))
+        rows.append(np.full(ids.size, r)), cols.append(ids)
+        counts.append(n if kind == "frequency" else np.ones(ids.size))
     r = torch.as_tensor(np.concatenate(rows) if rows else np.empty(0, np.int64), device=out.device)
     if r.numel() == 0:
         return out

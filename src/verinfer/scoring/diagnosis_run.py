@@ -88,7 +88,8 @@ def _forget(traces: Sequence[Trace], items: np.ndarray, steps: np.ndarray,
                 p.forget(traces[i].id)
 
 
-def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Sequence[Candidate], sigma: float = SIGMA, eps: float = EPS,
+def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Sequence[Candidate],
+                    sigma: float = SIGMA, eps: float = EPS,
                     alpha: float = ALPHA, token_budget: int = 4096, row_block: int = 512,
                     on_rows: Callable[[int], None] | None = None) -> Diagnosis:
     """Tally every candidate over the traces and rank them (``diagnosis.rank``).
@@ -125,7 +126,8 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
         for c in sampler:
             if c.penalty:
                 if histories is None:
-                    histories = [(traces[i].prompt_token_ids, traces[i].output_token_ids[:k]) for i, k in zip(items, steps)]
+                    histories = [(traces[i].prompt_token_ids, traces[i].output_token_ids[:k])
+                                 for i, k in zip(items, steps)]
                 logits, cand_traces = penalized(block.logits, histories, *c.penalty), traces
             else:
                 logits, cand_traces = block.logits, as_traces[c]
