@@ -60,7 +60,12 @@ def test_verify_rejects_out_of_vocabulary_and_skip_reports_counts(tmp_path):
     assert "1 invalid trace(s) skipped, 1 verified" in proc.stdout
     summary = json.loads((tmp_path / "s.json").read_text())
     assert summary["traces"] == 1 and summary["tokens"] == 3 and len(summary["skipped"]) == 1
-    assert summary["verdict"] is None and "uncalibrated" in summary["note"]
+    # the claim (vLLM, T=1, top-k 50, top-p 0.95) has a shipped calibration; 3 tokens are too few for it
+    assert summary["verdict"] is None and "too few tokens" in summary["note"]
+    assert summary["calibration"].endswith("(shipped default)")
+    proc = run("verify", str(path), "--skip-invalid", "--no-default-calibration", "--scores", str(tmp_path / "n.parquet"),
+               "--json", str(tmp_path / "n.json"))
+    assert proc.returncode == 0 and "uncalibrated" in json.loads((tmp_path / "n.json").read_text())["note"]
 
 
 def test_verify_rejects_model_mismatch_and_unknown_model(tmp_path):
@@ -93,11 +98,11 @@ def test_generate_calibrate_verify_round_trip(tmp_path):
     proc = run("verify", str(cal))
     assert proc.returncode == 0, proc.stderr
     proc = run("calibrate", str(tmp_path / "cal.scores.parquet"), "-o", str(tmp_path / "c.json"),
-               "--batch-sizes", "1")
+               "--verdict-batches", "1")
     assert proc.returncode == 0, proc.stderr
     test = tmp_path / "test.jsonl"
     assert run("generate", "-o", str(test), "--n", "4", "--max-tokens", "16", "--seed", "50").returncode == 0
-    proc = run("verify", str(test), "--calibration", str(tmp_path / "c.json"), "--batch-size", "1",
+    proc = run("verify", str(test), "--calibration", str(tmp_path / "c.json"), "--verdict-batch", "1",
                "--json", str(tmp_path / "v.json"))
     assert proc.returncode == 0, proc.stderr
     summary = json.loads((tmp_path / "v.json").read_text())
@@ -108,7 +113,7 @@ def test_generate_calibrate_verify_round_trip(tmp_path):
     lying = [dataclasses.replace(t, sampling=t.sampling.with_(seed=t.sampling.seed + 7)) for t in read_traces(test)]
     write_traces(lying, tmp_path / "lying.jsonl")
     proc = run("verify", str(tmp_path / "lying.jsonl"), "--calibration", str(tmp_path / "c.json"),
-               "--batch-size", "1", "--json", str(tmp_path / "lying.json"))
+               "--verdict-batch", "1", "--json", str(tmp_path / "lying.json"))
     assert proc.returncode == 1, proc.stderr
     assert json.loads((tmp_path / "lying.json").read_text())["verdict"]["verdict"] == "INCONSISTENT"
 

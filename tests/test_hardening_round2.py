@@ -260,24 +260,24 @@ def calibrated(backend, tmp_path_factory):
 
 def test_an_uncalibrated_batch_size_is_refused_before_anything_is_written(calibrated, tmp_path):
     path, cal = calibrated
-    one_line(invoke("verify", path, "--calibration", cal, "--batch-size", 7, "--scores", tmp_path / "s.parquet"),
-             "cal.json", "--batch-size 7 was not calibrated (calibrated: 1, 2)")
+    one_line(invoke("verify", path, "--calibration", cal, "--verdict-batch", 7, "--scores", tmp_path / "s.parquet"),
+             "cal.json", "--verdict-batch 7 was not calibrated (calibrated: 1, 2)")
     assert not list(tmp_path.iterdir())
     shards = tmp_path / "shards"
     shards.mkdir()
     (shards / "part0.jsonl").write_bytes(path.read_bytes())
-    one_line(invoke("verify", shards, "--calibration", cal, "--batch-size", 7), "--batch-size 7 was not calibrated")
+    one_line(invoke("verify", shards, "--calibration", cal, "--verdict-batch", 7), "--verdict-batch 7 was not calibrated")
     assert [p.name for p in tmp_path.iterdir()] == ["shards"] and len(list(shards.iterdir())) == 1
-    result = invoke("verify", path, "--calibration", cal, "--batch-size", 2, "--scores", tmp_path / "ok.parquet")
+    result = invoke("verify", path, "--calibration", cal, "--verdict-batch", 2, "--scores", tmp_path / "ok.parquet")
     assert result.exit_code == 0, result.output  # a calibrated size still works
 
 
 @pytest.mark.parametrize("size", [0, -3])
 def test_batch_size_zero_is_bad_input_not_a_verdict_at_another_size(calibrated, tmp_path, size):
     path, cal = calibrated
-    one_line(invoke("verify", path, "--calibration", cal, "--batch-size", size, "--scores", tmp_path / "s.parquet"),
-             f"--batch-size must be a positive integer, got {size}")
-    one_line(invoke("verify", path, "--batch-size", size, "--scores", tmp_path / "s.parquet"), "--batch-size")
+    one_line(invoke("verify", path, "--calibration", cal, "--verdict-batch", size, "--scores", tmp_path / "s.parquet"),
+             f"--verdict-batch must be a positive integer, got {size}")
+    one_line(invoke("verify", path, "--verdict-batch", size, "--scores", tmp_path / "s.parquet"), "--verdict-batch")
     assert not list(tmp_path.iterdir())
 
 

@@ -120,8 +120,9 @@ def run(
     model: Optional[str] = typer.Option(None, help="model id sent to providers; default: the reference model's id"),
     reference_model: str = typer.Option("smollm2-135m", help="local reference model (also the tokenizer)"),
     device: str = opt.device(),
-    reference_url: Optional[str] = typer.Option(None, help="reference API base URL returning prompt logprobs "
-                                                "(echo); default: score with the local reference model"),
+    reference_url: Optional[str] = typer.Option(None, help="trusted reference API base URL (e.g. your own vllm "
+                                                "serve) returning prompt logprobs (echo) and, for rank / mmd / auto, "
+                                                "n samples; default: the local reference model"),
     reference_api_model: Optional[str] = typer.Option(None, help="model id at the reference API"),
     reference_api_key_env: Optional[str] = typer.Option(None, help="env var of the reference API's key"),
     api_key_env: str = typer.Option("OPENAI_API_KEY", help="environment variable holding providers' API key"),
@@ -129,7 +130,8 @@ def run(
     n: int = opt.n(),
     prompt_seed: int = opt.prompt_seed(),
     mode: str = typer.Option("greedy", help="greedy (temperature 0 spot checks), seeded (the provider honours "
-                             "seeds with a known sampler), or sampled traffic without seeds: rank (one completion "
+                             "seeds with a known sampler), or sampled traffic without seeds: surprise (completions' "
+                             "reference log-probabilities against their expected value, no draws), rank (one completion "
                              "ranked among reference draws), mmd (many completions per prompt), logprobs (the "
                              "provider's returned logprobs against the reference's), or auto (every test the responses "
                              "allow, combined by Holm's procedure)"),
@@ -137,7 +139,8 @@ def run(
     samples: int = typer.Option(16, help="rank: reference draws per prompt; mmd: completions per prompt from the "
                                 "provider (one request with n) and from the reference"),
     stream: bool = typer.Option(False, help="ask for streamed responses (stream: true, server-sent events)"),
-    choices: int = typer.Option(1, help="seeded mode: completions per request (sent as n); choice j claims the "
+    choices: int = typer.Option(1, help="seeded and auto modes: completions per request (sent as n; auto runs mmd "
+                                "from 2 on); choice j claims the "
                                 "request's seed + j, as vLLM seeds it (prompt i is sent seed + i x choices)"),
     top_logprobs: int = typer.Option(5, help="logprobs mode: alternatives asked for per position (0-20; the "
                                      "sampled token's own logprob is always compared)"),
@@ -197,6 +200,10 @@ def run(
         style = "green" if a.verdict.consistent else "red"
         console.print(f"[bold]{a.endpoint.name}[/bold]: [{style}]{a.verdict.text}[/{style}]", highlight=False,
                       soft_wrap=True)
+        for t in a.tests or []:  # --mode auto: each test, whether it ran, and the one that carried the verdict
+            console.print(f"  {t['test']}: " + (f"p {t['p_value']:.3g}, Holm-adjusted {t['p_holm']:.3g}"
+                                                + (" (rejects)" if t["rejects"] else "") if t["ran"]
+                                                else f"not run ({escape(t['note'])})"), highlight=False, soft_wrap=True)
         for line in warning_lines(a):  # what the provider said it served contradicts the request
             console.print(f"  [yellow]warning:[/yellow] {escape(line)}", highlight=False, soft_wrap=True)
     console.print(f"reports: {json_path} {html_path}")

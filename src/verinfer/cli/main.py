@@ -15,18 +15,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models come from packages and lo
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import typer  # noqa: E402
-from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from verinfer.cli import options as opt  # noqa: E402
+from verinfer.cli.console import console as _console  # noqa: E402
 from verinfer.cli.errors import one_line_errors as _friendly  # noqa: E402
 from verinfer.sampling.profiles import profile_names  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="verinfer: verify that LLM outputs came from the claimed model and sampler.")
-console = Console()
-err = Console(stderr=True)
+console = _console()
+err = _console(stderr=True)
 
 
 def _progress() -> Progress:
@@ -75,13 +75,15 @@ def generate(
     dtype: str = opt.dtype(),
     device: str = opt.device(),
     profile: str = typer.Option("vllm", help="sampler profile: " + ", ".join(profile_names())),
-    temperature: float = 1.0,
-    top_k: int = typer.Option(50, help="<= 0 disables"),
-    top_p: float = 0.95,
-    min_p: float = 0.0,
+    temperature: float = opt.temperature(),
+    top_k: int = typer.Option(50, help="top-k (<= 0: off; 50 with top-p 0.95 simulates a vLLM chat deployment, "
+                              "where `audit` asks providers for the unfiltered distribution)"),
+    top_p: float = typer.Option(0.95, help="top-p (1.0: off)"),
+    min_p: float = opt.min_p(),
     seed: int = opt.seed(),
     max_tokens: int = opt.max_tokens(),
     batch_size: int = opt.batch_size(),
+    threads: int = opt.threads(),
     fingerprint_dim: int = typer.Option(0, help="attach Activation-DiFR fingerprints of this many dims (0: off)"),
     fingerprint_precision: str = typer.Option("fp32", help="fingerprint storage: fp32, fp16, bf16, int8"),
     fingerprint_stride: int = typer.Option(1, help="fingerprint 1 of every N output tokens"),
@@ -129,8 +131,13 @@ def verify(
     model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
     dtype: str = opt.dtype("float32", "verifier compute dtype"),
     device: str = opt.device(),
-    calibration: Optional[Path] = typer.Option(None, help="calibration file from `verinfer calibrate`"),
-    batch_size: Optional[int] = typer.Option(None, help="tokens per verdict batch (a calibrated size)"),
+    threads: int = opt.threads(),
+    calibration: Optional[Path] = opt.input_file("--calibration", "calibration file from `verinfer calibrate`"),
+    default_calibration: bool = typer.Option(True, "--default-calibration/--no-default-calibration",
+                                             help="without --calibration, judge with the shipped pooled fp32 + bf16 "
+                                             "calibration for the traces' model and sampling settings, if one exists"),
+    verdict_batch: Optional[int] = opt.verdict_batch(),
+    batch_size: Optional[int] = opt.hidden("--batch-size"),
     skip_invalid: bool = typer.Option(False, help="skip invalid traces (counted and reported) instead of stopping"),
     allow_model_mismatch: bool = typer.Option(False, help="verify traces that claim another model"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the summary as JSON"),
@@ -148,6 +155,7 @@ def verify(
     from verinfer.files import check_outputs, write_atomic
     from verinfer.trace import read_traces
 
+    batch_size = opt.alias(verdict_batch, batch_size, "--batch-size (tokens per verdict batch)", "--verdict-batch")
     traces_path = Path(traces_arg)
     if ray or ray_address or not traces_path.is_file():
         if scores is not None or commit_scores is not None:
@@ -170,11 +178,13 @@ def verify(
         result = api.verify(traces_path, calibration=calibration, batch_size=batch_size, scores=scores,
                             commit_scores_out=commit_scores, skip_invalid=skip_invalid,
                             allow_model_mismatch=allow_model_mismatch, backend=backend,
-                            on_rows=lambda k: bar.advance(task, k))
+                            on_rows=lambda k: bar.advance(task, k), default_calibration=default_calibration)
     for line in result.skipped:
         err.print(f"[yellow]skipped:[/yellow] {line}", highlight=False)
     summary = result.summary
     _print_summaries({traces_path.name: summary})
+    if summary.calibration:
+        console.print(f"calibration: {summary.calibration}", highlight=False)
     commits = summary.commits
     if "toploc" in commits:
         t = commits["toploc"]
@@ -203,10 +213,13 @@ def _verify_shards(spec: str, out_dir: Path | None, model: str | None, dtype: st
                    json_out: Path | None, use_ray: bool, address: str | None, workers: int | None) -> None:
     """``verify`` over many shards (``verinfer.sharded``): per-shard scores in ``out_dir``, one merged verdict."""
     from verinfer import api, sharded
+    from verinfer.extras import require
     from verinfer.files import check_outputs, write_atomic
     from verinfer.stats.calibration import Calibrator
     from verinfer.trace import read_traces
 
+    if use_ray:
+        require("ray", "verinfer verify --ray")
     shards = sharded.find_shards(spec)
     if out_dir is None:
         out_dir = Path(f"{spec.rstrip('/')}.verinfer") if Path(spec).is_dir() else Path("verinfer-shards")
@@ -246,23 +259,34 @@ def _verify_shards(spec: str, out_dir: Path | None, model: str | None, dtype: st
 @app.command()
 @_friendly
 def calibrate(
-    honest_scores: list[Path] = typer.Argument(..., help="per-token score files of honest traces"),
+    honest_scores: list[Path] = opt.input_files("per-token score files of honest traces"),
     out: Path = typer.Option(..., "--out", "-o", help="calibration file to write (JSON)"),
-    batch_sizes: str = typer.Option("10,100", help="comma-separated tokens per batch"),
+    verdict_batches: str = opt.verdict_batches("10,100"),
+    batch_sizes: Optional[str] = opt.hidden("--batch-sizes"),
     fpr: float = opt.fpr(),
-    commit_scores: list[Path] = typer.Option([], help="honest *.commits.parquet files (activation commit detectors)"),
+    commit_scores: list[Path] = opt.input_file("--commit-scores", "honest *.commits.parquet files (activation "
+                                               "commit detectors)", default=[]),
+    precisions: Optional[str] = typer.Option(None, help="honest precisions behind the score files, comma-separated "
+                                             "(fp32,bf16): recorded as the calibration's coverage"),
+    resample: Optional[int] = typer.Option(None, min=1, help="bootstrap this many overlapping windows per batch size "
+                                           "when honest tokens are too few for disjoint batches"),
+    shape: bool = typer.Option(True, "--shape/--no-shape", help="fit the sampler-shape detectors (narrower / wider "
+                               "filters and temperatures) beside the margin"),
 ):
     """Fit thresholds on honest scores at a target false-positive rate (recording the model, dtype
-    and sampling settings they were verified under)."""
+    and sampling settings they were verified under, and the honest precisions it covers)."""
     from verinfer import api
+    from verinfer.stats.calibration import coverage_warnings
 
-    try:
-        sizes = tuple(int(s) for s in batch_sizes.split(","))
-    except ValueError:
-        raise ValueError(f"--batch-sizes: expected comma-separated integers, got {batch_sizes!r}") from None
-    calibrator = api.calibrate(honest_scores, batch_sizes=sizes, fpr=fpr, commit_scores_files=commit_scores, out=out)
+    sizes = opt.sizes("--verdict-batches", opt.alias(verdict_batches, batch_sizes, "--batch-sizes (tokens per "
+                                                      "verdict batch)", "--verdict-batches"))
+    calibrator = api.calibrate(honest_scores, batch_sizes=sizes, fpr=fpr, commit_scores_files=commit_scores, out=out,
+                               resample=resample, precisions=precisions.split(",") if precisions else None,
+                               shape=shape)
     console.print(f"calibrated on {calibrator.n_tokens_['margin']} honest tokens at {fpr:.1%} FPR, "
-                  f"batch sizes {sizes}: {out}")
+                  f"verdict batches of {', '.join(map(str, sizes))} token(s): {out}")
+    for line in coverage_warnings(calibrator, cli=True):
+        err.print(f"[yellow]warning:[/yellow] {line}", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -273,6 +297,7 @@ def demo(
     model: str = opt.model(),
     n: int = opt.n(24, "prompts per trace set"),
     max_tokens: int = opt.max_tokens(),
+    threads: int = opt.threads(),
     audit_prompts: int = typer.Option(8, help="prompts for the loopback HTTP audit of an honest and a 4-bit "
                                       "server (0: skip it)"),
 ):
@@ -313,6 +338,7 @@ def _register_subcommands() -> None:
     app.command(name="gateway")(__import__("verinfer.cli.gateway", fromlist=["gateway"]).gateway)
     app.command(name="monitor")(__import__("verinfer.cli.monitor", fromlist=["monitor"]).monitor)
     app.command(name="dashboard")(__import__("verinfer.cli.dashboard", fromlist=["dashboard"]).dashboard)
+    app.command(name="diagnose")(__import__("verinfer.cli.diagnose", fromlist=["diagnose"]).diagnose)
     app.add_typer(__import__("verinfer.cli.audit", fromlist=["app"]).app, name="audit", help="Audit OpenAI-compatible providers over HTTP")
 
 

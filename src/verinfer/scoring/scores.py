@@ -69,6 +69,8 @@ class ScoreWriter:
 
 
 def _read(path: str | Path, schema: pa.Schema, what: str) -> pa.Table:
+    if not Path(path).exists():
+        raise ValueError(f"{path}: cannot read {what}: does not exist")
     try:
         table = pq.read_table(path)
     except (OSError, pa.ArrowException) as exc:
