@@ -55,3 +55,13 @@ def test_report_shows_prompt_text_and_labels_both_p_values(report):
     assert page.count('class="prompt-text"') == 2 * len(prompts)  # every row of both providers
     assert '"prompt_text"' in doc
 
+
+
+def test_seedless_methods_count_one_look_in_the_singular():
+    """A 2-prompt rank audit has one look: its method says "1 doubling look", as every mode's does."""
+    import numpy as np
+
+    from verinfer.auditing.rank import rank_verdict
+
+    v = rank_verdict(np.array([0.3, 0.6]), np.array([5, 5]), 16)
+    assert "(1 doubling look of prompts," in v.method and "1 doubling looks" not in v.method

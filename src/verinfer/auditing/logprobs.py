@@ -28,7 +28,7 @@ from scipy.stats import ks_2samp
 
 from verinfer.auditing.client import ProviderError
 from verinfer.auditing.rank import rank_looks
-from verinfer.stats.verdict import Verdict, sequential
+from verinfer.stats.verdict import Verdict, doubling_looks, sequential
 
 
 @dataclass
@@ -137,7 +137,7 @@ def logprob_verdict(provider: Sequence[np.ndarray], reference: Sequence[np.ndarr
     p, first = sequential(p_at, looks, alpha)
     a, b = np.concatenate(provider), np.concatenate(reference)
     diff = float(np.mean(np.abs(a - b))) if a.size else 0.0
-    method = (f"sequential two-sample Kolmogorov-Smirnov test ({len(looks)} doubling looks of prompts, Bonferroni) "
+    method = (f"sequential two-sample Kolmogorov-Smirnov test ({doubling_looks(len(looks))} of prompts, Bonferroni) "
               f"of the provider's returned logprobs against the reference's at the same positions and tokens "
               f"({a.size} values; LOGIC)")
     return Verdict(p >= alpha, p, alpha, int(tokens.sum()), len(provider), "sequence", diff,

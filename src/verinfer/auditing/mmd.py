@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 from scipy.stats import permutation_test
 
-from verinfer.stats.verdict import Verdict, look_sizes, sequential
+from verinfer.stats.verdict import Verdict, doubling_looks, look_sizes, sequential
 
 PAD = -1
 
@@ -106,7 +106,7 @@ def mmd_verdict(provider: Sequence[Sequence[Sequence[int]]], reference: Sequence
     p, first = sequential(p_at, looks, alpha)
     tokens = np.array([sum(min(len(s), length) for s in list(prov)[:k]) for prov, k in zip(provider, per)])
     stat = first_stat[len(per)]
-    method = (f"sequential permutation test ({len(looks)} doubling looks of prompts, Bonferroni, {resamples} "
+    method = (f"sequential permutation test ({doubling_looks(len(looks))} of prompts, Bonferroni, {resamples} "
               f"within-pair swaps each) of the unbiased MMD^2 with a Hamming string kernel over {length} tokens "
               f"between {int(ends[-1])} provider and as many reference completions (Model Equality Testing)")
     return Verdict(p >= alpha, p, alpha, int(tokens.sum()), int(ends[-1]), "sequence", stat, "MMD^2", stat, stat,

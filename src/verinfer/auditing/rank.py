@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 from scipy.stats import cramervonmises
 
-from verinfer.stats.verdict import Verdict, look_sizes, sequential
+from verinfer.stats.verdict import Verdict, doubling_looks, look_sizes, sequential
 
 
 def rank_score(scores) -> np.ndarray:
@@ -69,7 +69,7 @@ def rank_verdict(u: np.ndarray, tokens: np.ndarray, m: int, alpha: float = 0.01)
     looks = rank_looks(u.size)
     p, first = sequential(lambda k: uniformity_p(u[:k]), looks, alpha)
     mean, half = float(u.mean()), 1.96 * float(u.std(ddof=1)) / np.sqrt(u.size)
-    method = (f"sequential Cramér-von Mises test of uniformity ({len(looks)} doubling looks of prompts, "
+    method = (f"sequential Cramér-von Mises test of uniformity ({doubling_looks(len(looks))} of prompts, "
               f"Bonferroni) of each provider completion's randomized rank among {m} reference samples of its own by the "
               "reference's centred log-probability (RUT)")
     return Verdict(p >= alpha, p, alpha, int(tokens.sum()), int(u.size), "sequence", mean, "mean rank quantile",

@@ -22,7 +22,7 @@ import numpy as np
 from scipy.stats import norm
 
 from verinfer.auditing.rank import rank_looks
-from verinfer.stats.verdict import Verdict, sequential
+from verinfer.stats.verdict import Verdict, doubling_looks, sequential
 
 
 def surprise_z(scores) -> float:
@@ -46,7 +46,7 @@ def surprise_verdict(scores, alpha: float = 0.01) -> Verdict:
     z = surprise_z(scores)
     per_token = float(np.sum(scores.centred)) / max(1, int(np.sum(scores.tokens)))
     tokens = np.asarray(scores.tokens)
-    method = (f"sequential two-sided z-test ({len(looks)} doubling looks of completions, Bonferroni) of the "
+    method = (f"sequential two-sided z-test ({doubling_looks(len(looks))} of completions, Bonferroni) of the "
               "provider's summed reference log-probability minus its expectation under the claimed sampling "
               "distribution, over its predictable standard deviation (no reference draws)")
     return Verdict(p >= alpha, p, alpha, int(tokens.sum()), n, "sequence", z, "surprise z", z, z, len(looks),
