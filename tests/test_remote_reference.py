@@ -145,3 +145,13 @@ def test_a_reference_without_prompt_logprobs_is_named(servers, tmp_path):
     assert result.exit_code == 2, result.output
     assert "must return prompt logprobs" in result.output and "Traceback" not in result.output
     assert len((out / "honest" / "responses.jsonl").read_text().splitlines()) == 2
+
+
+def test_the_surprise_test_is_refused_against_a_reference_api(backend, tmp_path):
+    """Its z-statistic uses the approximated moments themselves: an honest provider was flagged at
+    10 and 25 queries most of the time (RESULTS.md section 22), so it is refused before any request."""
+    api = _api(backend, "http://127.0.0.1:9/v1", tmp_path)
+    with pytest.raises(ValueError, match="surprise needs the reference's exact per-position moments"):
+        run_audit([Endpoint("p", "http://127.0.0.1:9/v1", backend.model_id, None)], SHORT,
+                  AuditSpec(mode="surprise", max_tokens=4), api, tmp_path / "a")
+    assert not (tmp_path / "a").exists()

@@ -20,7 +20,10 @@ own ``vllm serve``. Everything the local reference computes for those modes come
   token: **approximated** (``position_moments``: the missing mass as a tail of tokens as likely as
   the least likely one returned; exact at T = 1 for the log-probability, and for the moments when
   the top 20 hold all the mass). Any fixed function of a completion keeps the rank test exact, so
-  the approximation costs power, never false positives (measured: RESULTS.md section 22).
+  the approximation costs power, never false positives (measured: RESULTS.md section 22). The
+  approximated expectation is off by about 0.3 nats per token on chitchat completions, so the
+  draws-free ``surprise`` test, whose z-statistic uses the moments themselves, is refused against a
+  reference API (``verinfer.auditing.run``): it flagged an honest provider most of the time.
 - **logprob values** (``remote_values``): the same echo request, ``top_logprobs`` at each output
   position. The claimed token's own logprob is always returned (vLLM includes the prompt token
   beside its top-k); a provider's top-k alternative is known at the reference only when it is in
