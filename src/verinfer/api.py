@@ -238,22 +238,22 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
         backend = load_model(model or claimed[0], dtype, device)
     kept, skipped = check_traces(trace_list, backend, source, skip_invalid, allow_model_mismatch)
     kept, unaligned, replays = align_retokenized(backend, kept)  # re-tokenization drift is never scored as divergence
-    if calibrator is not None:  # refuse a calibration of another configuration before scoring
-        problem = signature_mismatch(calibrator.signature, signature(kept, backend.model_id, backend.dtype_name))
     used = str(calibration_path) if calibration_path else ("calibration given by the caller" if calibrator else None)
     if calibrator is None and default_calibration and kept:
         shipped = find_calibration(signature(kept, backend.model_id, backend.dtype_name))
         if shipped is not None:
             calibrator, used = Calibrator.load(shipped), f"{shipped.name} (shipped default)"
             check_batch_size(batch_size, calibrator, used)
+    if calibrator is not None:  # refuse a calibration of another configuration before scoring
+        problem = signature_mismatch(calibrator.signature, signature(kept, backend.model_id, backend.dtype_name))
         if problem:
             raise ValueError(f"{calibration_path or 'calibration'}: does not match {source}: {problem}")
     scored = score_traces(backend, kept, scores, commit_scores_out, on_rows, skip=unaligned, reuse=replays)
     summary = summarize(scored.columns, calibrator, batch_size, scored.commit_checks,
                         commit_scores(scored.commit_checks), alpha)
+    summary.calibration = used
     return VerifyResult(summary, scored, skipped)
 
-    summary.calibration = used
 
 # --------------------------------------------------------------------------------------------------
 # calibrate
