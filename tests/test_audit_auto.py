@@ -160,3 +160,18 @@ def test_auto_adds_the_seeded_test_when_bands_judge_it_and_it_alone_sees_a_seed_
     assert not proxy.verdict.consistent and "[seeded]" in proxy.verdict.text, proxy.verdict.text
     by = {t["test"]: t for t in proxy.tests}
     assert by["seeded"]["rejects"] and not by["rank"]["rejects"] and not by["logprobs"]["rejects"]
+
+
+def test_the_command_line_prints_each_test_of_an_auto_audit(servers, tmp_path):
+    from typer.testing import CliRunner
+
+    from verinfer.cli.main import app
+
+    out = tmp_path / "audit"
+    result = CliRunner().invoke(app, ["audit", "run", "-p", f"honest={servers['honest']}", "--mode", "auto", "--n", "2",
+                                      "--max-tokens", "4", "--samples", "2", "--out", str(out),
+                                      "--api-key-env", "VERINFER_NO_KEY"])
+    assert result.exit_code == 0, result.output
+    assert "logprobs: p " in result.output and "rank: p " in result.output
+    assert "seeded: not run (no bands or calibration" in result.output and "mmd: not run" in result.output
+    assert json.loads((out / "audit.json").read_text())["providers"][0]["tests"][0]["test"] == "seeded"
