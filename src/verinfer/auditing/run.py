@@ -109,6 +109,10 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     stage = on_stage or (lambda _: None)
     if spec.problems():
         raise ValueError(spec.problems()[0])
+    if spec.mode == "surprise" and getattr(reference, "backend", None) is None:
+        raise ValueError("--mode surprise needs the reference's exact per-position moments, which a reference "
+                         "API's top-20 logprobs only approximate (honest providers flagged: RESULTS.md section 22); "
+                         "use --mode rank, which stays exact with the API's scores")
     if spec.seedless and (bands is not None or calibrator is not None):
         raise ValueError(f"--mode {spec.mode} is exact without bands or a calibration (its null is the "
                          "reference's own sampling distribution); drop --bands / --calibration")
@@ -234,7 +238,7 @@ def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, re
         got = len(r["response"]["choices"])
         if got < want:
             raise ProviderError(f"{where}: asked for n={want} completions, got {got} (does the provider support n?)")
-        use = got if spec.mode == "rank" else want  # rank judges every completion returned (n > 1 included)
+        use = got if spec.mode in ("rank", "surprise") else want  # every completion returned (n > 1 included)
         claims += [parse_generation(r, reference.tokenizer, stops, reference.vocab_size, where, i) for i in range(use)]
     stage(f"{e.name}: judging {len(claims)} sampled completions ({spec.mode})")
     backend = getattr(reference, "backend", None)
