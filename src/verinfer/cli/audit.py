@@ -98,18 +98,6 @@ def _endpoints(provider: list[str], providers_file: Optional[Path], model: str, 
     return out
 
 
-def _json_object(option: str, text: Optional[str]) -> Optional[dict]:
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{option}: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{option}: expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 @app.command()
 @_friendly
 def run(
@@ -193,7 +181,7 @@ def run(
                        reference_url=reference_url,
                        reference_api_model=reference_api_model, reference_api_key_env=reference_api_key_env,
                        backend=backend, on_stage=lambda s: err.print(s), samples=samples, stream=stream,
-                       top_logprobs=top_logprobs, extra_body=_json_object("--extra-body", extra_body),
+                       top_logprobs=top_logprobs, extra_body=opt.json_object("--extra-body", extra_body),
                        choices=choices)
     json_path, html_path = result.reports
     for a in result.providers:

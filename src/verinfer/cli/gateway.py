@@ -12,7 +12,6 @@ from typing import Optional
 import typer
 
 from verinfer.cli import options as opt
-from verinfer.cli.audit import _json_object  # one JSON-option parser for every command
 from verinfer.cli.errors import one_line_errors
 from verinfer.sampling.profiles import profile_names
 
@@ -103,7 +102,7 @@ def gateway(
     model_id, tokenizer, stops = _tokenizer(model) if model else (None, None, frozenset())
     name = provider or upstream.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
     config = GatewayConfig(upstream, traces, Recording(name, profile, model_id, tokenizer, stops, store),
-                           assign_seeds=assign_seeds, token_ids=token_ids, defaults=_json_object("--request-defaults", request_defaults) or {},
+                           assign_seeds=assign_seeds, token_ids=token_ids, defaults=opt.json_object("--request-defaults", request_defaults) or {},
                            shard_records=shard_records, shard_seconds=shard_seconds, queue_size=queue_size,
                            on_full=on_full, timeout_s=timeout, access_log=access_log)
     if config.problems():

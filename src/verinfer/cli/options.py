@@ -15,6 +15,7 @@ is one line and exit 2 before any model loads (issue #31, item 4).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -171,3 +172,17 @@ def alias(value, old: Optional[object], old_flag: str, new_flag: str):
         return value
     err.print(f"[yellow]note:[/yellow] {old_flag} is deprecated; use {new_flag}", highlight=False)
     return old
+
+
+def json_object(option: str, text: Optional[str]) -> Optional[dict]:
+    """A JSON-object option's value (``audit run --extra-body``, ``gateway --request-defaults``), or a
+    ValueError naming the option: one parser for every command."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{option}: not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{option}: expected a JSON object, got {type(value).__name__}")
+    return value
