@@ -22,7 +22,9 @@ test of the centred log-probability among the unit's draws), ``rank-raw`` (RUT's
 log-probability, the old statistic), ``mmd`` (this project's paired MMD, ``--per-prompt``
 completions per prompt, B // n prompts, ``mmd.completions_per_prompt``), ``MET`` (the
 ``model-equality-testing`` package's ``run_two_sample_test`` with ``mmd_hamming`` and its
-permutation p-value, b = 1000, run in ``--met-python``, a separate environment), and ``logprobs``
+permutation p-value, b = 1000, run in ``--met-python``, a separate environment, on the same
+prompts and completions as ``mmd``: with one completion per prompt its statistic divides 0 by 0
+and its p-value is 0, so it is never given fewer than 2 per prompt), and ``logprobs``
 (LOGIC's KS test of returned logprobs). Resamplings of one pool share units, so cells at large B
 are correlated draws of few distinct sets: their binomial intervals understate the uncertainty.
 """
@@ -95,7 +97,7 @@ def pools(args, backend, cache: Path) -> dict:
         s = completion_scores(backend, [p for p in prompt_ids for _ in range(m)], [o for d in draws for o in d], CLAIMED)
         save(cache / "draw_scores.npz", logprob=s.logprob, expected=s.expected, variance=s.variance, tokens=s.tokens)
     out = {"prompt_ids": prompt_ids, "draws": draws, "units": units, "variants": {}}
-    order = list(VARIANTS.items())
+    order = [(label, name) for label, name in VARIANTS.items() if label in args.variants]
     for label, name in order[::-1] if args.reverse else order:
         f = cache / f"{stem(name)}.json"
         if not f.exists():
@@ -129,97 +131,123 @@ def met_p_values(python: str, cases: list[dict]) -> list[float]:
     return json.loads(proc.stdout)
 
 
+def counts(args, data: dict, label: str, cache: Path) -> dict[str, list]:
+    """(rejected, resamplings) per mode and budget for one provider pool, cached beside the pools."""
+    path = cache / (f"counts-{stem(label)}-r{args.resamplings}-mmd{args.mmd_resamplings}"
+                    f"-met{args.met_resamplings if args.met_python else 0}-fpr{args.fpr}.json")
+    if path.exists():
+        return json.loads(path.read_text())
+    t0 = time.time()
+    c, m, L, fpr = args.per_prompt, args.samples, args.max_tokens, args.fpr
+    U = len(data["units"])
+    draw_s, pool = data["draw_scores"], data["variants"][label]
+    s = CompletionScores(*(np.asarray(a, dtype=np.float64) for a in pool["scores"]))
+    tokens = s.tokens.astype(int)
+    rng = np.random.default_rng(11)
+    u = {"rank": rank_p_values(s.centred, split(draw_s.centred, [m] * U), rng),
+         "rank-raw": rank_p_values(s.logprob, split(draw_s.logprob, [m] * U), rng)}
+    theirs = [np.asarray(a) for a in pool["returned"]]
+    ours = [np.asarray(b) for b in pool["reference"]]
+    outputs = pool["outputs"]
+    row: dict[str, list] = {mode: [] for mode in MODES}
+    for B in BUDGETS:
+        if B > U:
+            raise SystemExit(f"budget {B} exceeds the pool's {U} units: raise --prompts or --per-prompt")
+        rng = np.random.default_rng([B, 1])
+        picks = [rng.choice(U, B, replace=False) for _ in range(args.resamplings)]
+        rej = {mode: 0 for mode in MODES}
+        runs = {mode: args.resamplings for mode in MODES}
+        for pick in picks:
+            rej["surprise"] += not surprise_verdict(s[pick], fpr).consistent
+            rej["rank"] += not rank_verdict(u["rank"][pick], tokens[pick], m, fpr).consistent
+            rej["rank-raw"] += not rank_verdict(u["rank-raw"][pick], tokens[pick], m, fpr).consistent
+            rej["logprobs"] += not logprob_verdict([theirs[i] for i in pick], [ours[i] for i in pick],
+                                                   tokens[pick], fpr).consistent
+        n = completions_per_prompt(B, c)  # both MMDs: B // n prompts of n completions from each side
+        prompts = U // c
+        groups = [rng.choice(prompts, B // n, replace=False) for _ in range(args.mmd_resamplings)]
+        for k, pick in enumerate(groups):
+            prov = [[outputs[i * c + j] for j in range(n)] for i in pick]
+            ref = [[data["draws"][i * c + j][0] for j in range(n)] for i in pick]
+            rej["mmd"] += not mmd_verdict(prov, ref, L, fpr, seed=k).consistent
+        runs["mmd"] = args.mmd_resamplings
+        if args.met_python:
+            cases = [{"m": prompts, "L": L, "seed": k, "prompts": [int(i) for i in pick for _ in range(n)],
+                      "x": [outputs[i * c + j] for i in pick for j in range(n)],
+                      "y": [data["draws"][i * c + j][0] for i in pick for j in range(n)]}
+                     for k, pick in enumerate(groups[: args.met_resamplings])]
+            rej["MET"] = sum(p < fpr for p in met_p_values(args.met_python, cases))
+            runs["MET"] = len(cases)
+        for mode in MODES:
+            row[mode].append([rej[mode], runs[mode]] if mode != "MET" or args.met_python else None)
+        print(label, B, {k: f"{v}/{runs[k]}" for k, v in rej.items()}, f"{time.time() - t0:.0f} s", flush=True)
+    write_atomic(path, json.dumps(row))
+    return row
+
+
+def draws_null(args, data: dict, cache: Path) -> list:
+    """(rejected, resamplings) per budget of the surprise test on the reference's own draws: a larger
+    honest fp32 pool (every unit's draws) for the one mode that does not use them."""
+    path = cache / f"counts-draws-surprise-r{args.resamplings}-fpr{args.fpr}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    s, out = data["draw_scores"], []
+    rng = np.random.default_rng(29)
+    for B in BUDGETS:
+        out.append([sum(not surprise_verdict(s[rng.choice(len(s.tokens), B, replace=False)], args.fpr).consistent
+                        for _ in range(args.resamplings)), args.resamplings])
+    write_atomic(path, json.dumps(out))
+    return out
+
+
 def table(args, data: dict, cache: Path) -> None:
     """Rejection rates per variant, mode and budget (resampled from the pools), written as Markdown."""
     started, t0, load = dt.datetime.now(dt.timezone.utc), time.time(), os.getloadavg()[0]
-    c, m, L, fpr = args.per_prompt, args.samples, args.max_tokens, args.fpr
+    c, m, L = args.per_prompt, args.samples, args.max_tokens
     U = len(data["units"])
-    draw_s = data["draw_scores"]
-    draw_sizes = [m] * U
-    results: dict[str, dict[str, list]] = {}
-    for label, pool in data["variants"].items():
-        s = CompletionScores(*(np.asarray(a, dtype=np.float64) for a in pool["scores"]))
-        tokens = s.tokens.astype(int)
-        rng = np.random.default_rng(11)
-        u = {"rank": rank_p_values(s.centred, split(draw_s.centred, draw_sizes), rng),
-             "rank-raw": rank_p_values(s.logprob, split(draw_s.logprob, draw_sizes), rng)}
-        theirs = [np.asarray(a) for a in pool["returned"]]
-        ours = [np.asarray(b) for b in pool["reference"]]
-        outputs = pool["outputs"]
-        row: dict[str, list] = {mode: [] for mode in MODES}
-        for B in BUDGETS:
-            if B > U:
-                raise SystemExit(f"budget {B} exceeds the pool's {U} units: raise --prompts or --per-prompt")
-            rng = np.random.default_rng([B, 1])
-            picks = [rng.choice(U, B, replace=False) for _ in range(args.resamplings)]
-            rej = {mode: 0 for mode in MODES}
-            for pick in picks:
-                rej["surprise"] += not surprise_verdict(s[pick], fpr).consistent
-                rej["rank"] += not rank_verdict(u["rank"][pick], tokens[pick], m, fpr).consistent
-                rej["rank-raw"] += not rank_verdict(u["rank-raw"][pick], tokens[pick], m, fpr).consistent
-                rej["logprobs"] += not logprob_verdict([theirs[i] for i in pick], [ours[i] for i in pick],
-                                                       tokens[pick], fpr).consistent
-            n = completions_per_prompt(B, c)
-            prompts = len(data["units"]) // c
-            mmd_picks = [rng.choice(prompts, B // n, replace=False) for _ in range(args.mmd_resamplings)]
-            for k, pick in enumerate(mmd_picks):
-                prov = [[outputs[i * c + j] for j in range(n)] for i in pick]
-                ref = [[data["draws"][i * c + j][0] for j in range(n)] for i in pick]
-                rej["mmd"] += not mmd_verdict(prov, ref, L, fpr, seed=k).consistent
-            runs = {mode: args.resamplings for mode in MODES}
-            runs["mmd"] = args.mmd_resamplings
-            if args.met_python:
-                met_picks = picks[: args.mmd_resamplings]
-                cases = [{"m": prompts, "L": L, "seed": k, "prompts": [int(i) // c for i in pick],
-                          "x": [outputs[i] for i in pick], "y": [data["draws"][i][0] for i in pick]}
-                         for k, pick in enumerate(met_picks)]
-                rej["MET"] = sum(p < fpr for p in met_p_values(args.met_python, cases))
-                runs["MET"] = len(met_picks)
-            for mode in MODES:
-                row[mode].append((rej[mode], runs[mode]) if mode != "MET" or args.met_python else None)
-            print(label, B, {k: f"{v}/{runs[k]}" for k, v in rej.items()}, f"{time.time() - t0:.0f} s", flush=True)
-        results[label] = row
+    results = {label: counts(args, data, label, cache) for label in data["variants"]}
+    if set(results) != set(VARIANTS):
+        print("counts cached for " + ", ".join(results) + "; the table needs every variant")
+        return
     results[CHEAT[0]] = results[CHEAT[1]]
+    draws_label = f"honest fp32: the {len(data['draw_scores'].tokens)} reference draws (surprise only)"
+    results = {"honest fp32": results.pop("honest fp32"),
+               draws_label: {mode: [None] * len(BUDGETS) for mode in MODES} | {"surprise": draws_null(args, data, cache)},
+               **results}
 
-    def cell(counts: list) -> str:
+    def cell(counts: list, honest: bool) -> str:
+        """Rejection rates per budget; honest rows in % with the Wilson 95% interval."""
         parts = []
         for x in counts:
             if x is None:
                 parts.append("-")
-                continue
-            k, n = x
-            parts.append(f"{k / n:.2f}")
+            elif honest:
+                ci = wilson_interval(x[0], x[1])
+                parts.append(f"{100 * x[0] / x[1]:.1f}% [{100 * ci.low:.1f}, {100 * ci.high:.1f}]")
+            else:
+                parts.append(f"{x[0] / x[1]:.2f}")
         return " / ".join(parts)
-
-    def honest_cell(counts: list) -> str:
-        out = []
-        for x in counts:
-            if x is None:
-                out.append("-")
-                continue
-            ci = wilson_interval(x[0], x[1])
-            out.append(f"{100 * x[0] / x[1]:.1f}% [{100 * ci.low:.1f}, {100 * ci.high:.1f}]")
-        return " / ".join(out)
 
     command = "python experiments/seedless_power.py " + shlex.join(sys.argv[1:])
     lines = [
         "# Power of the seedless audit modes at 10 / 25 / 50 / 100 queries (1% FPR)", "",
         f"Command: `{command}`", "",
         f"Date: {started:%Y-%m-%d %H:%M} UTC; machine: {describe(args.threads)}; load average at start {load:.1f}; "
-        f"the table took {time.time() - t0:.0f} s (pools cached in {cache}).", "",
+        f"this run {time.time() - t0:.0f} s (pools and each variant's counts cached in {cache}; counts may come from "
+        "earlier runs of the same command with --variants, as the cache key holds every setting).", "",
         f"smollm2-135m, fp32 reference; {U // c} chitchat prompts (prompt seed 21) x {c} completions = {U} units per "
         f"provider, T = 1 claimed, up to {L} tokens; {m} reference draws per unit (rank). Resamplings: "
-        f"{args.resamplings} (surprise, rank, rank-raw, logprobs), {args.mmd_resamplings} (mmd, MET). "
-        f"mmd: n = completions_per_prompt(B, {c}) per prompt, B // n prompts. MET: B (prompt, completion) pairs "
-        "against B reference draws of the same prompts, mmd_hamming, permutation p-value with b = 1000.", "",
+        f"{args.resamplings} (surprise, rank, rank-raw, logprobs), {args.mmd_resamplings} (mmd), "
+        f"{args.met_resamplings} (MET). "
+        f"mmd and MET: the same n = completions_per_prompt(B, {c}) completions of B // n prompts from each side; "
+        "MET: the package's mmd_hamming with its permutation p-value, b = 1000.", "",
         "Cells: rejection rate at B = 10 / 25 / 50 / 100 queries (completions). Honest rows: % rejected with "
         "the Wilson 95% interval (resamplings of one pool are not independent: the interval is optimistic).", "",
         "| provider | " + " | ".join(MODES) + " |",
         "|---|" + "---|" * len(MODES),
     ]
     for label, row in results.items():
-        fmt = honest_cell if label.startswith("honest") else cell
-        lines.append(f"| {label} | " + " | ".join(fmt(row[mode]) for mode in MODES) + " |")
+        lines.append(f"| {label} | " + " | ".join(cell(row[mode], label.startswith("honest")) for mode in MODES) + " |")
     raw = {label: {mode: row[mode] for mode in MODES} for label, row in results.items()}
     lines += ["", "Counts (rejected, resamplings) per budget:", "", "```json", json.dumps(raw), "```", ""]
     write_atomic(args.out, "\n".join(lines))
@@ -235,7 +263,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=40)
     ap.add_argument("--resamplings", type=int, default=2000)
     ap.add_argument("--mmd-resamplings", type=int, default=100)
+    ap.add_argument("--met-resamplings", type=int, default=10)
     ap.add_argument("--met-python", default="", help="python of an environment with model-equality-testing")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels to generate / count "
+                    "(the table is written once every variant's counts are cached)")
     ap.add_argument("--fpr", type=float, default=0.01)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--pools-only", action="store_true", help="generate and score the pools, no table")
@@ -243,6 +274,9 @@ def main() -> None:
                     "second process filling the same cache)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/seedless_power.md"))
     args = ap.parse_args()
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if unknown := set(args.variants) - set(VARIANTS):
+        ap.error(f"--variants: unknown {sorted(unknown)}; choose among {list(VARIANTS)}")
     torch.set_num_threads(args.threads)
     backend = Backend.load("smollm2-135m")
     cache = cache_root() / "studies" / "seedless_power" / (f"p{args.prompts}-c{args.per_prompt}-t{args.max_tokens}"

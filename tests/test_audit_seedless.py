@@ -134,6 +134,16 @@ def test_rank_audit_judges_every_completion_of_each_prompt(servers, prompts, bac
     assert len(stored) == 6 and len({json.dumps(r["response"]) for r in stored}) == 6
 
 
+def test_surprise_audit_judges_every_completion_without_reference_draws(servers, prompts, backend, tmp_path):
+    spec = AuditSpec(mode="surprise", temperature=1.0, max_tokens=8, seed=3, extra_body={"n": 2})
+    result = run_audit(_endpoints({"honest": servers["honest"]}, backend.model_id), prompts[:4], spec,
+                       LocalReference(backend), tmp_path)
+    (audit,) = result.providers
+    assert audit.verdict.consistent and audit.verdict.units == 8, audit.verdict.text
+    assert audit.verdict.statistic_name == "surprise z" and all("surprise_z" in r for r in audit.prompts)
+    assert not (tmp_path / "reference").exists()  # no draws
+
+
 def test_mmd_audit_asks_for_n_completions_and_resumes(servers, prompts, backend, tmp_path):
     spec = AuditSpec(mode="mmd", temperature=1.0, max_tokens=8, samples=4, seed=3)
     endpoints = _endpoints({"honest": servers["honest"]}, backend.model_id)

@@ -1,20 +1,22 @@
-"""Judging a provider's sampled traffic without seeds: the ``rank``, ``mmd`` and ``logprobs`` modes.
+"""Judging a provider's sampled traffic without seeds: the ``surprise``, ``rank``, ``mmd`` and
+``logprobs`` modes.
 
 A provider that ignores seeds cannot be replayed token by token, but its completions are still
-draws from its sampling distribution, which an honest provider shares with the reference. Both
-modes compare them with the reference's own draws under the claimed temperature, top-k, top-p and
-``max_tokens`` (``verinfer.auditing.draws``): ``rank`` ranks one completion per prompt among m
-draws by the reference's log-probability and tests the ranks for uniformity (RUT,
-``verinfer.auditing.rank``); ``mmd`` runs Model Equality Testing's kernel two-sample test on n
-completions per prompt from each side (``verinfer.auditing.mmd``).
+draws from its sampling distribution, which an honest provider shares with the reference. Every
+completion is scored by the reference's log-probability minus its expectation under the claimed
+temperature, top-k, top-p (``draws.completion_scores``: one prefill). ``surprise`` compares that
+sum with its own predictable variance, no draws (``verinfer.auditing.surprise``); ``rank`` ranks
+it among m reference draws of the completion's own and tests the ranks for uniformity (RUT with a
+centred score, ``verinfer.auditing.rank``); ``mmd`` runs Model Equality Testing's kernel
+two-sample test on n completions per prompt from each side (``verinfer.auditing.mmd``). RESULTS.md
+section 21 measures their power side by side.
 
-Exchangeability is what makes both exact, so both sides are put in the same form first: when a
-provider returns only text, its completions are re-tokenized and so are the reference's draws
-(``draws.retokenize``: a stop token leaves no text on either side). Empty completions are kept:
-dropping them would select draws on one side only. ``logprobs`` needs no draws: it compares the
-returned top-k logprobs with the reference's at the same positions (``verinfer.auditing.logprobs``).
+Exchangeability is what makes rank and mmd exact, so both sides are put in the same form first:
+when a provider returns only text, its completions are re-tokenized and so are the reference's
+draws (``draws.retokenize``: a stop token leaves no text on either side). Empty completions are
+kept: dropping them would select draws on one side only. ``logprobs`` needs no draws: it compares
+the returned top-k logprobs with the reference's at the same positions (``verinfer.auditing.logprobs``).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from verinfer.auditing.rank import rank_p_values, rank_score, rank_verdict, spli
 from verinfer.auditing.remote_reference import remote_completion_scores, remote_draws, remote_values
 from verinfer.auditing.responses import Claim
 from verinfer.auditing.store import ResponseStore
+from verinfer.auditing.surprise import surprise_verdict, surprise_z
 from verinfer.stats.verdict import Verdict
 
 
@@ -44,7 +47,8 @@ def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fp
     """The verdict on ``claims`` (each prompt's completions, choice order kept) as ``spec.mode`` asks.
 
     ``rank`` judges every completion (all ``n`` of each prompt), each against its own ``samples``
-    reference draws; ``mmd`` compares each prompt's n completions with n reference draws. With
+    reference draws; ``surprise`` judges every completion against the reference's own moments (no
+    draws); ``mmd`` compares each prompt's n completions with n reference draws. With
     ``remote`` (an ``ApiReference``) the draws and scores come from that API instead of ``backend``
     (``verinfer.auditing.remote_reference``)."""
     by_prompt: dict[str, list[Claim]] = {}
@@ -67,7 +71,14 @@ def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fp
         draws = draw([(cs[0].prompt_id, cs[0].prompt_token_ids) for cs in groups])
         ref = [same_form(cs[0], d) for cs, d in zip(groups, draws)]
         return SampledJudgement(mmd_verdict(outputs, ref, spec.max_tokens, fpr, seed=spec.seed), rows)
-    judged = [c for cs in groups for c in cs]  # every completion, each with its own draws
+    judged = [c for cs in groups for c in cs]  # every completion (each with draws of its own for rank)
+    if spec.mode == "surprise":  # no draws: the reference's own moments at each position
+        scores = (completion_scores if remote is None else remote_completion_scores)(
+            remote or backend, [c.prompt_token_ids for c in judged], [c.output_token_ids for c in judged], params)
+        at = np.cumsum([0] + [len(cs) for cs in groups])
+        for row, a, b in zip(rows, at[:-1], at[1:]):
+            row["surprise_z"] = surprise_z(scores[a:b])
+        return SampledJudgement(surprise_verdict(scores, fpr), rows)
     draws = draw([(c.prompt_id, c.prompt_token_ids) for c in judged])
     ref = [same_form(c, d) for c, d in zip(judged, draws)]
     if on_stage:
