@@ -63,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cal-prompts", type=int, default=24, help="calibration prompts per honest precision")
     ap.add_argument("--test-prompts", type=int, default=12, help="held-out prompts per variant")
     ap.add_argument("--max-tokens", type=int, default=40)
-    ap.add_argument("--batch-sizes", default="5,10", help="calibrated batch sizes (the verdict uses the largest)")
+    ap.add_argument("--batch-sizes", default="10,20", help="calibrated batch sizes (the verdict uses the largest)")
     ap.add_argument("--generate-only", action="store_true", help="fill the trace cache and stop")
+    ap.add_argument("--set-traces", type=int, default=16, help="traces per random set")
+    ap.add_argument("--draws", type=int, default=200, help="random sets per variant")
+    ap.add_argument("--resample", type=int, default=None, help="bootstrap this many windows per batch size "
+                    "(thresholds without the disjoint-batch FPR guarantee) for batches the honest tokens cannot fill")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -84,6 +88,16 @@ def main(argv: list[str] | None = None) -> int:
     return report(backend, cal, test, tuple(int(s) for s in args.batch_sizes.split(",")), args, cache)
 
 
+def subsets(cols: dict[str, np.ndarray], size: int, draws: int, rng: np.random.Generator):
+    """Score columns of ``draws`` random sets of ``size`` traces (sets overlap)."""
+    ids = np.asarray(cols["trace_id"])
+    names = np.unique(ids)
+    rows = {t: np.flatnonzero(ids == t) for t in names}
+    for _ in range(draws):
+        pick = np.concatenate([rows[t] for t in rng.choice(names, size=min(size, names.size), replace=False)])
+        yield {k: np.asarray(v)[pick] for k, v in cols.items()}
+
+
 def report(backend, cal, test, batch_sizes, args, cache: Path) -> int:
     def columns(split, variant, traces):
         path = cache / f"{split}-m{args.max_tokens}-{variant}.scores.parquet"
@@ -91,27 +105,35 @@ def report(backend, cal, test, batch_sizes, args, cache: Path) -> int:
 
     honest = [columns(f"cal{args.cal_prompts}", v, t) for v, t in cal.items()]
     pooled = {k: np.concatenate([c[k] for c in honest]) for k in honest[0]}
-    calibrations = {"margin only": fit_calibrator(pooled, batch_sizes, shape=False),
-                    "margin + shape": fit_calibrator(pooled, batch_sizes)}
+    calibrations = {"margin only": fit_calibrator(pooled, batch_sizes, shape=False, resample=args.resample),
+                    "margin + shape": fit_calibrator(pooled, batch_sizes, resample=args.resample)}
     rows = []
     for variant, traces in test.items():
         cols = columns(f"test{args.test_prompts}", variant, traces)
         cells = []
         for cal_ in calibrations.values():
             v = calibrated_verdict(cols, cal_)
-            cells.append(f"{v.label} p={v.p_value:.2g}, " + (f"{v.tokens_needed} tokens" if v.tokens_needed
-                                                               else "-"))
+            rng = np.random.default_rng(0)
+            share = np.mean([not calibrated_verdict(c, cal_).consistent
+                             for c in subsets(cols, args.set_traces, args.draws, rng)])
+            cells.append(f"{v.label} (p = {v.p_value:.2g}{f', after {v.tokens_needed} tokens' if v.tokens_needed else ''}"
+                         f"{f', by {v.decided_by}' if not v.consistent and len(v.detectors) > 1 else ''}); "
+                         f"{share:.1%} of sets")
         exact = float(np.mean(cols["exact_match"]))
         kind = "honest" if get_variant(variant).honest else "deviation"
         rows.append(f"| {variant} ({kind}) | {len(cols['margin'])} | {exact:.2%} | {cells[0]} | {cells[1]} |")
     command = " ".join(shlex.quote(a) for a in ["python", "experiments/sampler_deviation.py", *sys.argv[1:]])
     text = "\n".join([
         f"# Sampler deviations: margin-only vs margin + shape verdict ({dt.date.today()})", "",
-        f"Command: `{command}`  ", f"Machine: {describe()}  ",
+        f"Command: `{command}`  ", f"Machine: {describe(torch.get_num_threads())}; load average {os.getloadavg()[0]:.1f} at the report  ",
         f"Claim: {CLAIM.signature()}; calibration: honest fp32 + bf16 traces of {args.cal_prompts} prompts each "
-        f"({sum(len(c['margin']) for c in honest)} tokens), batch sizes {batch_sizes}, 1% FPR; held-out: "
-        f"{args.test_prompts} other prompts per variant, up to {args.max_tokens} tokens each.", "",
-        "| variant | tokens | exact match | margin only: verdict, tokens to detection | margin + shape |",
+        f"({sum(len(c['margin']) for c in honest)} tokens), "
+        f"{'disjoint batches' if args.resample is None else f'{args.resample} bootstrap windows'} of {batch_sizes} tokens (the verdict "
+        f"uses the largest), 1% FPR; held-out: {args.test_prompts} other prompts per variant, up to "
+        f"{args.max_tokens} tokens each. Each cell: the verdict on all held-out tokens of the variant (p-value, "
+        f"tokens at the first rejecting look, the detector with the smallest p), then the share of "
+        f"{args.draws} random sets of {args.set_traces} held-out traces called INCONSISTENT (sets overlap).", "",
+        "| variant | tokens | exact match | margin only | margin + shape |",
         "|---|---|---|---|---|", *rows, ""])
     print(text)
     if args.out:
