@@ -93,9 +93,11 @@ def test_grid_starts_with_the_claim_and_every_candidate_differs_and_is_replayabl
     grid = candidate_grid(CLAIM_PARAMS, ["bf16"])
     assert grid[0] == CLAIM
     assert len(grid) == len(set(grid)) >= 50
+    pair = [CLAIM_PARAMS, CLAIM_PARAMS.with_(seed=CLAIM_PARAMS.seed + 1)]
     for c in grid[1:]:
         if c.replays and not c.penalty and c.band is None:
-            assert c.params([CLAIM_PARAMS])[0] != CLAIM_PARAMS, c.label
+            assert c.params(pair) != pair, c.label
+    assert {"seed +1", "seed -1", "seed +1000003", "one seed for every request"} <= {c.label for c in grid}
     assert {c.axis for c in grid} == {"claim", "temperature", "top_k", "top_p", "min_p", "seed", "profile",
                                       "penalty", "bug", "model"}
     greedy = candidate_grid(SamplingParams(profile="greedy"))
@@ -121,8 +123,8 @@ def test_vuong_and_rank_keep_the_claim_first_among_equals():
     assert d.best.candidate == CLAIM and not d.claim_rejected
 
 
-@pytest.mark.parametrize("label", ["top-k 20", "top-p 0.8", "temperature 0.8", "seed +1", "profile vllm-v1",
-                                   "repetition penalty 1.3", "frequency penalty 0.5"])
+@pytest.mark.parametrize("label", ["top-k 20", "top-p 0.8", "temperature 0.8", "seed +1", "one seed for every request",
+                                   "profile vllm-v1", "repetition penalty 1.3", "frequency penalty 0.5"])
 def test_synthetic_misconfigurations_are_recovered(label):
     backend, traces = synthetic(by_label(label))
     d = diagnose_traces(backend, traces, candidate_grid(CLAIM_PARAMS))

@@ -113,8 +113,11 @@ def candidate_grid(claim: SamplingParams, bands: Sequence[str] = ()) -> list[Can
             add(Candidate("top-p off" if p >= 1 else f"top-p {_fmt(p)}", "top_p", (("top_p", p),)))
         for m in MIN_PS:
             add(Candidate("min-p off" if m <= 0 else f"min-p {_fmt(m)}", "min_p", (("min_p", m),)))
-        for s in SEED_MAPS:
-            add(Candidate("one seed for every request" if s == "same" else f"seed {s}", "seed", seed_map=s))
+        for s in SEED_MAPS:  # "same" leaves a lone claim unchanged: judged on two requests
+            c = Candidate("one seed for every request" if s == "same" else f"seed {s}", "seed", seed_map=s)
+            pair = [claim, claim.with_(seed=(claim.seed or 0) + 1)]
+            if claim.seed is not None and c.params(pair) != pair and not params_problems(c.params(pair)[1]):
+                out.append(c)
         for name in profile_names():
             if name not in ("greedy", claim.profile):
                 add(Candidate(f"profile {name}", "profile", (("profile", name),)))
