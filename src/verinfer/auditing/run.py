@@ -195,7 +195,7 @@ def _replayed_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, r
                               **({"reuse": replays} if replays else {}))
     seq = sequence_stats(columns, bands.clip if bands is not None else MARGIN_CLIP)
     if calibrator is not None:
-        verdict = calibrated_verdict(columns["margin"], calibrator, batch_size, alpha=alpha)
+        verdict = calibrated_verdict(columns, calibrator, batch_size, alpha=alpha)
         verdict.exact_match_rate, verdict.sequences = float(seq[:, 2].sum() / seq[:, 0].sum()), len(seq)
     else:
         verdict = pooled_verdict(seq, bands.honest_bands(), fpr if alpha is None else alpha, all_bands=bands.labelled(),
