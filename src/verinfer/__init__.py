@@ -1,7 +1,7 @@
 """verinfer: verify that LLM outputs came from the claimed model and inference configuration.
 
-The public API (``verinfer.api``): ``generate``, ``verify``, ``calibrate``, ``audit`` and
-``load_model``, with typed results (``VerifyResult``, ``Summary``, ``Verdict``, ``Calibrator``,
+The public API (``verinfer.api``): ``generate``, ``verify``, ``calibrate``, ``audit``,
+``diagnose`` and ``load_model``, with typed results (``VerifyResult``, ``Summary``, ``Verdict``, ``Calibrator``,
 ``Trace``). Names load on first use, so ``import verinfer`` stays cheap.
 """
 
@@ -13,7 +13,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "generate": "verinfer.api", "verify": "verinfer.api", "calibrate": "verinfer.api", "audit": "verinfer.api",
-    "load_model": "verinfer.api", "VerifyResult": "verinfer.api", "Summary": "verinfer.stats.summary",
+    "load_model": "verinfer.api", "diagnose": "verinfer.api", "Diagnosis": "verinfer.scoring.diagnosis",
+    "VerifyResult": "verinfer.api", "Summary": "verinfer.stats.summary",
     "Verdict": "verinfer.stats.verdict", "Calibrator": "verinfer.stats.calibration", "Trace": "verinfer.trace",
     "read_traces": "verinfer.trace", "write_traces": "verinfer.trace", "SamplingParams": "verinfer.sampling.params",
 }

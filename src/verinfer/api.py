@@ -40,6 +40,8 @@ from verinfer.stats.shipped import find_calibration
 from verinfer.stats.summary import Summary, fit_calibrator, summarize
 from verinfer.stats.verdict import Verdict
 from verinfer.trace import Trace, TraceError, read_traces, write_traces
+from verinfer.scoring.diagnosis import Diagnosis
+from verinfer.scoring.diagnosis_run import diagnose as run_diagnosis, prepare, reference_model
 from verinfer.scoring.scores import commit_scores, read_commit_scores, read_scores, read_signature, signature
 from verinfer.scoring.traces import Scored, align_retokenized, check_traces, score_traces
 
@@ -333,7 +335,9 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     scored (re-running with the same ``out`` resumes); the verdict comes from the shipped or given
     bands, or from a calibration, by the one verdict rule; both are checked against the audit's
     settings before any request is paid for (``mode="rank"`` / ``"mmd"`` audit sampled traffic without
-    seeds against ``samples`` local draws per prompt and need neither; a seeded audit with ``choices > 1``
+    seeds against ``samples`` reference draws per prompt and need neither; ``mode="auto"`` runs every
+    test the responses allow and combines them by Holm, ``verinfer.auditing.auto``; with ``reference_url``
+    the seedless modes draw and score with that API, ``verinfer.auditing.remote_reference``; a seeded audit with ``choices > 1``
     asks ``n`` completions per request, choice j claiming seed + j as vLLM seeds it). ``extra_body`` adds fields to
     every generation request (``verinfer.auditing.plan``; the audit's own fields win). ``timeout`` bounds
     each network operation, ``deadline`` each request as a whole and ``max_response_mb`` its body
@@ -395,4 +399,26 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     return result
 
 
-__all__ = ["VerifyResult", "audit", "calibrate", "default_outputs", "generate", "load_model", "verify"]
+# --------------------------------------------------------------------------------------------------
+# diagnose
+
+
+def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, dtype: str = "float32",
+             device: str = "cpu", variants: str | Sequence[str] | None = None, sigma: float | None = None,
+             alpha: float | None = None, out: str | Path | None = None, skip_invalid: bool = False,
+             allow_model_mismatch: bool = False, backend: Backend | None = None,
+             on_rows: Progress = None) -> Diagnosis:
+    """Name the configuration that best explains the traces (``verinfer.scoring.diagnosis``).
+
+    One prefill with the reference model, then the sampler candidates (temperature, top-k, top-p,
+    min-p, penalties, seed mappings, every engine profile, sampler bugs) replayed over its logits;
+    ``variants`` (``default``, ``catalogue`` or model-side variant names, as ``verinfer diagnose
+    --variants``) adds one prefill per derived model. With ``out`` the diagnosis is also written as JSON (atomically, never over the traces).
+    """
+    trace_list, source, sigma, alpha, band_names = prepare(traces, out, sigma, alpha, variants)
+    backend = backend or load_model(reference_model(trace_list, model, source), dtype, device)
+    return run_diagnosis(trace_list, backend, source, band_names, sigma, alpha, out, skip_invalid,
+                         allow_model_mismatch, on_rows)
+
+
+__all__ = ["VerifyResult", "audit", "calibrate", "default_outputs", "diagnose", "generate", "load_model", "verify"]

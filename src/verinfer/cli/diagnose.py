@@ -33,6 +33,7 @@ def diagnose(
     model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
     dtype: str = opt.dtype("float32", "reference compute dtype"),
     device: str = opt.device(),
+    threads: int = opt.threads(),
     bands: Optional[str] = typer.Option(None, "--variants", help="also rank model-side variants, one extra prefill "
                                         "each: 'default' (bf16, w8-channel, w4-g128, fp8-kv), 'catalogue' (every "
                                         "model-side variant) or comma-separated variant names (as `audit bands "
