@@ -73,6 +73,10 @@ def test_an_fp32_only_null_warns_and_its_rejections_say_why(files):
     one_sided["depth_shift"] = np.abs(one_sided["depth_shift"])  # every mismatch shallower: a narrower sampler
     v = calibrated_verdict(one_sided, fp32, 10)
     assert not v.consistent and v.detectors["wider"]["flagged"] == 0 and v.note is None
+    # without shape evidence (margin only, as a calibration without shape detectors judges) nothing is
+    # said: the demo's wrong seed is not excused as noise
+    margin_only = calibrated_verdict(read_scores(files["noisy"])["margin"], fp32, 10)
+    assert not margin_only.consistent and margin_only.note is None
 
 
 def run(*args):

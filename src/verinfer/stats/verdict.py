@@ -273,15 +273,18 @@ def calibrated_verdict(scores: np.ndarray | Mapping[str, np.ndarray], calibrator
 def coverage_note(calibrator: Calibrator, verdict: Verdict) -> str | None:
     """Why an INCONSISTENT verdict may be noise the calibration never saw, or None.
 
-    When the sampler-shape detectors flag batches on both sides about equally (numerical noise
-    puts mismatched claims above and below the verifier's tokens at random; a sampler deviation
-    on one side: a two-sided sign test of the two flag counts at ``alpha`` tells them apart) and
-    the calibration was fitted on fewer precisions than GPU providers run, the verdict says so
-    instead of a bare INCONSISTENT."""
+    Only the sampler-shape detectors can tell: when they flag batches on both sides about equally
+    (a two-sided sign test of the two flag counts at ``alpha``; a sampler deviation flags one side)
+    and the calibration was fitted on fewer precisions than GPU providers run, the verdict names
+    both readings, since a wrong seed or other weights put mismatches on both sides as well as
+    unseen numerical noise does: a pooled calibration settles the first, ``verinfer diagnose``
+    names the cause. Without shape flags (no shape detectors, or none flagged) nothing is said."""
     if verdict.consistent or not verdict.detectors:
         return None
     sides = [verdict.detectors[m]["flagged"] for m in SHAPE_METRICS if m in verdict.detectors]
-    if len(sides) == 2 and sum(sides) and binomtest(min(sides), sum(sides), 0.5).pvalue < verdict.alpha:
+    if len(sides) != 2 or not sum(sides):
+        return None  # no evidence on where the mismatches fall
+    if binomtest(min(sides), sum(sides), 0.5).pvalue < verdict.alpha:
         return None  # one-sided: a sampler deviation, not noise
     covered = (getattr(calibrator, "coverage", None) or {}).get("precisions")
     if not covered:
@@ -290,8 +293,9 @@ def coverage_note(calibrator: Calibrator, verdict: Verdict) -> str | None:
         what = f"the calibration covers {', '.join(covered)} only"
     else:
         return None
-    return (f"{what}; this looks like numerical noise (mismatches fall on both sides of the verifier's tokens, "
-            "as a bf16 provider's do): use a pooled fp32 + bf16 calibration or `verinfer diagnose`")
+    return (f"{what}; the sampler-shape flags fall on both sides of the verifier's tokens ({sides[0]} and "
+            f"{sides[1]}), as numerical noise of a precision it lacks (bf16) puts them, and as a wrong seed or "
+            "other weights do: a pooled fp32 + bf16 calibration tells noise apart, `verinfer diagnose` names the cause")
 
 
 # --------------------------------------------------------------------------------------------------
