@@ -272,3 +272,30 @@ def test_readme_block_runs_as_written(block, tmp_path):
         assert proc.returncode == 0, f"README.md:{block.line}:\n{proc.stderr[-3000:]}"
         return
     run_bash_block(block, tmp_path)
+
+
+def _quick_start_job() -> str:
+    """The quick start's main job: what follows the installs in the README's first install block."""
+    first = next(b for b in blocks() if b.kind == "install")
+    parts = [p.strip() for p in first.text.strip().split("&&")]
+    job = [p for p in parts if "pip install" not in p]
+    assert len(job) == 1, f"README.md:{first.line}: expected installs then one command, got {parts}"
+    return job[0]
+
+
+def test_quick_start_job_runs_and_prints_the_verdicts_the_readme_shows(tmp_path):
+    """The quick start's ``verinfer demo`` runs as written (after the installs, which ``.ci/run`` runs)
+    and prints, to the digit, the verdict lines the README shows for it."""
+    job = _quick_start_job()
+    assert job == "verinfer demo"
+    proc = subprocess.run(["bash", "-c", job], cwd=tmp_path, env=_environment(tmp_path), capture_output=True,
+                          text=True, timeout=GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = [line for line in README.read_text().splitlines()
+             if re.match(r"(honest|wrong seed): (CONSISTENT|INCONSISTENT) with the claimed configuration at 1% FPR: \d+/",
+                         line)]
+    assert len(shown) == 2, shown
+    printed = proc.stdout.splitlines()
+    for line in shown:
+        assert line in printed, f"README shows a line the demo no longer prints:\n{line}\n--- printed:\n{proc.stdout[-3000:]}"
+    assert (tmp_path / "verinfer-demo" / "audit" / "audit.html").exists()
