@@ -86,10 +86,10 @@ def proxy_url(llama_url, tmp_path_factory):
         yield url
 
 
-def _audit(backend, providers, out: Path, **kw):
+def _audit(backend, providers, out: Path, prompts="chitchat", **kw):
     from verinfer.api import audit
 
-    return audit(providers, out=out, backend=backend, prompts="chitchat", prompt_seed=3, concurrency=2,
+    return audit(providers, out=out, backend=backend, prompts=prompts, prompt_seed=3, concurrency=2,
                  api_key_env=None, extra_body=NEUTRAL, **kw)
 
 
@@ -153,7 +153,10 @@ def test_seeded_audit_where_retokenized_text_merges_sampled_tokens_is_consistent
     bands = tmp_path / "bands.json"
     bands.write_text(json.dumps(build_bands(backend, load_prompts("chitchat", 8, seed=11), AuditSpec(**seeded),
                                             variants=("honest", "bf16"))))
-    honest = _audit(backend, {"llama": llama_url}, tmp_path / "audit", n=16, bands=bands, **seeded).providers[0]
+    # the issue's 16 prompts (sampled as they were before audits replaced repeated prompts: where merges occur)
+    issue_prompts = load_prompts("chitchat", 16, seed=3)
+    honest = _audit(backend, {"llama": llama_url}, tmp_path / "audit", prompts=issue_prompts, n=16, bands=bands,
+                    **seeded).providers[0]
     print(f"\nseeded, 16 prompts: llama {honest.verdict.text}; drift {honest.drift}")
     assert honest.drift["realigned"]["sequences"] >= 1, honest.drift  # merges occurred: what this test is about
     assert honest.drift["count_mismatch"]["sequences"] == 0, honest.drift
