@@ -4,6 +4,7 @@ engine's server (or the seed-rewriting proxy) as a process and wait until it ans
 from __future__ import annotations
 
 import contextlib
+import random
 import socket
 import subprocess
 import sys
@@ -40,10 +41,36 @@ def asgi_in_thread(app, prefix: str = "/v1"):
         sock.close()
 
 
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out as a connection's source port (Linux's default otherwise)."""
+    with contextlib.suppress(OSError, ValueError):
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port that is free now, for a server a test starts as a separate process.
+
+    Chosen at random below the kernel's ephemeral range, never twice in one process. A port from
+    ``bind(0)`` lies inside that range, where every outgoing connection of the parallel tests takes
+    its source port, and one was taken between the check and the server's own bind ("Address already
+    in use", seen in CI); below the range only another server could take it."""
+    rng, high = random.SystemRandom(), _ephemeral_low()
+    for _ in range(1000):
+        port = rng.randrange(10000, high)
+        if port in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _GIVEN.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port found in [10000, {high})")
 
 
 @contextmanager

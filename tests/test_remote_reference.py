@@ -26,6 +26,10 @@ from verinfer.serve import ServeConfig, serve_in_thread
 
 SHORT = [Prompt(f"q{i}", (("user", text),)) for i, text in enumerate(
     ("Name a colour.", "Say hello.", "Pick a number.", "Name an animal.", "Give me a word.", "Name a city."))]
+# The rank test against the smaller model: 6 prompts x 8 tokens left it marginal (once p = 0.044 in CI, the
+# providers drawing unseeded), so it gets twice the prompts and twice the tokens.
+RANKED = SHORT + [Prompt(f"q{i + len(SHORT)}", (("user", text),)) for i, text in enumerate(
+    ("Name a fruit.", "Say goodbye.", "Name a month.", "Name a tool.", "Give me a verb.", "Name a river."))]
 
 
 def _rows(backend, prompt, output):
@@ -74,11 +78,13 @@ def _api(backend, url: str, out) -> ApiReference:
 
 @pytest.mark.parametrize("mode, other", [("rank", "layers-20"), ("logprobs", "w4")])
 def test_seedless_audit_against_a_reference_api(servers, backend, tmp_path, mode, other):
-    """The other provider: a smaller model of the family for rank (6 short prompts give rank little
-    power against 4-bit weights: RESULTS.md section 21), 4-bit weights for logprobs."""
-    spec = AuditSpec(mode=mode, max_tokens=8, samples=4, seed=3)
+    """The other provider: a smaller model of the family for rank (12 short prompts x 16 tokens: the
+    smaller model at p of about 1e-4 in three runs, where 6 x 8 once reached only 0.044; 4-bit weights
+    need far more queries for rank, RESULTS.md section 21), 4-bit weights for logprobs."""
+    prompts, tokens = (RANKED, 16) if mode == "rank" else (SHORT, 8)
+    spec = AuditSpec(mode=mode, max_tokens=tokens, samples=4, seed=3)
     endpoints = [Endpoint(n, servers[n], backend.model_id, None) for n in ("honest", other)]
-    result = run_audit(endpoints, SHORT, spec, _api(backend, servers["reference"], tmp_path), tmp_path)
+    result = run_audit(endpoints, prompts, spec, _api(backend, servers["reference"], tmp_path), tmp_path)
     honest, w4 = result.providers
     assert "reference API" in result.reference
     assert honest.verdict.consistent, honest.verdict.text
@@ -88,13 +94,13 @@ def test_seedless_audit_against_a_reference_api(servers, backend, tmp_path, mode
     assert echo and all(r["request"]["max_tokens"] == 0 and r["request"]["return_tokens_as_token_ids"] for r in echo)
     draws = [r for r in stored if r["kind"] == "reference-draws"]
     if mode == "rank":  # one request of n = samples per completion judged, each with its own seed
-        assert len(draws) == len(SHORT) and {r["request"]["n"] for r in draws} == {4}
-        assert len({r["request"]["seed"] for r in draws}) == len(SHORT)
+        assert len(draws) == len(prompts) and {r["request"]["n"] for r in draws} == {4}
+        assert len({r["request"]["seed"] for r in draws}) == len(prompts)
     else:  # nothing is drawn: the provider's returned logprobs against the reference's prompt logprobs
         assert draws == [] and all(p["bounded_alternatives"] == 0 for p in honest.prompts)
         assert sum(p["bounded_alternatives"] for p in w4.prompts) > 0  # 4-bit top tokens the reference ranks low
     again = _api(backend, servers["reference"], tmp_path)
-    rerun = run_audit(endpoints, SHORT, spec, again, tmp_path)
+    rerun = run_audit(endpoints, prompts, spec, again, tmp_path)
     assert again.client.sent == 0 and [a.requests_sent for a in rerun.providers] == [0, 0]  # all stored
     assert rerun.providers[1].verdict.p_value == w4.verdict.p_value
 
