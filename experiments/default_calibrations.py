@@ -2,12 +2,16 @@
 
     python experiments/default_calibrations.py
 
-For each profile named (default: vllm, the profile ``verinfer generate`` uses) it generates honest
-traces of the bundled model with ``verinfer generate``'s default sampling (T=1, top-k 50, top-p
-0.95) from an fp32 and a bf16 provider on calibration prompts (those of
-``experiments/sampler_deviation.py``, whose trace cache it shares), verifies them with the fp32
-reference and writes the pooled fp32 + bf16 calibration at 1% FPR, recording both precisions
-as its coverage. Batch sizes are the largest the honest tokens support as disjoint batches.
+For every sampler profile that replays seeded sampling (``PROFILES``) it generates honest traces
+of the bundled model with ``verinfer generate``'s default sampling (T=1, top-k 50, top-p 0.95)
+from an fp32 and a bf16 provider on calibration prompts (the first ones of
+``experiments/sampler_deviation.py``'s pool, disjoint from its held-out prompts; its trace cache
+and ``traces_for``, which decodes 12 prompts per batch, here in cached chunks of ``--chunk``
+prompts taken in turn across profiles), verifies them with the fp32 reference (scores cached
+beside the traces) and writes the pooled fp32 + bf16 calibration at 1% FPR, each
+precision one group of the sampler-shape null, recording both precisions, the profile and the
+tokens as its coverage. Batch sizes are those of ``BATCH_SIZES`` that the honest tokens fill
+with the disjoint-batch guarantee (``min_batches``). ``--generate-only`` fills the cache.
 """
 
 from __future__ import annotations
@@ -15,48 +19,126 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sampler_deviation import CLAIM, POOL, traces_for  # noqa: E402
+from sampler_deviation import CLAIM, POOL, TEST_OFFSET, traces_for  # noqa: E402
 
+from verinfer.files import write_atomic  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
 from verinfer.models.load import cache_root  # noqa: E402
 from verinfer.prompts import load_prompts  # noqa: E402
-from verinfer.scoring.traces import score_traces  # noqa: E402
+from verinfer.scoring.scores import read_scores  # noqa: E402
+from verinfer.scoring.traces import COMPACT, score_traces, signature  # noqa: E402
 from verinfer.stats.calibration import min_batches  # noqa: E402
 from verinfer.stats.shipped import DATA_DIR, calibration_filename  # noqa: E402
 from verinfer.stats.summary import fit_calibrator  # noqa: E402
-from verinfer.files import write_atomic  # noqa: E402
+
+# The profiles ``verinfer generate`` samples with seeds (greedy has no sampling null of its own;
+# transformers traces need each request's batch row and width, ``sampling.stream``, which generate does not set).
+PROFILES = ("vllm", "vllm-v1", "vllm-v1-cuda", "vllm-cpu", "sglang", "llama.cpp")
+PRECISIONS = {"honest": "float32", "bf16": "bfloat16"}  # simulator variant -> the provider's precision
+# The verdict judges with the largest that fits the tokens, and one flagged batch never rejects (verdict.py):
+# larger sizes would leave a few hundred tokens a single batch.
+BATCH_SIZES = (10, 20, 50, 100)
+FPR = 0.01
+
+
+def spec(text: str, profile: str) -> int:
+    """``PROFILE=N,...,*=N`` -> N for ``profile``."""
+    try:
+        counts = {k: int(v) for k, v in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"{text!r}: expected PROFILE=N,...,*=N") from None
+    return counts.get(profile, counts.get("*", 0))
+
+
+def chunk_split(profile: str, start: int, size: int) -> str:
+    """The cache split of ``size`` calibration prompts from ``start`` (``traces_for``'s file layout;
+    the vllm split of 200 from 0 is ``cal200``, as ``sampler_deviation.py --cal-prompts 200`` reads it)."""
+    return f"cal{size}" + (f"@{start}" if start else "") + ("" if profile == "vllm" else f"-{profile}")
+
+
+def honest_chunk(backend: Backend, profile: str, start: int, size: int, max_tokens: int, cache: Path) -> tuple[dict, dict]:
+    """Per precision, the score columns of the honest traces of ``profile`` on prompts ``start`` to
+    ``start + size`` (generated and scored once, cached; request seeds continue across chunks), and
+    the traces' signature (model, verifier dtype, sampling settings)."""
+    chosen = load_prompts("chitchat", POOL, seed=28)[start:start + size]
+    split = chunk_split(profile, start, size)
+    claim = CLAIM.with_(profile=profile, seed=CLAIM.seed + start)
+    cols, sig = {}, None
+    for variant, precision in PRECISIONS.items():
+        began = time.perf_counter()
+        traces = traces_for(backend, variant, chosen, split, max_tokens, cache, claim)
+        made = time.perf_counter() - began
+        path = cache / f"{split}-m{max_tokens}-{variant}.scores.parquet"
+        scores = read_scores(path) if path.exists() else {}
+        if any(k not in scores for k in COMPACT):  # absent, or written before a column was added
+            scores = score_traces(backend, traces, path).columns
+        cols[precision] = {k: np.asarray(scores[k]) for k in COMPACT}
+        sig = signature(traces, backend.model_id, backend.dtype_name)
+        if made > 5:
+            tokens = sum(len(t.output_token_ids) for t in traces)
+            print(f"{split} {precision}: {len(traces)} traces, {tokens} tokens in {made:.0f} s "
+                  f"({tokens / made:.1f} tokens/s wall)", flush=True)
+    return cols, sig
+
+
+def build(profile: str, pools: dict[str, dict], sig: dict, command: str) -> tuple[Path, dict]:
+    """Fit and write the pooled fp32 + bf16 calibration of one profile; returns its path and coverage."""
+    pooled = {k: np.concatenate([c[k] for c in pools.values()]) for k in COMPACT}
+    n = pooled["margin"].size
+    sizes = tuple(s for s in BATCH_SIZES if s * min_batches(FPR) <= n)
+    if not sizes:
+        raise SystemExit(f"{profile}: {n} honest tokens fill no batch size of {BATCH_SIZES} "
+                         f"with {min_batches(FPR)} disjoint batches; raise --prompts")
+    coverage = {"precisions": sorted(pools), "profiles": [profile],
+                "tokens": {p: int(c["margin"].size) for p, c in pools.items()},
+                "traces": {p: int(np.unique(c["trace_id"]).size) for p, c in pools.items()},
+                "built_by": command}
+    calibrator = fit_calibrator(pooled, sizes, FPR, signature=sig, coverage=coverage,
+                                groups={p: c["depth_shift"] for p, c in pools.items()})
+    path = DATA_DIR / calibration_filename(sig["model"], sig["sampling"][0])
+    write_atomic(path, json.dumps(calibrator.to_dict(), indent=1))
+    print(f"{path}: {n} honest tokens (fp32 + bf16), batch sizes {sizes}", flush=True)
+    return path, coverage
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--profiles", default="vllm")
-    ap.add_argument("--prompts", type=int, default=32, help="calibration prompts per precision")
-    ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--profiles", default=",".join(PROFILES))
+    ap.add_argument("--prompts", default="vllm=200,*=100",
+                    help=f"calibration prompts per precision, per profile (PROFILE=N, * for the rest; <= {TEST_OFFSET})")
+    ap.add_argument("--chunk", default="vllm=200,*=25", help="prompts generated (and cached) together, per profile")
+    ap.add_argument("--max-tokens", type=int, default=80)
+    ap.add_argument("--generate-only", action="store_true", help="fill the trace and score cache and stop")
     args = ap.parse_args(argv)
+    profiles = args.profiles.split(",")
+    plan = {p: (spec(args.prompts, p), spec(args.chunk, p)) for p in profiles}
+    for p, (n, chunk) in plan.items():
+        if not 0 < n <= TEST_OFFSET or chunk < 1:
+            raise SystemExit(f"--prompts / --chunk: {p} needs 1..{TEST_OFFSET} prompts in chunks of >= 1, "
+                             f"got {n} and {chunk}")
     cache = cache_root() / "experiments" / "sampler_deviation"
     cache.mkdir(parents=True, exist_ok=True)
     backend = Backend.load("smollm2-135m", "float32")
-    prompts = load_prompts("chitchat", POOL, seed=28)[:args.prompts]
-    for profile in args.profiles.split(","):
-        claim = CLAIM.with_(profile=profile)
-        split = f"cal{args.prompts}" + ("" if profile == "vllm" else f"-{profile}")
-        traces = {v: traces_for(backend, v, prompts, split, args.max_tokens, cache, claim) for v in ("honest", "bf16")}
-        cols = [score_traces(backend, t).columns for t in traces.values()]
-        pooled = {k: np.concatenate([c[k] for c in cols]) for k in cols[0]}
-        n = pooled["margin"].size
-        sizes = tuple(s for s in (10, 20, 50, 100, 1000) if s * min_batches(0.01) <= n)
-        sig = score_traces(backend, traces["honest"][:1]).signature
-        calibrator = fit_calibrator(pooled, sizes, 0.01, signature=sig,
-                                    coverage={"precisions": ["bfloat16", "float32"], "profiles": [profile]})
-        path = DATA_DIR / calibration_filename(backend.model_id, sig["sampling"][0])
-        write_atomic(path, json.dumps(calibrator.to_dict(), indent=1))
-        print(f"{path}: {n} honest tokens (fp32 + bf16), batch sizes {sizes}")
+    command = " ".join(shlex.quote(a) for a in ["python", "experiments/default_calibrations.py", *(argv or sys.argv[1:])])
+    parts: dict[str, list] = {p: [] for p in profiles}
+    for start in range(0, max(n for n, _ in plan.values()), min(c for _, c in plan.values())):
+        for p, (n, chunk) in plan.items():  # chunk by chunk across profiles, so all advance together
+            if start < n and start % chunk == 0:
+                parts[p].append(honest_chunk(backend, p, start, min(chunk, n - start), args.max_tokens, cache))
+    if args.generate_only:
+        return 0
+    for p in profiles:
+        pools = {precision: {k: np.concatenate([cols[precision][k] for cols, _ in parts[p]]) for k in COMPACT}
+                 for precision in PRECISIONS.values()}
+        build(p, pools, parts[p][0][1], command)
     return 0
 
 
