@@ -27,22 +27,28 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from verinfer.files import atomic_path, write_atomic
 from verinfer.machine import describe
 from verinfer.models.backend import Backend
 from verinfer.models.load import cache_root
 from verinfer.prompts import load_prompts
 from verinfer.sampling.params import SamplingParams
+from verinfer.scoring.scores import read_scores
 from verinfer.scoring.traces import score_traces
 from verinfer.simulate.generate import build_requests
 from verinfer.simulate.variants import get_variant
+from verinfer.stats.sides import side_counts
 from verinfer.stats.summary import fit_calibrator
 from verinfer.stats.verdict import calibrated_verdict
 from verinfer.trace import read_traces, write_traces
 
 CLAIM = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000)
-ORDER = ("honest", "bf16", "top-k-40", "temperature-1.1", "top-p-0.76", "top-k-60", "temperature-0.9", "top-k-25",
-         "batch-1")  # generated in this order; --generate-only may be stopped part way
+MIN_P_CLAIM = SamplingParams(profile="vllm", temperature=1.0, min_p=0.05, seed=7000)  # min-p alone decides the kept set
+ORDER = ("honest", "bf16", "top-k-40", "top-k-60", "temperature-1.1", "top-p-0.76", "temperature-0.9", "top-k-25")
+HONEST_EXTRA = ("batch-8", "attn-eager", "batch-1")  # the catalogue's other honest variants (generated last)
+MIN_P_ORDER = ("honest", "bf16", "min-p-0.04", "min-p-0.06")  # claiming MIN_P_CLAIM
 POOL, TEST_OFFSET = 400, 200  # prompts drawn once; calibration takes the first ones, held-out ones start at 200
+CHUNK = 48  # held-out prompts are generated (and cached) in chunks of this many
 
 
 def traces_for(backend: Backend, variant: str, prompts, split: str, max_tokens: int, cache: Path,
@@ -58,14 +64,30 @@ def traces_for(backend: Backend, variant: str, prompts, split: str, max_tokens: 
     return traces
 
 
+def held_out(backend: Backend, variant: str, prompts, max_tokens: int, cache: Path, claim: SamplingParams = CLAIM,
+             tag: str = ""):
+    """Held-out traces of ``variant`` on ``prompts`` (those from ``TEST_OFFSET`` on), generated in cached chunks
+    of ``CHUNK`` prompts (request seeds continue across chunks, so any number of prompts reuses earlier chunks)."""
+    out = []
+    for start in range(0, len(prompts), CHUNK):
+        part = prompts[start:start + CHUNK]
+        split = f"{tag}test{len(part)}" + (f"@{TEST_OFFSET + start}" if start else "")
+        out += traces_for(backend, variant, part, split, max_tokens, cache, claim.with_(seed=claim.seed + start))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cal-prompts", type=int, default=24, help="calibration prompts per honest precision")
     ap.add_argument("--test-prompts", type=int, default=12, help="held-out prompts per variant")
-    ap.add_argument("--max-tokens", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=40, help="tokens per held-out completion")
+    ap.add_argument("--cal-max-tokens", type=int, default=40, help="tokens per calibration completion")
+    ap.add_argument("--min-p", action="store_true", help=f"also claim {MIN_P_CLAIM.signature()} (its own calibration)")
+    ap.add_argument("--min-p-cal-prompts", type=int, default=64, help="calibration prompts per precision for min-p")
     ap.add_argument("--batch-sizes", default="10,20", help="calibrated batch sizes (the verdict uses the largest)")
     ap.add_argument("--generate-only", action="store_true", help="fill the trace cache and stop")
-    ap.add_argument("--set-traces", type=int, default=16, help="traces per random set")
+    ap.add_argument("--set-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[500, 2000],
+                    help="random sets of whole held-out traces holding at least these many tokens")
     ap.add_argument("--draws", type=int, default=200, help="random sets per variant")
     ap.add_argument("--resample", type=int, default=None, help="bootstrap this many windows per batch size "
                     "(thresholds without the disjoint-batch FPR guarantee) for batches the honest tokens cannot fill")
@@ -79,67 +101,96 @@ def main(argv: list[str] | None = None) -> int:
     backend = Backend.load("smollm2-135m", "float32")
     prompts = load_prompts("chitchat", POOL, seed=28)
     cal_prompts, test_prompts = prompts[:args.cal_prompts], prompts[TEST_OFFSET:TEST_OFFSET + args.test_prompts]
-    cal = {v: traces_for(backend, v, cal_prompts, f"cal{args.cal_prompts}", args.max_tokens, cache)
+    cal = {v: traces_for(backend, v, cal_prompts, f"cal{args.cal_prompts}", args.cal_max_tokens, cache)
            for v in ("honest", "bf16")}
-    test = {v: traces_for(backend, v, test_prompts, f"test{args.test_prompts}", args.max_tokens, cache)
-            for v in ORDER}
+    test = {v: held_out(backend, v, test_prompts, args.max_tokens, cache) for v in ORDER}
+    if args.min_p:
+        tag = f"minp{MIN_P_CLAIM.min_p:g}-"
+        min_p_cal = {v: traces_for(backend, v, prompts[:args.min_p_cal_prompts], f"{tag}cal{args.min_p_cal_prompts}",
+                                   args.max_tokens, cache, MIN_P_CLAIM) for v in ("honest", "bf16")}
+        min_p_test = {v: held_out(backend, v, test_prompts, args.max_tokens, cache, MIN_P_CLAIM, tag)
+                      for v in MIN_P_ORDER}
+    test.update({v: held_out(backend, v, test_prompts, args.max_tokens, cache) for v in HONEST_EXTRA})
     if args.generate_only:
         return 0
-    return report(backend, cal, test, tuple(int(s) for s in args.batch_sizes.split(",")), args, cache)
+    batch_sizes = tuple(int(s) for s in args.batch_sizes.split(","))
+    sections = [section(backend, CLAIM, cal, test, "", batch_sizes, args, cache)]
+    if args.min_p:
+        sections.append(section(backend, MIN_P_CLAIM, min_p_cal, min_p_test, tag, batch_sizes, args, cache))
+    command = " ".join(shlex.quote(a) for a in ["python", "experiments/sampler_deviation.py", *sys.argv[1:]])
+    text = "\n".join([
+        f"# Sampler deviations: margin-only vs margin + sides verdict ({dt.date.today()})", "",
+        f"Command: `{command}`  ",
+        f"Machine: {describe(torch.get_num_threads())}; load average {os.getloadavg()[0]:.1f} at the report  ",
+        f"Held-out: {args.test_prompts} prompts per variant (from prompt {TEST_OFFSET} on), up to {args.max_tokens} tokens "
+        f"each. Each cell: the verdict on all held-out tokens of the variant (p-value, tokens at the first rejecting "
+        f"look, the detector with the smallest p), then the share of {args.draws} random sets of held-out traces "
+        f"holding at least {' / '.join(map(str, args.set_tokens))} tokens called INCONSISTENT (sets overlap). "
+        f"Sides: the mismatches with depth_shift > 0 / < 0 (claim shallower / deeper than the verifier's token).",
+        "", *sections])
+    print(text)
+    if args.out:
+        write_atomic(args.out, text)
+    return 0
 
 
-def subsets(cols: dict[str, np.ndarray], size: int, draws: int, rng: np.random.Generator):
-    """Score columns of ``draws`` random sets of ``size`` traces (sets overlap)."""
+def subsets(cols: dict[str, np.ndarray], tokens: int, draws: int, rng: np.random.Generator):
+    """Score columns of ``draws`` random sets of whole traces holding at least ``tokens`` tokens (sets overlap)."""
     ids = np.asarray(cols["trace_id"])
     names = np.unique(ids)
     rows = {t: np.flatnonzero(ids == t) for t in names}
     for _ in range(draws):
-        pick = np.concatenate([rows[t] for t in rng.choice(names, size=min(size, names.size), replace=False)])
+        order = rng.permutation(names)
+        total = np.cumsum([rows[t].size for t in order])
+        take = order[: int(np.searchsorted(total, tokens)) + 1]
+        pick = np.concatenate([rows[t] for t in take])
         yield {k: np.asarray(v)[pick] for k, v in cols.items()}
 
 
-def report(backend, cal, test, batch_sizes, args, cache: Path) -> int:
-    def columns(split, variant, traces):
-        path = cache / f"{split}-m{args.max_tokens}-{variant}.scores.parquet"
-        return score_traces(backend, traces, path).columns
+def section(backend, claim: SamplingParams, cal, test, tag: str, batch_sizes, args, cache: Path) -> str:
+    """One claim's table: its pooled fp32 + bf16 calibration, then every held-out variant judged twice."""
+    def columns(split, variant, traces):  # scored once: the file name holds the traces' token count
+        n = sum(len(t.output_token_ids) for t in traces)
+        path = cache / f"{split}-{variant}-n{n}.scores.parquet"
+        if not path.exists():
+            with atomic_path(path) as tmp:
+                score_traces(backend, traces, tmp)
+        return read_scores(path)
 
-    honest = [columns(f"cal{args.cal_prompts}", v, t) for v, t in cal.items()]
-    pooled = {k: np.concatenate([c[k] for c in honest]) for k in honest[0]}
+    honest = {v: columns(f"{tag}cal{len(t)}", v, t) for v, t in cal.items()}
+    pooled = {k: np.concatenate([c[k] for c in honest.values()]) for k in honest["honest"]}
+    groups = {"float32" if v == "honest" else "bfloat16": c["depth_shift"] for v, c in honest.items()}
     calibrations = {"margin only": fit_calibrator(pooled, batch_sizes, shape=False, resample=args.resample),
-                    "margin + shape": fit_calibrator(pooled, batch_sizes, resample=args.resample)}
+                    "margin + sides": fit_calibrator(pooled, batch_sizes, resample=args.resample, groups=groups)}
+    null = ", ".join(f"{g['group']} {g['positive']}+ / {g['negative']}- of {g['tokens']} tokens"
+                     for g in calibrations["margin + sides"].sides)
     rows = []
     for variant, traces in test.items():
-        cols = columns(f"test{args.test_prompts}", variant, traces)
+        cols = columns(f"{tag}test{args.test_prompts}", variant, traces)
         cells = []
         for cal_ in calibrations.values():
             v = calibrated_verdict(cols, cal_)
-            rng = np.random.default_rng(0)
-            share = np.mean([not calibrated_verdict(c, cal_).consistent
-                             for c in subsets(cols, args.set_traces, args.draws, rng)])
+            shares = []
+            for tokens in args.set_tokens:
+                rng = np.random.default_rng(0)
+                shares.append(np.mean([not calibrated_verdict(c, cal_).consistent
+                                       for c in subsets(cols, tokens, args.draws, rng)]))
             cells.append(f"{v.label} (p = {v.p_value:.2g}{f', after {v.tokens_needed} tokens' if v.tokens_needed else ''}"
                          f"{f', by {v.decided_by}' if not v.consistent and len(v.detectors) > 1 else ''}); "
-                         f"{share:.1%} of sets")
+                         + " / ".join(f"{x:.1%}" for x in shares))
         exact = float(np.mean(cols["exact_match"]))
+        positive, negative = side_counts(cols["depth_shift"])
         kind = "honest" if get_variant(variant).honest else "deviation"
-        rows.append(f"| {variant} ({kind}) | {len(cols['margin'])} | {exact:.2%} | {cells[0]} | {cells[1]} |")
-    command = " ".join(shlex.quote(a) for a in ["python", "experiments/sampler_deviation.py", *sys.argv[1:]])
-    text = "\n".join([
-        f"# Sampler deviations: margin-only vs margin + shape verdict ({dt.date.today()})", "",
-        f"Command: `{command}`  ", f"Machine: {describe(torch.get_num_threads())}; load average {os.getloadavg()[0]:.1f} at the report  ",
-        f"Claim: {CLAIM.signature()}; calibration: honest fp32 + bf16 traces of {args.cal_prompts} prompts each "
-        f"({sum(len(c['margin']) for c in honest)} tokens), "
-        f"{'disjoint batches' if args.resample is None else f'{args.resample} bootstrap windows'} of {batch_sizes} tokens (the verdict "
-        f"uses the largest), 1% FPR; held-out: {args.test_prompts} other prompts per variant, up to "
-        f"{args.max_tokens} tokens each. Each cell: the verdict on all held-out tokens of the variant (p-value, "
-        f"tokens at the first rejecting look, the detector with the smallest p), then the share of "
-        f"{args.draws} random sets of {args.set_traces} held-out traces called INCONSISTENT (sets overlap).", "",
-        "| variant | tokens | exact match | margin only | margin + shape |",
-        "|---|---|---|---|---|", *rows, ""])
-    print(text)
-    if args.out:
-        from verinfer.files import write_atomic
-        write_atomic(args.out, text)
-    return 0
+        rows.append(f"| {variant} ({kind}) | {len(cols['margin'])} | {exact:.2%} | {positive} / {negative} | "
+                    f"{cells[0]} | {cells[1]} |")
+    return "\n".join([
+        f"## Claim: {claim.signature()}", "",
+        f"Calibration: honest fp32 + bf16 traces of {len(cal['honest'])} prompts each "
+        f"({sum(len(c['margin']) for c in honest.values())} tokens; sides {null}), "
+        f"{'disjoint batches' if args.resample is None else f'{args.resample} bootstrap windows'} of {batch_sizes} "
+        f"tokens (the verdict uses the largest that fits), 1% FPR.", "",
+        "| variant | tokens | exact match | sides + / - | margin only | margin + sides |",
+        "|---|---|---|---|---|---|", *rows, ""])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from verinfer.sampling.params import SamplingParams
 from verinfer.scoring.scores import SCORE_SCHEMA, ScoreWriter
 from verinfer.stats.calibration import Calibrator, coverage_warnings
 from verinfer.stats.shipped import DATA_DIR, calibration_filename, find_calibration
+from verinfer.stats.sides import judged_groups
 from verinfer.stats.verdict import calibrated_verdict
 
 SIG = {"model": "smollm2-135m", "dtype": "float32",
@@ -52,8 +53,8 @@ def test_a_calibration_records_its_coverage_and_keeps_it_on_disk(files):
     cal = api.calibrate([files["fp32"], files["bf16"]], batch_sizes=(10,), precisions=["fp32", "bf16"], out=out)
     assert cal.coverage == {"precisions": ["bfloat16", "float32"], "profiles": ["vllm"]}
     assert Calibrator.load(out).coverage == cal.coverage and coverage_warnings(cal) == []
-    assert {"narrower", "wider"} <= set(cal.n_tokens_)  # the shape detectors are fitted beside the margin
-    assert not {"narrower", "wider"} & set(api.calibrate(files["fp32"], batch_sizes=(10,), shape=False).n_tokens_)
+    assert judged_groups(cal.sides) and Calibrator.load(out).sides == cal.sides  # the shape null beside the margin
+    assert api.calibrate(files["fp32"], batch_sizes=(10,), shape=False).sides is None
 
 
 def test_an_fp32_only_null_warns_and_its_rejections_say_why(files):
@@ -65,14 +66,15 @@ def test_an_fp32_only_null_warns_and_its_rejections_say_why(files):
     from verinfer.scoring.scores import read_scores
 
     v = calibrated_verdict(read_scores(files["noisy"]), fp32, 10)
-    assert not v.consistent and v.detectors["narrower"]["flagged"] > 0 and v.detectors["wider"]["flagged"] > 0
-    assert "the calibration covers float32 only" in v.text and "verinfer diagnose" in v.text
+    assert set(v.detectors) == {"margin"}  # no honest mismatch in an exact fp32 null: no side to compare with
+    assert not v.consistent and "the calibration covers float32 only" in v.text and "verinfer diagnose" in v.text
+    assert "shallower" in v.note and "deeper" in v.note
     pooled = api.calibrate([files["fp32"], files["bf16"]], batch_sizes=(10,), precisions=["fp32", "bf16"])
     assert calibrated_verdict(read_scores(files["noisy"]), pooled, 10).note is None
     one_sided = read_scores(files["noisy"])
     one_sided["depth_shift"] = np.abs(one_sided["depth_shift"])  # every mismatch shallower: a narrower sampler
     v = calibrated_verdict(one_sided, fp32, 10)
-    assert not v.consistent and v.detectors["wider"]["flagged"] == 0 and v.note is None
+    assert not v.consistent and v.note is None
     # without shape evidence (margin only, as a calibration without shape detectors judges) nothing is
     # said: the demo's wrong seed is not excused as noise
     margin_only = calibrated_verdict(read_scores(files["noisy"])["margin"], fp32, 10)
@@ -96,7 +98,7 @@ def test_calibrate_on_the_command_line_has_every_knob(files):
     assert proc.returncode == 0, proc.stderr
     data = json.loads((d / "b.json").read_text())
     assert data["resample"] == 200 and data["batches"] == "windows_with_replacement"
-    assert "narrower" not in data["metrics"] and data["coverage"]["precisions"] == ["bfloat16", "float32"]
+    assert data["sides"] is None and data["coverage"]["precisions"] == ["bfloat16", "float32"]
 
 
 def test_the_shipped_default_covers_generate_defaults_with_a_pooled_null():
@@ -104,7 +106,7 @@ def test_the_shipped_default_covers_generate_defaults_with_a_pooled_null():
     path = find_calibration(sig)
     assert path is not None and path.parent == DATA_DIR
     cal = Calibrator.load(path)
-    assert cal.coverage["precisions"] == ["bfloat16", "float32"] and {"narrower", "wider"} <= set(cal.n_tokens_)
+    assert cal.coverage["precisions"] == ["bfloat16", "float32"] and judged_groups(cal.sides)
     other = {**sig, "sampling": [SamplingParams(profile="vllm", top_k=40, top_p=0.95).signature()]}
     assert find_calibration(other) is None and find_calibration({**sig, "dtype": "bfloat16"}) is None
     assert calibration_filename("smollm2-135m", sig["sampling"][0]) == path.name

@@ -17,6 +17,7 @@ from verinfer.sampling.profiles import RowKeys, get_profile
 from verinfer.sampling.sampler import replay
 from verinfer.scoring.sampler_shape import DEPTH_CAP, depth, depth_shift
 from verinfer.stats.summary import fit_calibrator
+from verinfer.stats.sides import side_p_value
 from verinfer.stats.verdict import calibrated_verdict, flag_verdict, minimum_evidence
 
 V = 2000
@@ -51,7 +52,8 @@ def calibrations():
     """Pooled honest null: an exact provider and a noisy ("bf16") one, 3,000 tokens each."""
     honest = [columns(3000, 1), columns(3000, 2, noise=NOISE)]
     pooled = {k: np.concatenate([c[k] for c in honest]) for k in honest[0]}
-    return fit_calibrator(pooled, (10, 50)), fit_calibrator(pooled, (10, 50), shape=False)
+    groups = {"exact": honest[0]["depth_shift"], "noisy": honest[1]["depth_shift"]}
+    return fit_calibrator(pooled, (10, 50), groups=groups), fit_calibrator(pooled, (10, 50), shape=False)
 
 
 def test_depth_places_tokens_in_the_claimed_kept_set():
@@ -92,18 +94,82 @@ def test_honest_noise_puts_mismatches_on_both_sides():
 @pytest.mark.parametrize("served, noise, direction", [
     (CLAIM, 0.0, None), (CLAIM, NOISE, None),
     (CLAIM.with_(top_k=25), 0.0, "narrower"), (CLAIM.with_(top_k=25), NOISE, "narrower"),
+    (CLAIM.with_(top_k=40), 0.0, "narrower"), (CLAIM.with_(top_k=60), 0.0, "wider"),
     (CLAIM.with_(top_p=0.76), NOISE, "narrower"), (CLAIM.with_(temperature=0.9), NOISE, "narrower"),
     (CLAIM.with_(temperature=1.1), NOISE, "wider"),
 ])
 def test_the_one_verdict_rule_with_shape_detectors(calibrations, served, noise, direction):
+    """A fifth off in top-k (by an exact provider: with bf16-like noise on top the side counts of 2,000
+    tokens reach p ~ 0.003-0.008 per look here, short of the rule's Bonferroni level) / top-p, or 10% off
+    in temperature (with noise on top), is caught within 2,000 tokens by the detector of its side;
+    honest providers are not."""
     shape, _ = calibrations
     v = calibrated_verdict(columns(2000, 21, served=served, noise=noise), shape, 50)
     assert v.consistent is (direction is None), v.text
     assert set(v.detectors) == {"margin", "narrower", "wider"}
     if direction is not None:
         other = {"narrower": "wider", "wider": "narrower"}[direction]
-        assert v.detectors[direction]["p"] < v.alpha and v.detectors[other]["flagged"] == 0, v.detectors
+        assert v.detectors[direction]["p"] < v.alpha <= v.detectors[other]["p"], v.detectors
         assert v.tokens_needed is not None and v.tokens_needed <= 2000
+
+
+@pytest.mark.parametrize("served, direction", [(0.06, "narrower"), (0.04, "wider"), (0.05, None)])
+def test_a_min_p_a_fifth_off_is_caught(served, direction):
+    """min-p 0.06 / 0.04 served (by an exact provider) for a claimed 0.05, against a pooled exact + noisy
+    min-p calibration; an honest noisy provider of the claim passes."""
+    claim = CLAIM.with_(top_k=-1, top_p=1.0, min_p=0.05)
+    honest = [columns(3000, 1, claim=claim, served=claim), columns(3000, 2, noise=NOISE, claim=claim, served=claim)]
+    pooled = {k: np.concatenate([c[k] for c in honest]) for k in honest[0]}
+    cal = fit_calibrator(pooled, (50,), groups={"exact": honest[0]["depth_shift"], "noisy": honest[1]["depth_shift"]})
+    noise = NOISE if direction is None else 0.0
+    v = calibrated_verdict(columns(2000, 23, served=claim.with_(min_p=served), noise=noise, claim=claim), cal, 50)
+    assert v.consistent is (direction is None), v.text
+    if direction is not None:
+        other = {"narrower": "wider", "wider": "narrower"}[direction]
+        assert v.detectors[direction]["p"] < v.alpha <= v.detectors[other]["p"] and v.tokens_needed <= 2000, v.text
+
+
+def test_side_p_values_of_honest_noise_are_valid_at_every_level():
+    """Honest noise with a lopsided side share (0.4, as logit noise leans deeper): the test's counts and the
+    calibration group's are drawn alike, and the p-value of either side is below a level at most that often."""
+    rng = np.random.default_rng(3)
+    trials = 4000
+    cal_n, test_n = rng.poisson(90, trials), rng.poisson(40, trials)
+    cal_pos, test_pos = rng.binomial(cal_n, 0.4), rng.binomial(test_n, 0.4)
+    for side in ("narrower", "wider"):
+        p = np.array([side_p_value(int(tp), int(tn - tp), [{"group": "g", "positive": int(cp), "negative": int(cn - cp)}],
+                                   side) for tp, tn, cp, cn in zip(test_pos, test_n, cal_pos, cal_n)])
+        for level in (0.01, 0.05, 0.2, 0.5):
+            assert np.mean(p <= level) <= level + 3 * np.sqrt(level * (1 - level) / trials), (side, level)
+        assert np.mean(p <= 0.5) > 0.3  # not a test that never rejects
+    # against the symmetric 1/2 these same honest counts would be called "wider" far too often
+    biased = [side_p_value(int(tp), int(tn - tp), [{"group": "half", "positive": 500, "negative": 500}], "wider")
+              for tp, tn in zip(test_pos[:500], test_n[:500])]
+    assert np.mean(np.array(biased) <= 0.05) > 0.1
+
+
+def test_the_least_favourable_honest_group_sets_the_p_value():
+    groups = [{"group": "a", "positive": 40, "negative": 60}, {"group": "b", "positive": 60, "negative": 40},
+              {"group": "exact", "positive": 0, "negative": 0}]
+    both = side_p_value(30, 10, groups, "narrower")
+    assert both == side_p_value(30, 10, groups[1:2], "narrower") > side_p_value(30, 10, groups[:1], "narrower")
+    assert side_p_value(30, 10, groups[2:], "narrower") == 1.0  # a group without mismatches judges no side
+    assert side_p_value(0, 0, groups, "wider") == 1.0
+
+
+def test_the_whole_rule_keeps_its_false_positive_rate_with_side_detectors():
+    """Batches flagged at the calibrated rate and honest mismatches drawn like the calibration group's:
+    the sequential verdict over margin + both sides rejects at most alpha of honest sets."""
+    rng = np.random.default_rng(5)
+    trials, fpr, size, n = 1500, 0.01, 20, 40
+    null = [{"group": "bf16", "tokens": 20000, "positive": 230, "negative": 330}]
+    rejected = 0
+    for _ in range(trials):
+        miss = rng.random(n * size) < 0.028
+        shift = np.where(miss, np.where(rng.random(n * size) < 0.41, 1.0, -1.0) * rng.random(n * size), 0.0)
+        v = flag_verdict(rng.random(n) < fpr, fpr, size, names=["margin"], sides=(shift, null))
+        rejected += not v.consistent
+    assert rejected / trials <= fpr + 3 * np.sqrt(fpr * (1 - fpr) / trials)
 
 
 def test_a_margin_only_calibration_has_no_shape_detectors(calibrations):

@@ -17,9 +17,10 @@ makes mismatches whose verifier token has depth >= 0.8 and whose claim is shallo
 
 ``depth_shift = depth(verifier token) - depth(claim)`` at mismatches, 0 where they agree (and for
 greedy rows, whose sampler has no filter or temperature to deviate): positive means the provider
-looks narrower or colder than claimed, negative wider or hotter. Honest noise averages it to about
-0; its calibrated detectors are ``narrower`` (the batch mean of ``depth_shift``) and ``wider`` (of
-``-depth_shift``), fitted on the same honest scores as the margin (``verinfer.stats.summary``).
+looks narrower or colder than claimed, negative wider or hotter. Honest noise puts it on both
+sides; its detectors ``narrower`` and ``wider`` count the mismatches on each side cumulatively and
+test them against the honest groups' counts of the same calibration as the margin
+(``verinfer.stats.sides``).
 Computed only for the mismatched rows of a block of logits the prefill already produced (about 1%
 of tokens), so it costs nothing next to the prefill.
 """
@@ -34,7 +35,7 @@ import torch
 from verinfer.sampling.params import SamplingParams
 
 DEPTH_CAP = 2.0  # a claim twice as deep as the claimed boundary allows counts no more than at 2x
-SHAPE_METRICS = {"narrower": 1.0, "wider": -1.0}  # detector -> sign applied to depth_shift
+SHAPE_METRICS = {"narrower": 1.0, "wider": -1.0}  # detector -> the sign of depth_shift it counts
 
 
 def depth(x: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -79,10 +80,4 @@ def depth_shift(logits: torch.Tensor, claimed: np.ndarray, verifier: np.ndarray,
     return out
 
 
-def shape_scores(shift: np.ndarray) -> dict[str, np.ndarray]:
-    """The two detectors' per-token scores (higher = more divergent) from a ``depth_shift`` column."""
-    shift = np.asarray(shift, dtype=np.float64)
-    return {name: sign * shift for name, sign in SHAPE_METRICS.items()}
-
-
-__all__ = ["DEPTH_CAP", "SHAPE_METRICS", "depth", "depth_shift", "shape_scores"]
+__all__ = ["DEPTH_CAP", "SHAPE_METRICS", "depth", "depth_shift"]

@@ -123,6 +123,7 @@ class Calibrator:
         self.random_state = random_state
         self.signature: dict | None = None  # what the honest scores were verified under (verify/scores.py)
         self.coverage: dict | None = None  # honest noise fitted on: {"precisions": [...], "profiles": [...]}
+        self.sides: list[dict] | None = None  # honest groups' mismatch side counts (verinfer.stats.sides)
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must be positive integers, got {self.batch_sizes}")
         if not 0.0 < self.fpr < 1.0:
@@ -220,6 +221,7 @@ class Calibrator:
             ],
             "signature": self.signature,
             "coverage": self.coverage,
+            "sides": self.sides,
         }
 
     @classmethod
@@ -265,6 +267,7 @@ class Calibrator:
         }
         cal.signature = data.get("signature")
         cal.coverage = data.get("coverage")
+        cal.sides = _sides(data.get("sides"))  # absent from files written before the side counts
         return cal
 
     def _rules_for(self, metric: str) -> tuple[str, ...]:
@@ -311,6 +314,21 @@ class Calibrator:
             raise ValueError(
                 f"rule {rule!r} not fitted for {metric!r}; fitted: {self._rules_for(metric)}"
             )
+
+
+def _sides(raw: Any) -> list[dict] | None:
+    """A document's honest side counts, checked: a list of {"group", "tokens", "positive", "negative"}."""
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise ValueError(f"'sides' must be a list of honest groups, got {type(raw).__name__}")
+    out = []
+    for g in raw:
+        counts = {k: int(g[k]) for k in ("tokens", "positive", "negative")}
+        if min(counts.values()) < 0:
+            raise ValueError(f"'sides' group {g.get('group')!r} has a negative count")
+        out.append({"group": str(g["group"]), **counts})
+    return out
 
 
 def _transform(scores: np.ndarray, rule: str, values: Mapping[float, float]) -> np.ndarray:

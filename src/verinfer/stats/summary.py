@@ -8,13 +8,13 @@ one it judges the tokens and each calibrated commit metric; an unparseable commi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
-from verinfer.scoring.sampler_shape import shape_scores
 from verinfer.stats.calibration import Calibrator
 from verinfer.stats.pooling import MARGIN_CLIP, clip_scores
+from verinfer.stats.sides import fit_side_null
 from verinfer.stats.verdict import COMMIT_RULE, Verdict, calibrated_verdict, default_batch_size
 
 UNCALIBRATED = "uncalibrated: pass a calibration file for a verdict with a known false-positive rate"
@@ -97,17 +97,20 @@ def summarize(columns: dict[str, np.ndarray], calibrator: Calibrator | None = No
 
 def fit_calibrator(columns: dict[str, np.ndarray], batch_sizes: tuple[int, ...], fpr: float = 0.01,
                    commit_scores: dict[str, np.ndarray] | None = None, signature: dict | None = None,
-                   shape: bool = True, resample: int | None = None, coverage: dict | None = None) -> Calibrator:
+                   shape: bool = True, resample: int | None = None, coverage: dict | None = None,
+                   groups: Mapping[str, np.ndarray] | None = None) -> Calibrator:
     """Fit the margin / cross-entropy / exact-match detectors on honest per-token scores, the
-    sampler-shape detectors (``narrower`` / ``wider``, ``verinfer.scoring.sampler_shape``) when the
+    sampler-shape null (each honest group's mismatch side counts, ``verinfer.stats.sides``) when the
     scores carry ``depth_shift`` and ``shape`` is on, plus the commit detectors (fingerprint_l2 per
-    fingerprint, toploc per chunk) when honest commit scores are given. ``coverage`` records the honest
-    precisions and engines the scores came from (``Calibrator.coverage``)."""
+    fingerprint, toploc per chunk) when honest commit scores are given. ``groups`` (label -> that
+    honest provider's ``depth_shift``: one per precision) keeps the providers apart, so the verdict
+    can take the least favourable; without it the pooled scores are one group. ``coverage`` records
+    the honest precisions and engines the scores came from (``Calibrator.coverage``)."""
     honest = {"margin": columns["margin"], "cross_entropy": columns["cross_entropy"],
               "exact_match": np.asarray(columns["exact_match"], dtype=np.float64)}
-    if shape and columns.get("depth_shift") is not None:
-        honest.update(shape_scores(columns["depth_shift"]))
     calibrator = Calibrator(batch_sizes=batch_sizes, fpr=fpr, resample=resample).fit({**honest, **(commit_scores or {})})
+    if shape and columns.get("depth_shift") is not None:
+        calibrator.sides = fit_side_null(groups if groups is not None else {"pooled": columns["depth_shift"]})
     calibrator.signature = signature
     calibrator.coverage = coverage
     return calibrator

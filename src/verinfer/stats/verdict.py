@@ -16,14 +16,16 @@ of the statistic's rank among pseudo-audits of the same size that resample whole
 ``(1 + #{>= s}) / (R + 1)``; with n sequences per band, p below ``1 / (n + 1)`` rests on the
 bootstrap's extrapolation and the verdict says so (``beyond_pool``).
 
-*Several detectors, one test.* A token verdict flags batches with the calibrated margin detector and,
-when the calibration has them, the sampler-shape detectors ``narrower`` and ``wider``
-(``verinfer.scoring.sampler_shape``: honest noise puts a mismatched claim above or below the
-verifier's token at random, a wrong top-k / top-p / min-p or temperature on one side). Each look's
-p-value is the Bonferroni minimum over the ``m`` detectors, ``min(1, m * min_j p_j)``, so the
-detectors add power without adding a rule or raising the false-positive rate. A flag verdict also
-states the fewest flagged batches that could reject (one flagged batch at p = fpr never can) and
-the tokens after the last whole batch, which are not judged.
+*Several detectors, one test.* A token verdict flags batches with the calibrated margin detector
+and, when the calibration holds honest mismatches, adds the sampler-shape detectors ``narrower``
+and ``wider`` (``verinfer.stats.sides``: honest noise puts a mismatched claim on both sides of the
+verifier's token, a wrong top-k / top-p / min-p or temperature on one side). These count the
+mismatches on each side over every token up to the look (a batch rarely holds a deviating
+mismatch) and give each look the p-value of Fisher's exact test against the least favourable
+honest group. Each look's p-value is the Bonferroni minimum over the ``m`` detectors,
+``min(1, m * min_j p_j)``, so the detectors add power without adding a rule or raising the
+false-positive rate. A flag verdict also states the fewest flagged batches that could reject (one
+flagged batch at p = fpr never can) and the tokens after the last whole batch, which are not judged.
 
 *The sequential test.* Evidence is looked at on doubling prefixes (1, 2, 4, ... units, then all),
 and each look is tested at ``alpha / L`` for ``L`` looks (Bonferroni). The verdict's p-value is
@@ -44,15 +46,15 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 from scipy.stats import binomtest
 
-from verinfer.scoring.sampler_shape import SHAPE_METRICS, shape_scores
+from verinfer.scoring.sampler_shape import SHAPE_METRICS
 from verinfer.stats.calibration import Calibrator
 from verinfer.stats.evaluation import bootstrap_ci, wilson_interval
 from verinfer.stats.pooling import MARGIN_CLIP
+from verinfer.stats.sides import honest_share, judged_groups, side_counts, side_p_value
 
 CLIPPED = ("margin", "clip:99.9")  # margins clipped at their honest 99.9th percentile (DiFR section 4)
 DETECTOR = ("margin", f"bound:{MARGIN_CLIP:g}")  # the bounded margin min(margin, 20): for a null without noise
 COMMIT_RULE = "clip:99.9"  # commit scores (fingerprint L2, TOPLOC) clipped at their honest 99.9th percentile
-SHAPE_RULE = f"bound:{MARGIN_CLIP:g}"  # sampler-shape scores as they are (|depth_shift| <= 2: the bound never bites)
 
 
 @dataclass
@@ -81,7 +83,8 @@ class Verdict:
     band_ranges: dict = field(default_factory=dict)  # band -> [2.5%, 50%, 97.5%] of pseudo-audits
     pool_sequences: int | None = None  # pooled: honest sequences per band behind the p-value
     p_adjusted: float | None = None  # Holm-adjusted, when several sets are judged together
-    detectors: dict = field(default_factory=dict)  # flags: detector -> {"flagged", "p"} (its own sequential p)
+    detectors: dict = field(default_factory=dict)  # detector -> {"flagged", "p"} or, sides, {"on_side", "mismatches",
+    #                                                "honest_share", "p"} (each with its own sequential p)
     decided_by: str | None = None  # flags: the detector with the smallest p-value
     unjudged_tokens: int = 0  # flags: tokens after the last whole batch (not judged)
     minimum_evidence: str | None = None  # flags: the fewest flagged batches that could reject here
@@ -104,7 +107,13 @@ class Verdict:
     def text(self) -> str:
         p = self.p_adjusted if self.p_adjusted is not None else self.p_value
         which = "Holm-adjusted p" if self.p_adjusted is not None else "p"
-        if self.unit == "batch":
+        side = self.detectors.get(self.decided_by or "", {})
+        if self.unit == "batch" and "on_side" in side:
+            evidence = (f"{side['on_side']}/{side['mismatches']} mismatches on the {self.decided_by} side of the "
+                        f"verifier's tokens (95% CI {self.ci_low:.0%}-{self.ci_high:.0%}; honest at most "
+                        f"{side['honest_share']:.0%}) in {self.units} batches of {self.batch_size} tokens, "
+                        f"{self.flagged} flagged by margin")
+        elif self.unit == "batch":
             by = f" by {self.decided_by}" if self.decided_by and len(self.detectors) > 1 else ""
             evidence = (f"{self.flagged}/{self.units} batches of {self.batch_size} tokens flagged{by} "
                         f"(flag rate 95% CI {self.ci_low:.0%}-{self.ci_high:.0%})")
@@ -179,36 +188,55 @@ def minimum_evidence(n: int, fpr: float, alpha: float, detectors: int = 1) -> st
 
 def flag_verdict(flags: np.ndarray, fpr: float, batch_size: int, alpha: float | None = None,
                  method: str = "", subject: str = "the claimed configuration",
-                 names: Sequence[str] | None = None, unjudged_tokens: int = 0) -> Verdict:
+                 names: Sequence[str] | None = None, unjudged_tokens: int = 0,
+                 sides: tuple[np.ndarray, Sequence[Mapping]] | None = None) -> Verdict:
     """Sequential one-sided binomial test of batch ``flags`` (honest batches flag at <= ``fpr``).
 
     ``flags`` is one detector's [batches] or several detectors' [detectors, batches] (named by
-    ``names``): each look's p-value is then the Bonferroni minimum over the detectors.
+    ``names``); ``sides`` (the judged tokens' ``depth_shift`` and the calibration's honest side
+    counts, ``verinfer.stats.sides``) adds the ``narrower`` and ``wider`` detectors, judged on every
+    token up to each look. Each look's p-value is the Bonferroni minimum over all detectors.
     """
     flags = np.atleast_2d(np.asarray(flags, dtype=bool))
     if flags.size == 0:
         raise ValueError("no batches to judge")
-    m, n = flags.shape
-    names = list(names) if names is not None else [f"detector {j}" for j in range(m)]
+    n = flags.shape[1]
+    names = list(names) if names is not None else [f"detector {j}" for j in range(flags.shape[0])]
     alpha = fpr if alpha is None else alpha
     looks = look_sizes(n)
-    cum = np.concatenate([np.zeros((m, 1), dtype=np.int64), np.cumsum(flags, axis=1)], axis=1)
-
-    def p_at(k: int, j: int) -> float:
-        return _binom_p(int(cum[j, k]), k, fpr)
-
-    p, first = sequential(lambda k: min(1.0, m * min(p_at(k, j) for j in range(m))), looks, alpha)
-    own = [sequential(lambda k, j=j: p_at(k, j), looks, alpha)[0] for j in range(m)]
-    best = int(np.argmin(own))
-    k = int(flags[best].sum())
+    cum = np.concatenate([np.zeros((flags.shape[0], 1), dtype=np.int64), np.cumsum(flags, axis=1)], axis=1)
+    tests: dict[str, Callable[[int], float]] = {
+        name: (lambda k, j=j: _binom_p(int(cum[j, k]), k, fpr)) for j, name in enumerate(names)}
+    if sides is not None:
+        shift, null = np.asarray(sides[0], dtype=np.float64)[: n * batch_size], sides[1]
+        pos = np.concatenate([[0], np.cumsum(shift > 0)])
+        neg = np.concatenate([[0], np.cumsum(shift < 0)])
+        for side in SHAPE_METRICS:
+            tests[side] = lambda k, side=side: side_p_value(int(pos[k * batch_size]), int(neg[k * batch_size]), null, side)
+    m = len(tests)
+    cache = {name: {k: test(k) for k in looks} for name, test in tests.items()}
+    p, first = sequential(lambda k: min(1.0, m * min(c[k] for c in cache.values())), looks, alpha)
+    own = {name: sequential(c.__getitem__, looks, alpha)[0] for name, c in cache.items()}
+    best = min(own, key=own.get)
+    detectors = {name: {"flagged": int(flags[j].sum()), "p": own[name]} for j, name in enumerate(names)}
+    k = int(flags[0].sum()) if best not in names else int(flags[names.index(best)].sum())
     ci = wilson_interval(k, n)
-    return Verdict(p >= alpha, p, alpha, n * batch_size, n, "batch", k / n, "flag rate", ci.low, ci.high, len(looks),
-                   None if first is None else first * batch_size,
+    statistic, statistic_name = k / n, "flag rate"
+    if sides is not None:
+        positive, negative = side_counts(shift)
+        for side in SHAPE_METRICS:
+            on = positive if SHAPE_METRICS[side] > 0 else negative
+            detectors[side] = {"on_side": on, "mismatches": positive + negative,
+                               "honest_share": honest_share(sides[1], side), "p": own[side]}
+        if best in SHAPE_METRICS:
+            on, total = detectors[best]["on_side"], positive + negative
+            ci = wilson_interval(on, total)
+            statistic, statistic_name = on / total, f"share of mismatches on the {best} side"
+    return Verdict(p >= alpha, p, alpha, n * batch_size, n, "batch", statistic, statistic_name, ci.low, ci.high,
+                   len(looks), None if first is None else first * batch_size,
                    method or f"sequential binomial test of batches flagged at <= {fpr:.2%} when honest",
-                   subject, flagged=k, batch_size=batch_size,
-                   detectors={name: {"flagged": int(flags[j].sum()), "p": own[j]} for j, name in enumerate(names)},
-                   decided_by=names[best], unjudged_tokens=int(unjudged_tokens),
-                   minimum_evidence=minimum_evidence(n, fpr, alpha, m))
+                   subject, flagged=k, batch_size=batch_size, detectors=detectors, decided_by=best,
+                   unjudged_tokens=int(unjudged_tokens), minimum_evidence=minimum_evidence(n, fpr, alpha, m))
 
 
 def token_detector(calibrator: Calibrator) -> tuple[str, str]:
@@ -227,64 +255,74 @@ def token_detector(calibrator: Calibrator) -> tuple[str, str]:
     return CLIPPED if usable else DETECTOR
 
 
-def token_detectors(calibrator: Calibrator, columns: Mapping[str, np.ndarray]) -> list[tuple[str, str, np.ndarray]]:
-    """(metric, rule, per-token scores) of every detector a token verdict uses: the margin
-    (``token_detector``) and the sampler-shape detectors when both the calibration and the scores have them."""
-    metric, rule = token_detector(calibrator)
-    out = [(metric, rule, np.asarray(columns["margin"], dtype=np.float64))]
+def side_evidence(calibrator: Calibrator, columns: Mapping[str, np.ndarray]) -> tuple[np.ndarray, list] | None:
+    """(the scores' ``depth_shift``, the calibration's honest side counts) when a token verdict can use the
+    sampler-shape detectors: the scores carry ``depth_shift`` and an honest group of the calibration made
+    mismatches (``verinfer.stats.sides``); else None."""
     shift = columns.get("depth_shift")
-    if shift is not None and all(m in calibrator.n_tokens_ for m in SHAPE_METRICS):
-        out += [(m, SHAPE_RULE, s) for m, s in shape_scores(shift).items()]
-    return out
+    null = getattr(calibrator, "sides", None)
+    if shift is None or not judged_groups(null):
+        return None
+    return np.asarray(shift, dtype=np.float64), list(null)
 
 
 def calibrated_verdict(scores: np.ndarray | Mapping[str, np.ndarray], calibrator: Calibrator,
                        batch_size: int | None = None, metric: str | None = None, rule: str | None = None,
                        alpha: float | None = None) -> Verdict:
-    """Flag consecutive batches with calibrated detectors, then ``flag_verdict``.
+    """Flag consecutive batches with a calibrated detector, then ``flag_verdict``.
 
     ``scores`` is one metric's per-token scores (judged by ``metric`` / ``rule``, default
-    ``token_detector``) or a verify's score columns (judged by every ``token_detectors`` detector).
+    ``token_detector``) or a verify's score columns: their margin (``token_detector``) and, where
+    ``side_evidence`` allows, the sampler-shape detectors.
     """
+    sides = None
     if isinstance(scores, Mapping):
-        detectors = token_detectors(calibrator, scores)
+        metric, rule = token_detector(calibrator)
+        sides = side_evidence(calibrator, scores)
+        values = np.asarray(scores["margin"], dtype=np.float64)
     else:
         if metric is None or rule is None:
             metric, rule = token_detector(calibrator)
-        detectors = [(metric, rule, np.asarray(scores, dtype=np.float64))]
-    n_scores = detectors[0][2].size
-    size = batch_size or default_batch_size(calibrator, n_scores)
+        values = np.asarray(scores, dtype=np.float64)
+    size = batch_size or default_batch_size(calibrator, values.size)
     if size not in calibrator.batch_sizes:
         raise ValueError(f"batch size {size} is not calibrated (calibrated: {', '.join(map(str, calibrator.batch_sizes))})")
-    if size > n_scores:
-        raise ValueError(f"too few {detectors[0][0]} scores ({n_scores}) for a calibrated batch of {size}")
-    flags = np.stack([calibrator.predict(s, size, metric=m, rule=r) for m, r, s in detectors])
-    names = [m for m, _, _ in detectors]
-    which = "; ".join(f"{m} {r} (threshold {calibrator.threshold(m, r, size):.4g})" for m, r, _ in detectors)
-    method = (f"sequential binomial test ({doubling_looks(len(look_sizes(flags.shape[1])))}, Bonferroni over looks "
-              f"and {len(detectors)} detector(s)) of batches of {size} tokens flagged by the calibrated {which}; "
-              f"honest batches flag at <= {calibrator.fpr:.0%} per detector")
-    verdict = flag_verdict(flags, calibrator.fpr, size, alpha, method, names=names,
-                           unjudged_tokens=n_scores % size)
-    verdict.note = coverage_note(calibrator, verdict)
+    if size > values.size:
+        raise ValueError(f"too few {metric} scores ({values.size}) for a calibrated batch of {size}")
+    flags = calibrator.predict(values, size, metric=metric, rule=rule)
+    looks = doubling_looks(len(look_sizes(flags.size)))
+    which = f"{metric} {rule} (threshold {calibrator.threshold(metric, rule, size):.4g})"
+    if sides is None:
+        method = (f"sequential binomial test ({looks}, Bonferroni over looks) of batches of {size} tokens flagged "
+                  f"by the calibrated {which}; honest batches flag at <= {calibrator.fpr:.0%}")
+    else:
+        groups = ", ".join(f"{g['group']} {g['positive']}/{g['negative']}" for g in judged_groups(sides[1]))
+        method = (f"sequential test ({looks}, Bonferroni over looks and 3 detectors): batches of {size} tokens "
+                  f"flagged by the calibrated {which} (binomial, honest batches flag at <= {calibrator.fpr:.0%}); "
+                  f"mismatches on the narrower / wider side of the verifier's tokens up to each look (Fisher's "
+                  f"exact test against the least favourable honest group, positive/negative: {groups})")
+    verdict = flag_verdict(flags, calibrator.fpr, size, alpha, method, names=[metric],
+                           unjudged_tokens=values.size % size, sides=sides)
+    shift = scores.get("depth_shift") if isinstance(scores, Mapping) else None
+    verdict.note = coverage_note(calibrator, verdict, shift)
     return verdict
 
 
-def coverage_note(calibrator: Calibrator, verdict: Verdict) -> str | None:
+def coverage_note(calibrator: Calibrator, verdict: Verdict, shift: np.ndarray | None = None) -> str | None:
     """Why an INCONSISTENT verdict may be noise the calibration never saw, or None.
 
-    Only the sampler-shape detectors can tell: when they flag batches on both sides about equally
-    (a two-sided sign test of the two flag counts at ``alpha``; a sampler deviation flags one side)
-    and the calibration was fitted on fewer precisions than GPU providers run, the verdict names
-    both readings, since a wrong seed or other weights put mismatches on both sides as well as
-    unseen numerical noise does: a pooled calibration settles the first, ``verinfer diagnose``
-    names the cause. Without shape flags (no shape detectors, or none flagged) nothing is said."""
-    if verdict.consistent or not verdict.detectors:
+    Only the sides of the mismatches can tell (``shift``, the judged tokens' ``depth_shift``): when
+    they fall on both sides about equally (a two-sided sign test at ``alpha``; a sampler deviation
+    puts them on one side) and the calibration was fitted on fewer precisions than GPU providers
+    run, the verdict names both readings, since a wrong seed or other weights put mismatches on both
+    sides as well as unseen numerical noise does: a pooled calibration settles the first,
+    ``verinfer diagnose`` names the cause. Without mismatch sides nothing is said."""
+    if verdict.consistent or shift is None:
         return None
-    sides = [verdict.detectors[m]["flagged"] for m in SHAPE_METRICS if m in verdict.detectors]
-    if len(sides) != 2 or not sum(sides):
+    positive, negative = side_counts(np.asarray(shift, dtype=np.float64)[: verdict.tokens])
+    if not positive + negative:
         return None  # no evidence on where the mismatches fall
-    if binomtest(min(sides), sum(sides), 0.5).pvalue < verdict.alpha:
+    if binomtest(min(positive, negative), positive + negative, 0.5).pvalue < verdict.alpha:
         return None  # one-sided: a sampler deviation, not noise
     covered = (getattr(calibrator, "coverage", None) or {}).get("precisions")
     if not covered:
@@ -293,9 +331,9 @@ def coverage_note(calibrator: Calibrator, verdict: Verdict) -> str | None:
         what = f"the calibration covers {', '.join(covered)} only"
     else:
         return None
-    return (f"{what}; the sampler-shape flags fall on both sides of the verifier's tokens ({sides[0]} and "
-            f"{sides[1]}), as numerical noise of a precision it lacks (bf16) puts them, and as a wrong seed or "
-            "other weights do: a pooled fp32 + bf16 calibration tells noise apart, `verinfer diagnose` names the cause")
+    return (f"{what}; the mismatches fall on both sides of the verifier's tokens ({positive} shallower, "
+            f"{negative} deeper), as numerical noise of a precision it lacks (bf16) puts them, and as a wrong seed "
+            "or other weights do: a pooled fp32 + bf16 calibration tells noise apart, `verinfer diagnose` names the cause")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,7 +443,7 @@ def adjust(verdicts: Sequence[Verdict]) -> None:
         v.consistent = p >= v.alpha
 
 
-__all__ = ["CLIPPED", "COMMIT_RULE", "DETECTOR", "SHAPE_RULE", "Verdict", "adjust", "band_p_value",
+__all__ = ["CLIPPED", "COMMIT_RULE", "DETECTOR", "Verdict", "adjust", "band_p_value",
            "calibrated_verdict", "coverage_note", "doubling_looks", "flag_verdict", "holm", "look_sizes",
            "minimum_evidence", "pooled", "pooled_verdict", "pseudo_audits", "sequence_ci", "sequential",
-           "token_detector", "token_detectors"]
+           "side_evidence", "token_detector"]
