@@ -5,7 +5,8 @@ Usage: python benchmarks/diagnose_cost.py [--prompts 16] [--max-tokens 64] [--ro
 Traces: chitchat prompts on the bundled SmolLM2-135M (fp32), vLLM's sampler claiming T=1, top-k 50,
 top-p 0.95. In each round, alternating: one ``verify`` (one prefill + Token-DiFR scoring), the
 prefill alone, one ``diagnose`` over the whole candidate grid without model variants, and one with
-the default ones (``--variants default``: bf16, w8-channel, w4-g128, fp8-kv; one prefill each).
+the default ones (``--variants default``: bf16, w8-channel, w4-g128, fp8-kv; one prefill each, but
+fp8-kv, whose prefill is not its decode, is replayed by a teacher-forced KV-cache decode).
 Times are medians over rounds, in wall seconds and in CPU seconds of this process (the machine is shared; CPU time is what the
 work itself costs). Candidates per second: the replayed candidates (the grid less the claim and the
 bug candidates, which are read from the claim's replay) over the diagnosis time beyond its prefill.

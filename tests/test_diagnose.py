@@ -42,7 +42,8 @@ class StoredLogits:
 
 def synthetic(true: Candidate, n_traces: int = 8, length: int = 80, seed: int = 0):
     """Traces claiming CLAIM_PARAMS whose tokens were sampled under ``true`` from random logits (a
-    penalty sees each trace's own earlier tokens, as an engine's does)."""
+    penalty sees each trace's own earlier tokens, as an engine's does; a bug replaces a ``rate`` of
+    tokens by one drawn uniformly among the top K raw logits, as ``simulate.variants.TopKUniformBug``)."""
     gen = torch.Generator().manual_seed(seed)
     claimed = [CLAIM_PARAMS.with_(seed=CLAIM_PARAMS.seed + i) for i in range(n_traces)]
     actual = true.params(claimed)
@@ -58,6 +59,9 @@ def synthetic(true: Candidate, n_traces: int = 8, length: int = 80, seed: int = 
             keys = RowKeys((f"t{i}",), np.array([actual[i].seed], dtype=object), np.array([len(prompt) - 1 + k]),
                            np.array([k]))
             out.append(int(sample(row, [actual[i]], profile, keys)[0]))
+            if true.bug and float(torch.rand((), generator=gen)) < true.bug[1]:  # the bug: uniform in the top K
+                top = lg[k].topk(true.bug[0]).indices
+                out[-1] = int(top[int(torch.randint(true.bug[0], (), generator=gen))])
         logits.append(lg)
         traces.append(Trace.of_output(f"t{i}", StoredLogits.model_id, prompt, out, claimed[i]))
     return StoredLogits(logits), traces
@@ -133,6 +137,40 @@ def test_synthetic_misconfigurations_are_recovered(label):
     assert d.best.candidate.axis == by_label(label).axis
     assert d.claim_rejected and d.explained and d.best.exact > 0.99
     assert d.text.startswith("best explained by " + d.best.candidate.label)
+
+
+@pytest.mark.parametrize("label, n_traces", [("bug: 0.05 of tokens uniform in top 2", 8),
+                                             ("bug: 0.05 of tokens uniform in top 32", 16)])
+def test_synthetic_sampler_bug_is_recovered_with_enough_events(label, n_traces):
+    backend, traces = synthetic(by_label(label), n_traces=n_traces, seed=1)  # ~30 / ~60 changed tokens
+    d = diagnose_traces(backend, traces, candidate_grid(CLAIM_PARAMS))
+    assert d.best.candidate.label == label and d.claim_rejected and d.explained, d.text
+
+
+def test_sglang_kept_set_sorts_once_and_its_ranks_are_the_lazy_ones():
+    """SGLang's keep counts and hash columns come from one sort per row (the replay's costliest step):
+    the replay equals the one whose ranks are sorted again lazily, as before."""
+    from verinfer.sampling.profiles import sglang
+    from verinfer.sampling.sampler import replay
+
+    class Lazy(sglang.SglangProfile):
+        def kept_set(self, x, top_k, top_p, min_p):
+            kept = super().kept_set(x, top_k, top_p, min_p)
+            getattr(kept, sglang._RANKS)["rows"].clear()  # every rank sorted again when the noise needs it
+            return kept
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(40, VOCAB, generator=gen) * 3
+    params = [CLAIM_PARAMS.with_(profile="sglang", top_k=k, top_p=p) for k, p in [(50, 0.95), (-1, 0.8)] * 20]
+    keys = RowKeys(tuple(f"r{i}" for i in range(40)), np.array([7 + i for i in range(40)], dtype=object),
+                   np.arange(40) + 5, np.arange(40))
+    claimed = x.argmax(-1)
+    new, old = (replay(x, params, prof, keys, claimed=claimed) for prof in (sglang.SglangProfile(), Lazy()))
+    kept = sglang.SglangProfile().kept_set(x, torch.tensor([50] * 40), torch.full((40,), 0.95), torch.zeros(40))
+    assert torch.equal(torch.stack([getattr(kept, sglang._RANKS)["rows"][r] for r in range(40)]),
+                       sglang.sorted_ranks(x))
+    for field in ("token", "margin", "filter_distance", "logprob", "logit_rank", "gumbel_rank"):
+        assert torch.equal(getattr(new, field), getattr(old, field)), field
 
 
 def test_synthetic_honest_traces_keep_the_claim():
@@ -211,6 +249,27 @@ def test_cli_recovers_a_top_k_not_in_the_catalogue_and_writes_json(model, tmp_pa
     assert "best explained by top-k 20" in result.output and "Bonferroni" in result.output
     saved = json.loads((tmp_path / "d.json").read_text())
     assert saved["best"]["label"] == "top-k 20" and saved["claim_rejected"] and len(saved["candidates"]) >= 50
+
+
+@pytest.mark.parametrize("variant", ["fp8-kv-tensor", "fp8-kv-fresh"])
+def test_fp8_kv_decode_replay_reproduces_the_providers_decode(model, variant):
+    """A prefill does not compute what an fp8-KV provider's decode did (scales fitted on the prompt
+    pass; the current token read fresh); the teacher-forced decode replay does, token for token."""
+    from verinfer.scoring.diagnosis_run import _score, decode_replay
+    from verinfer.simulate.variants import get_variant
+
+    band = get_variant(variant).build(model)
+    traces = _traces(model, variant, n=3, tokens=12)
+    exact, seen = [], set()
+
+    def on_block(items, steps, logits):
+        cols, _, _ = _score(logits, items, steps, traces, {}, 0.1, EPS)
+        exact.extend(cols["exact_match"].tolist())
+        seen.update(zip(items.tolist(), steps.tolist()))
+
+    decode_replay(band, traces, on_block)
+    assert seen == {(i, k) for i, t in enumerate(traces) for k in range(len(t.output_token_ids))}
+    assert all(exact)  # the claimed sampler on the replayed logits emits every token the provider did
 
 
 def test_bundled_model_band_names_the_quantized_model(model):

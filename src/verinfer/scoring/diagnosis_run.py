@@ -1,6 +1,8 @@
 """Running a diagnosis: one prefill of the traces with the reference model, every sampler candidate
 replayed block by block on its logits (``scoring/diagnosis.py``), then, when model bands are asked
-for, one prefill per derived model replayed with the claimed sampler.
+for, one prefill per derived model replayed with the claimed sampler. A derived model whose prefill
+does not compute what its decode computes (an fp8 KV cache: scales fitted on the prompt pass, the
+current token read fresh) is replayed by its own KV-cache decode instead, fed the traces' tokens.
 
 Each block of logits is dropped once every candidate has been replayed on it, so memory does not
 grow with the tokens diagnosed; the only per-token state kept is the claim's log-likelihood (one
@@ -19,6 +21,7 @@ import torch
 
 from verinfer.files import check_outputs, write_atomic
 from verinfer.models.backend import Backend
+from verinfer.models.fp8_kv import Fp8KVBackend
 from verinfer.sampling.profiles import Profile, get_profile
 from verinfer.sampling.sampler import replay
 from verinfer.scoring.diagnosis import (
@@ -28,6 +31,7 @@ from verinfer.scoring.diagnosis import (
 from verinfer.scoring.scores import signature
 from verinfer.scoring.traces import check_traces
 from verinfer.scoring.token_difr import _keys
+from verinfer.simulate.generate import Request, decode_batch
 from verinfer.simulate.variants import get_variant, list_variants
 from verinfer.trace import Trace, TraceError, read_traces
 
@@ -88,6 +92,34 @@ def _forget(traces: Sequence[Trace], items: np.ndarray, steps: np.ndarray,
                 p.forget(traces[i].id)
 
 
+class _Forced:
+    """A decode's token hook that feeds each row its trace's token and hands each step's logits on
+    (``on_block(items, steps, logits)``): the provider's own decode loop, teacher-forced."""
+
+    def __init__(self, traces: Sequence[Trace], on_block: Callable[[np.ndarray, np.ndarray, torch.Tensor], None]):
+        self.index = {t.id: i for i, t in enumerate(traces)}
+        self.traces, self.on_block = traces, on_block
+
+    def __call__(self, logits, tokens, requests, step):
+        items = np.array([self.index[r.id] for r in requests])
+        live = np.array([step < len(self.traces[i].output_token_ids) for i in items])
+        if live.any():
+            self.on_block(items[live], np.full(int(live.sum()), step), logits[torch.as_tensor(live)])
+        return torch.tensor([self.traces[i].output_token_ids[step] if ok else t
+                             for i, ok, t in zip(items, live, tokens.tolist())], dtype=torch.long)
+
+
+def decode_replay(band: Backend, traces: Sequence[Trace], on_block) -> None:
+    """The logits ``band``'s KV-cache decode computes for the traces' tokens, step by step, as one
+    left-padded batch of every trace (``simulate.generate.decode_batch``, the provider simulator's
+    loop): for models whose prefill is not their decode (``Fp8KVBackend``). A provider that batched
+    the requests otherwise fitted its per-batch fp8 scales (``tensor``, ``head``) on other rows."""
+    order = sorted(range(len(traces)), key=lambda i: len(traces[i].prompt_token_ids))  # as generate() batches
+    batch = [Request(traces[i].id, tuple(traces[i].prompt_token_ids), traces[i].sampling) for i in order]
+    longest = max(len(t.output_token_ids) for t in traces)
+    decode_batch(band, batch, longest, band.stop_ids(), {}, token_hook=_Forced(traces, on_block))
+
+
 def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Sequence[Candidate],
                     sigma: float = SIGMA, eps: float = EPS,
                     alpha: float = ALPHA, token_budget: int = 4096, row_block: int = 512,
@@ -139,13 +171,19 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
 
     for c in bands:
         band = get_variant(c.band).build(backend)
-        for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
-            items, steps = block.items.numpy(), block.steps.numpy()
-            cols, m, ll = _score(block.logits, items, steps, traces, profile_sets[c], sigma, eps)
+
+        def score_band(items: np.ndarray, steps: np.ndarray, logits: torch.Tensor, c: Candidate = c) -> None:
+            cols, m, ll = _score(logits, items, steps, traces, profile_sets[c], sigma, eps)
             tallies[c].add(cols["exact_match"], m, ll, claim_ll[offsets[items] + steps], eps)
             _forget(traces, items, steps, [profile_sets[c]])
             if on_rows:
                 on_rows(len(items))
+
+        if isinstance(band, Fp8KVBackend):
+            decode_replay(band, traces, score_band)
+            continue
+        for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
+            score_band(block.items.numpy(), block.steps.numpy(), block.logits)
     settings = {"sigma": sigma, "eps": eps, "traces": len(traces), "tokens": int(offsets[-1]),
                 "bands": [c.band for c in bands]}
     return rank(tallies, alpha, settings)

@@ -78,21 +78,29 @@ def uses_sorted_path(params) -> bool:
     return (0 < params.top_k) or params.top_p < 1
 
 
-def sorted_ranks(x: torch.Tensor) -> torch.Tensor:
-    """Each token's place in SGLang's sort of ``softmax(x)`` (fp32, descending, ties by id), [N, V] int64."""
-    order = torch.softmax(x.float(), dim=-1).sort(dim=-1, descending=True, stable=True).indices
+def sorted_probs(x: torch.Tensor):
+    """SGLang's sort of ``softmax(x)`` (fp32, descending, ties by id): (values, indices), each [N, V].
+    One sort serves both the keep counts and the rank columns of a row (it is the replay's costliest step)."""
+    return torch.softmax(x.float(), dim=-1).sort(dim=-1, descending=True, stable=True)
+
+
+def sorted_ranks(x: torch.Tensor, order: torch.Tensor | None = None) -> torch.Tensor:
+    """Each token's place in SGLang's sort of ``softmax(x)`` [N, V] int64 (``order``: that sort's indices)."""
+    order = sorted_probs(x).indices if order is None else order
     ranks = torch.arange(x.shape[1], device=x.device).expand_as(order).contiguous()
     return torch.empty_like(order).scatter_(1, order, ranks)
 
 
-def sglang_keep_counts(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """How many tokens SGLang's filters keep per row of scaled logits ``x`` [N, V].
+def sglang_keep_counts(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                       sorted_p: torch.Tensor | None = None) -> torch.Tensor:
+    """How many tokens SGLang's filters keep per row of scaled logits ``x`` [N, V] (``sorted_p``:
+    ``sorted_probs(x).values`` when already at hand).
 
     Stable descending sort of ``softmax(x)`` (fp32), cumulative sum before top-k masking, keep
     rank < top_k and ``cumsum - p <= top_p`` (a prefix of the sorted row).
     """
     vocab = x.shape[1]
-    sorted_p = torch.softmax(x.float(), dim=-1).sort(dim=-1, descending=True, stable=True).values
+    sorted_p = sorted_probs(x).values if sorted_p is None else sorted_p
     mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     keep = (torch.arange(vocab, device=x.device)[None, :] < k[:, None]) & ~(mass_before > top_p.float()[:, None])
@@ -110,10 +118,14 @@ class SglangProfile(Profile):
         filtered = ((top_k > 0) & (top_k < vocab)) | (top_p < 1)
         k_eff = torch.zeros_like(top_k)  # 0: no filter
         idx = filtered.nonzero().squeeze(1)
+        ranks: dict[int, torch.Tensor] = {}
         if idx.numel():
-            k_eff[idx] = sglang_keep_counts(x[idx], top_k[idx], top_p[idx]).to(k_eff.dtype)
+            xs = x[idx]
+            order = sorted_probs(xs)  # one sort per row: its keep count here, its rank columns for the noise
+            k_eff[idx] = sglang_keep_counts(xs, top_k[idx], top_p[idx], order.values).to(k_eff.dtype)
+            ranks = dict(zip(idx.tolist(), sorted_ranks(xs, order.indices)))
         kept = shared_kept_set(x, k_eff, torch.ones_like(top_p), torch.zeros_like(min_p))
-        object.__setattr__(kept, _RANKS, {"x": x, "rows": {}})  # KeptSet is frozen; ranks come lazily
+        object.__setattr__(kept, _RANKS, {"x": x, "rows": ranks})  # KeptSet is frozen; other rows' ranks lazily
         return kept
 
     def gumbel_cols(self, keys, rows, cols, kept) -> torch.Tensor:
