@@ -6,7 +6,7 @@ exactly verinfer's fp32 reference weights), so an honest server differs from the
 kernel rounding. The server cannot take a prompt as token ids and returns no token ids: the audit
 sends chat messages (the server applies the GGUF's chat template) and re-tokenizes the returned
 text. Its defaults (top-k 40, min-p 0.05, repeat penalty 1.1, greedy included) are neutralised
-with ``extra_body``. Checked: greedy and seeded (``--sampler llama.cpp``) audits of the honest
+with ``extra_body``. Checked: greedy and seeded (``--profile llama.cpp``) audits of the honest
 server are CONSISTENT; the same server behind ``engines/vllm_cpu/seed_proxy.py`` (seed + 1) is
 INCONSISTENT in seeded mode.
 """

@@ -49,7 +49,6 @@ MEANINGS = {
     "--prompts": "built-in prompt set (chitchat, human-eval, gsm8k) or a JSONL file",
     "--provider": "",  # gateway: the name recorded in traces; audit run: NAME=URL of a provider to audit
     "--ray": "ray cluster",
-    "--sampler": "sampler profile",
     "--seed": "the first request's sampling seed: request i uses seed + i",
     "--speculative": "draft:k",
     "--threads": "threads",
@@ -138,6 +137,79 @@ def test_no_option_keeps_a_name_of_two_meanings():
     assert "--no-token-ids" not in {o for uses in options.values() for p in uses.values() for o in p.secondary_opts}
     assert options["--token-ids"]["audit run"].secondary_opts == ["--text-only"]
     assert {p.default for p in options["--dtype"].values()} == {"float32"}
+
+
+# Old spellings and the one name each now has: the old is hidden wherever it is accepted, and the new
+# is the visible option there (issue #31, item 2: one meaning per option, one option per meaning).
+RENAMED = {"--sampler": "--profile", "--reference-model": "--model", "--max-batch": "--batch-size",
+           "--no-token-ids": "--token-ids"}
+
+
+def test_no_concept_has_two_visible_names():
+    hidden_at = defaultdict(set)
+    for path, cmd in walk():
+        for p in cmd.params:
+            if p.param_type_name == "option" and p.hidden:
+                hidden_at[max(p.opts, key=len)].add(path)
+    options = visible_options()
+    for old, new in RENAMED.items():
+        assert old not in options, f"{old} is visible in {sorted(options[old])}; it is {new} now"
+        assert hidden_at[old], f"{old}: no command accepts the old spelling any more (drop it from RENAMED)"
+        missing = sorted(hidden_at[old] - set(options[new]))
+        assert not missing, f"{old} is hidden in {missing} without a visible {new}"
+    profile = options["--profile"]
+    assert {"generate", "serve", "gateway", "audit run", "audit bands"} <= set(profile), sorted(profile)
+
+
+def fake_audit(monkeypatch):
+    """api.load_model and api.audit stand-ins: what audit run would load and send to providers."""
+    import verinfer.api
+
+    loaded = []
+    monkeypatch.setattr(verinfer.api, "load_model",
+                        lambda model, *a, **k: loaded.append(model) or SimpleNamespace(model_id=model))
+
+    def audit(endpoints, **kwargs):
+        got, loaded[:] = list(loaded), []
+        raise Captured(json.dumps({"loaded": got, "served": [e.model for e in endpoints], "sampler": kwargs["sampler"]}))
+    monkeypatch.setattr(verinfer.api, "audit", audit)
+
+
+def test_sampler_is_a_hidden_alias_of_profile(monkeypatch, tmp_path):
+    fake_audit(monkeypatch)
+    base = ["audit", "run", "-p", "a=http://127.0.0.1:1/v1", "-o", tmp_path / "a"]
+    assert captured(invoke(*base, "--profile", "sglang"))["sampler"] == "sglang"
+    old = invoke(*base, "--sampler", "vllm-cpu")
+    assert captured(old)["sampler"] == "vllm-cpu" and "--sampler is deprecated; use --profile" in old.output
+    capture(monkeypatch, "verinfer.api", "generate")
+    monkeypatch.setattr(importlib.import_module("verinfer.cli.main"), "_load_backend", lambda *a, **k: None)
+    old = invoke("generate", "-o", tmp_path / "g.jsonl", "--sampler", "sglang")
+    assert captured(old)["profile"] == "sglang" and "use --profile" in old.output
+    import verinfer.cli.serve
+
+    monkeypatch.setattr(verinfer.cli.serve, "_serve", lambda err, model, host, port, profile, *a, **k: (
+        _ for _ in ()).throw(Captured(json.dumps({"profile": profile}))))
+    old = invoke("serve", "--sampler", "vllm-v1")
+    assert captured(old)["profile"] == "vllm-v1" and "use --profile" in old.output
+
+
+def test_audit_run_model_is_the_local_reference_and_served_model_the_providers_id(monkeypatch, tmp_path, no_model):
+    """``--model`` loads the reference in audit run as everywhere; ``--served-model`` is what providers
+    are asked for; an old script's ``--model <provider id>`` stops before anything loads, saying what to do."""
+    base = ["audit", "run", "-p", "a=http://127.0.0.1:1/v1", "-o", tmp_path / "a"]
+    for model in ("gpt-4o", "Qwen/Qwen2.5-0.5B-Instruct"):
+        one_line(invoke(*base, "--model", model), f"--model {model}", f"--served-model {model}")
+    one_line(invoke(*base, "--model", "smollm2-135m", "--reference-model", "smollm2-135m-x"),
+             "--reference-model", "--served-model smollm2-135m")
+    assert no_model == [] and not (tmp_path / "a").exists()
+    fake_audit(monkeypatch)
+    assert captured(invoke(*base)) == {"loaded": ["smollm2-135m"], "served": ["smollm2-135m"], "sampler": "vllm"}
+    got = captured(invoke(*base, "--model", "smollm2-135m", "--served-model", "meta-llama/Llama-3.1-8B"))
+    assert (got["loaded"], got["served"]) == (["smollm2-135m"], ["meta-llama/Llama-3.1-8B"])
+    old = invoke(*base, "--reference-model", "smollm2-135m")
+    assert captured(old)["loaded"] == ["smollm2-135m"] and "--reference-model is deprecated; use --model" in old.output
+    help_text = invoke("audit", "run", "--help").output
+    assert "--served-model" in help_text and "--reference-model " not in help_text
 
 
 def test_audit_run_mode_help_names_every_mode():

@@ -188,3 +188,71 @@ def test_threads_applied_to_torch_before_the_command_runs(one_torch_thread):
 def test_bad_threads_is_a_usage_error():
     result = CliRunner().invoke(app, ["generate", "-o", "x.jsonl", "--threads", "-2"])
     assert result.exit_code == 2
+
+
+# --- the Python API applies the same policy (issue #31, item 4) --------------------------------------
+
+def test_user_chose_reads_the_environment_and_torch_count():
+    assert not machine.user_chose({}, current=4, machine_cores=4)  # torch's own start: the policy decides
+    assert machine.user_chose({}, current=3, machine_cores=4)  # torch.set_num_threads(3) was called
+    assert machine.user_chose({"OMP_NUM_THREADS": "4"}, current=4, machine_cores=4)
+    assert machine.user_chose({"MKL_NUM_THREADS": "2"}, current=2, machine_cores=4)
+    assert not machine.user_chose({"OMP_NUM_THREADS": ""}, current=4, machine_cores=4)
+
+
+API_THREADS = """
+import os, torch
+from verinfer import machine
+before = torch.get_num_threads()
+{setup}
+chosen = torch.get_num_threads()
+first = machine.ensure_threads()
+torch.set_num_threads(first + 1)  # a later choice of the user's is never undone
+second = machine.ensure_threads()
+print(before, chosen, first, second, torch.get_num_threads())
+"""
+
+
+@pytest.mark.parametrize("setup, env, chosen", [
+    ("", {"VERINFER_WORKER": "1"}, False),  # nobody chose: the policy (a worker: one thread)
+    ("torch.set_num_threads(3)", {"VERINFER_WORKER": "1"}, True),  # the user called torch.set_num_threads
+    ("", {"OMP_NUM_THREADS": "2", "VERINFER_WORKER": "1"}, True),  # the user set OMP_NUM_THREADS
+])
+def test_api_applies_the_policy_once_unless_the_user_chose(setup, env, chosen):
+    cores = machine.usable_cores(set(range(os.cpu_count() or 1)))
+    if cores < 2 and not chosen:
+        pytest.skip("one core: the policy's one thread is torch's default, nothing to tell apart")
+    base = {k: v for k, v in os.environ.items() if k not in (*POLICY_ENV, "MKL_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", API_THREADS.format(setup=setup)], env={**base, **env},
+                         capture_output=True, text=True, timeout=600, check=True)
+    before, chosen_count, first, second, final = map(int, out.stdout.split())
+    assert first == (chosen_count if chosen else 1), out.stdout
+    assert (second, final) == (first + 1, first + 1), out.stdout  # applied once: the second call changes nothing
+    if not chosen:
+        assert before == cores  # torch started with its own default, which the policy replaced
+
+
+class PolicyApplied(Exception):
+    pass
+
+
+def test_api_functions_apply_the_policy_before_running_a_model(monkeypatch, tmp_path):
+    from verinfer import api
+    from verinfer.sampling.params import SamplingParams
+    from verinfer.trace import Trace
+
+    def stop():
+        raise PolicyApplied
+
+    monkeypatch.setattr(api, "ensure_threads", stop)
+    monkeypatch.setattr(api, "_load", lambda *a: pytest.fail("a model loaded before the thread policy"))
+    trace = Trace(id="t0", model="smollm2-135m", prompt_token_ids=[1, 2], output_token_ids=[3],
+                  sampling=SamplingParams(seed=3))
+    calls = {"load_model": lambda: api.load_model(),
+             "generate": lambda: api.generate("chitchat", n=1),
+             "verify": lambda: api.verify([trace], scores=tmp_path / "s.parquet"),
+             "diagnose": lambda: api.diagnose([trace]),
+             "audit": lambda: api.audit({"a": "http://127.0.0.1:1/v1"}, out=tmp_path / "a")}
+    for name, call in calls.items():
+        with pytest.raises(PolicyApplied):
+            call()

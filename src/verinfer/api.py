@@ -13,6 +13,13 @@ functions; notebooks and services call them directly::
 
 Models are loaded once per (model, dtype, device) and reused; pass ``backend=`` to use one you
 loaded yourself.
+
+Threads: the functions that run a model (``load_model``, ``generate``, ``verify``, ``audit``,
+``diagnose``) apply the command line's thread policy (``verinfer.machine``: the physical cores this
+process may use that other processes leave idle, one thread in a worker process) once per process,
+unless you chose already: ``OMP_NUM_THREADS`` (or ``MKL_NUM_THREADS``) set, or
+``torch.set_num_threads`` called with a count other than torch's default
+(``verinfer.machine.ensure_threads``). To keep torch's default count, set ``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import numpy as np
 import pyarrow as pa
 
 from verinfer.files import check_outputs, derived_path, write_atomic
+from verinfer.machine import check_device, ensure_threads
 from verinfer.models.backend import Backend
 from verinfer.models.load import DEFAULT_MODEL
 from verinfer.prompts import Prompt, load_prompts
@@ -56,32 +64,8 @@ def _load(model: str, dtype: str, device: str) -> Backend:
 def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu") -> Backend:
     """The reference or provider model, loaded offline once per (model, dtype, device)."""
     check_device(device)
+    ensure_threads()
     return _load(model, dtype, device)
-
-
-def check_device(device: str) -> None:
-    """Refuse a device torch cannot name or this machine does not have, before anything is loaded
-    (torch's own errors are a traceback listing every backend it was built for)."""
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"--device {device!r}: not a torch device (cpu, cuda, cuda:1, mps)") from None
-    if parsed.type == "cpu":
-        return
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count and (parsed.index or 0) < count:
-            return
-        have = f"{count} CUDA device(s)" if count else "no CUDA device"
-    elif parsed.type == "mps":
-        if torch.backends.mps.is_available():
-            return
-        have = "no MPS device"
-    else:
-        have = "only cpu, cuda and mps are supported"
-    raise ValueError(f"--device {device!r}: not available ({have})")
 
 
 def _positive(name: str, value: int) -> None:
@@ -137,6 +121,7 @@ def generate(prompts: str | Sequence[Prompt] = "chitchat", *, n: int = 16, model
         raise ValueError(f"sampling: {params_problems(params)[0]}")
     if spec and commits is not None:
         raise ValueError("activation commits are not built for speculative decoding; drop --speculative or the commits")
+    ensure_threads()
     backend = backend or load_model(model, dtype, device)
     prompt_list = load_prompts(prompts, n) if isinstance(prompts, str) else list(prompts)[:n]
     requests = build_requests(backend, prompt_list, params)
@@ -233,19 +218,22 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
         if not _utf8(t.id):
             raise TraceError(f"{source}: record {n} (id {ascii(t.id)}): field 'id' is not valid Unicode text "
                              "(a lone surrogate)")
-    if backend is None:
-        claimed = sorted({t.model for t in trace_list})
-        if model is None and len(claimed) > 1:
-            raise ValueError(f"{source}: traces claim several models ({', '.join(claimed)}); pass model=")
-        backend = load_model(model or claimed[0], dtype, device)
+    ensure_threads()
+    if backend is None:  # the traces' own model unless told otherwise (one rule with diagnose)
+        backend = load_model(reference_model(trace_list, model, source), dtype, device)
     kept, skipped = check_traces(trace_list, backend, source, skip_invalid, allow_model_mismatch)
     kept, unaligned, replays = align_retokenized(backend, kept)  # re-tokenization drift is never scored as divergence
     used = str(calibration_path) if calibration_path else ("calibration given by the caller" if calibrator else None)
+    missing = None  # why no shipped calibration fits, and how to fit one (one line)
     if calibrator is None and default_calibration and kept:
+        from verinfer.stats.shipped import no_default
+
         shipped = find_calibration(signature(kept, backend.model_id, backend.dtype_name))
         if shipped is not None:
             calibrator, used = Calibrator.load(shipped), f"{shipped.name} (shipped default)"
             check_batch_size(batch_size, calibrator, used)
+        else:
+            missing = no_default(signature(kept, backend.model_id, backend.dtype_name))
     if calibrator is not None:  # refuse a calibration of another configuration before scoring
         problem = signature_mismatch(calibrator.signature, signature(kept, backend.model_id, backend.dtype_name))
         if problem:
@@ -254,6 +242,8 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
     summary = summarize(scored.columns, calibrator, batch_size, scored.commit_checks,
                         commit_scores(scored.commit_checks), alpha)
     summary.calibration = used
+    if missing is not None:
+        summary.note = missing
     return VerifyResult(summary, scored, skipped)
 
 
@@ -367,6 +357,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     if policy.problems():
         raise ValueError(policy.problems()[0])
     out = Path(out)
+    ensure_threads()
     backend = backend or load_model(reference_model, "float32", device)
     endpoints = ([Endpoint(name, url, model or backend.model_id, api_key_env) for name, url in providers.items()]
                  if isinstance(providers, Mapping) else list(providers))
@@ -416,6 +407,7 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
     --variants``) adds one prefill per derived model. With ``out`` the diagnosis is also written as JSON (atomically, never over the traces).
     """
     trace_list, source, sigma, alpha, band_names = prepare(traces, out, sigma, alpha, variants)
+    ensure_threads()
     backend = backend or load_model(reference_model(trace_list, model, source), dtype, device)
     return run_diagnosis(trace_list, backend, source, band_names, sigma, alpha, out, skip_invalid,
                          allow_model_mismatch, on_rows)

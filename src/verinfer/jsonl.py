@@ -1,10 +1,11 @@
-"""JSON Lines reading shared by every input file format (traces, prompts)."""
+"""JSON Lines reading shared by every input file format (traces, prompts), and the one check that a
+piece of JSON text is an object (command-line options, streamed events)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 
 def read_jsonl(path: Path, error: type[Exception]) -> Iterator[tuple[str, object]]:
@@ -24,3 +25,16 @@ def read_jsonl(path: Path, error: type[Exception]) -> Iterator[tuple[str, object
                 what = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deep"
                 raise error(f"{path}:{lineno}: not valid JSON ({what})") from None
             yield f"{path}:{lineno}", record
+
+
+def json_object(text: str, where: str, error: type[Exception] = ValueError) -> dict[str, Any]:
+    """``text`` parsed as a JSON object, or ``error`` naming ``where``: not JSON, or JSON of another
+    type (``audit run --extra-body``, ``gateway --request-defaults``, a streamed event)."""
+    try:
+        value = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        what = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deep"
+        raise error(f"{where}: not JSON ({what})") from None
+    if not isinstance(value, dict):
+        raise error(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
-import torch
-
 import verinfer
 
 SYS_CPU = Path("/sys/devices/system/cpu")
@@ -40,6 +38,8 @@ class Threads:
 
 
 def describe(threads: int, extra: str = "") -> str:
+    import torch
+
     return (f"{platform.processor() or platform.machine()} ({platform.machine()}), {os.cpu_count()} CPU cores "
             f"(shared with other processes), torch {torch.__version__} CPU, {threads} torch thread(s), "
             + (f"{extra}, " if extra else "") + f"Python {platform.python_version()}, verinfer {verinfer.__version__}")
@@ -172,7 +172,77 @@ def default_threads(requested: int | None = None) -> Threads:
 
 
 def use_threads(requested: int | None = None) -> int:
-    """Apply the policy to torch in this process (every command's ``--threads``); returns the count."""
+    """Apply the policy to torch in this process (every command's ``--threads``); returns the count.
+
+    Where torch is not imported yet (a command line being parsed) the count goes to
+    ``OMP_NUM_THREADS``, which torch reads when it starts: parsing never pays for importing torch,
+    so bad input is answered in well under a second. Processes this one starts inherit the count,
+    as Ray's workers inherit theirs."""
+    import sys
+
+    global _applied
     threads = default_threads(requested)
-    torch.set_num_threads(threads.count)
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads.count)
+    else:
+        os.environ["OMP_NUM_THREADS"] = str(threads.count)
+    _applied = threads.count
     return threads.count
+
+
+_applied: int | None = None  # the count use_threads set in this process, if it ran
+
+
+def user_chose(env: dict[str, str], current: int, machine_cores: int) -> bool:
+    """Whether the user already chose torch's thread count: ``OMP_NUM_THREADS`` or ``MKL_NUM_THREADS``
+    set (torch starts with that count), or a count other than the one torch starts with otherwise,
+    every physical core of the machine (ATen's ``intraop_default_num_threads``, cores counted as
+    cpuinfo counts them), which only ``torch.set_num_threads`` changes. A user who wants exactly
+    that count sets ``OMP_NUM_THREADS``."""
+    return any(env.get(name, "").strip() for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")) \
+        or current != machine_cores
+
+
+def ensure_threads() -> int:
+    """The Python API's step before it runs a model: apply the policy once per process, unless it ran
+    already (a command's ``--threads``, an earlier call) or the user chose (``user_chose``); returns
+    torch's count. Same policy as the command line, so a notebook on a shared machine does not
+    oversubscribe it either (issue #31, item 4)."""
+    import torch
+
+    global _applied
+    current = torch.get_num_threads()
+    if _applied is not None:
+        return current
+    if user_chose(dict(os.environ), current, usable_cores(set(range(os.cpu_count() or 1)))):
+        _applied = current
+        return current
+    return use_threads()
+
+
+def check_device(device: str) -> None:
+    """Refuse a device torch cannot name or this machine does not have, before anything is loaded
+    (torch's own errors are a traceback listing every backend it was built for). ``cpu`` is answered
+    without importing torch, so a command's input checks stay fast."""
+    if device == "cpu":
+        return
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"--device {device!r}: not a torch device (cpu, cuda, cuda:1, mps)") from None
+    if parsed.type == "cpu":
+        return
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count and (parsed.index or 0) < count:
+            return
+        have = f"{count} CUDA device(s)" if count else "no CUDA device"
+    elif parsed.type == "mps":
+        if torch.backends.mps.is_available():
+            return
+        have = "no MPS device"
+    else:
+        have = "only cpu, cuda and mps are supported"
+    raise ValueError(f"--device {device!r}: not available ({have})")

@@ -2,7 +2,7 @@
 
 Greedy spot checks (temperature 0) need nothing from the provider but argmax decoding. Seeded
 mode asks for sampling with a per-prompt seed and replays it with the provider's sampler profile
-(``--sampler vllm``), so only engines whose sampler the project reproduces can be audited that way.
+(``--profile vllm``), so only engines whose sampler the project reproduces can be audited that way.
 With ``choices > 1`` a seeded request asks for ``n`` completions: vLLM seeds choice j of a request
 with seed ``seed + j`` (``SamplingParams`` children, REFERENCE.md 1.2 and 8; ``verinfer serve`` does
 the same), so prompt i is sent seed ``seed + i * choices`` and its choice j claims one more per j:

@@ -11,8 +11,9 @@ everything after the client (parsing, drift, verdicts) is the same for both.
 
 from __future__ import annotations
 
-import json
 from typing import Any
+
+from verinfer.jsonl import json_object
 
 
 class StreamError(ValueError):
@@ -30,12 +31,7 @@ def events(text: str) -> list[dict[str, Any]]:
         if data == "[DONE]":
             done = True
             break
-        try:
-            chunk = json.loads(data)
-        except json.JSONDecodeError as exc:
-            raise StreamError(f"event on line {n} is not JSON ({exc.msg}): {data[:80]!r}") from None
-        if not isinstance(chunk, dict):
-            raise StreamError(f"event on line {n} is a JSON {type(chunk).__name__}, expected an object")
+        chunk = json_object(data, f"event on line {n} ({data[:80]!r})", StreamError)
         if "error" in chunk and not chunk.get("choices"):
             raise StreamError(f"the stream reported an error: {str(chunk['error'])[:200]}")
         chunks.append(chunk)

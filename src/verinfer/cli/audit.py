@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from pathlib import Path
 from typing import Optional
@@ -10,11 +12,11 @@ import typer
 from rich.markup import escape
 
 from verinfer.cli import options as opt
-from verinfer.cli.console import console as _console
+from verinfer.cli.console import console as _console, help_style
 from verinfer.cli.errors import one_line_errors as _friendly
 from verinfer.files import fresh_path, write_atomic
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, **help_style(), no_args_is_help=True,
                   help="Audit OpenAI-compatible providers against a trusted reference, with calibrated bands.")
 console = _console()
 err = _console(stderr=True)
@@ -23,18 +25,37 @@ TOP_K_HELP = ("seeded and seedless modes: top-k (-1: off; sent only when > 0, so
 TOP_P_HELP = "seeded and seedless modes: top-p (1.0: off, the whole distribution; generate's 0.95 simulates vLLM chat)"
 
 
-def _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, endpoint, token_ids=True):
-    from verinfer.auditing.plan import AuditSpec
+def sampling_options(fn):
+    """The sampling options ``audit bands`` and ``audit run`` share, declared once: the command gets
+    them as one dict ``sampling`` in ``AuditSpec`` / ``api.audit`` keywords (``sampler`` is the
+    profile), so bands are built for exactly what an audit asks (and ``--sampler``, the profile's
+    old spelling, is a hidden alias)."""
+    options = [("profile", str, opt.profile("seeded mode: the provider's sampler profile")),
+               ("sampler", Optional[str], opt.hidden("--sampler")),
+               ("temperature", float, opt.temperature()),
+               ("top_k", int, typer.Option(-1, help=TOP_K_HELP)),
+               ("top_p", float, typer.Option(1.0, help=TOP_P_HELP)),
+               ("min_p", float, opt.min_p()),
+               ("seed", int, opt.seed())]
+    signature = inspect.signature(fn)
+    params = []
+    for p in signature.parameters.values():  # the shared options where the command lists ``sampling``
+        params += [inspect.Parameter(name, p.kind, default=default, annotation=kind) for name, kind, default in options] \
+            if p.name == "sampling" else [p]
 
-    spec = AuditSpec(mode=mode, sampler=sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                     seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids)
-    if spec.problems():
-        raise ValueError(spec.problems()[0])
-    return spec
+    @functools.wraps(fn)
+    def command(*args, **kwargs):
+        values = {name: kwargs.pop(name) for name, _, _ in options}
+        profile = opt.alias(values.pop("profile"), values.pop("sampler"), "--sampler", "--profile")
+        return fn(*args, sampling={"sampler": profile, **values}, **kwargs)
+
+    command.__signature__ = signature.replace(parameters=params)
+    return command
 
 
 @app.command()
 @_friendly
+@sampling_options
 def bands(
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="bands file; default: a new file named after the "
                                        "model and settings in the current directory (-2, -3, ... if taken)"),
@@ -45,30 +66,30 @@ def bands(
                                        "than the one `audit run` audits by default, 0)"),
     variants: str = typer.Option(",".join(("honest", "bf16", "w8", "fp8-kv", "w4")), help="comma-separated variants"),
     mode: str = typer.Option("greedy", help="greedy or seeded (the seedless modes need no bands)"),
-    sampler: str = typer.Option("vllm", help="seeded mode: sampler profile"),
-    temperature: float = opt.temperature(),
-    top_k: int = typer.Option(-1, help=TOP_K_HELP),
-    top_p: float = typer.Option(1.0, help=TOP_P_HELP),
-    min_p: float = opt.min_p(),
-    seed: int = opt.seed(),
+    sampling: Optional[dict] = None,
     max_tokens: int = opt.max_tokens(48),
     batch_size: int = opt.batch_size(16),
     threads: int = opt.threads(),
 ):
     """Build calibrated bands (honest, bf16-, 8-bit-, fp8-KV-, 4-bit-like) for an audit's settings."""
     from verinfer.auditing.bands import bands_filename, build_bands
+    from verinfer.auditing.plan import AuditSpec
     from verinfer.models.backend import Backend
     from verinfer.prompts import load_prompts
 
-    spec = _spec(mode, sampler, temperature, top_k, top_p, min_p, seed, max_tokens, "chat")
+    spec = AuditSpec(mode=mode, max_tokens=max_tokens, endpoint="chat", **sampling)
+    if spec.problems():
+        raise ValueError(spec.problems()[0])
+    sp = sampling
     backend = Backend.load(model)
     data = build_bands(backend, load_prompts(prompts, n, seed=prompt_seed), spec,
                        [v.strip() for v in variants.split(",") if v.strip()], batch_size,
                        on_stage=lambda s: err.print(s), command=" ".join(
                            ["verinfer audit bands", f"--model {model}", f"--prompts {prompts}", f"--n {n}",
                             f"--prompt-seed {prompt_seed}", f"--variants {variants}", f"--mode {mode}",
-                            *([f"--sampler {sampler}", f"--temperature {temperature:g}", f"--top-k {top_k}",
-                               f"--top-p {top_p:g}", f"--min-p {min_p:g}", f"--seed {seed}"]
+                            *([f"--profile {sp['sampler']}", f"--temperature {sp['temperature']:g}",
+                               f"--top-k {sp['top_k']}", f"--top-p {sp['top_p']:g}", f"--min-p {sp['min_p']:g}",
+                               f"--seed {sp['seed']}"]
                               if mode == "seeded" else []), f"--max-tokens {max_tokens}"]))
     out = out or fresh_path(bands_filename(backend.model_id, spec.signature()))  # never the package's data
     write_atomic(out, json.dumps(data, indent=1))
@@ -98,15 +119,40 @@ def _endpoints(provider: list[str], providers_file: Optional[Path], model: str, 
     return out
 
 
+def _reference_model(ctx: typer.Context, model: str, old: Optional[str]) -> str:
+    """``--model`` is the local reference model in ``audit run`` too; before issue #31 it was the id
+    sent to providers (now ``--served-model``) and the reference was ``--reference-model`` (now its
+    hidden alias). An old script's provider id is refused before anything loads, saying so."""
+    from verinfer.models.load import ALIASES, available_offline
+
+    given = getattr(ctx.get_parameter_source("model"), "name", None) == "COMMANDLINE"
+    if old is not None and given and old != model:
+        raise ValueError(f"--model {model} and --reference-model {old}: --model is the local reference model "
+                         f"now (--reference-model its old spelling); pass the providers' model id as "
+                         f"--served-model {model}")
+    model = opt.alias(model, old, "--reference-model", "--model")
+    problem = available_offline(model) if given and model not in ALIASES else None
+    if problem:
+        raise ValueError(f"--model {model}: not a model verinfer can load here ({problem}); --model is the local "
+                         f"reference model: pass the providers' model id as --served-model {model}")
+    return model
+
+
 @app.command()
 @_friendly
+@sampling_options
 def run(
+    ctx: typer.Context,
     provider: list[str] = typer.Option([], "--provider", "-p", help="NAME=BASE_URL (ending in /v1); repeatable"),
     providers_file: Optional[Path] = opt.input_file("--providers-file", "JSON list of {name, url, model?, "
                                                      "api_key_env?}"),
     out: Path = typer.Option(Path("verinfer-audit"), "--out", "-o", help="audit directory (re-running resumes)"),
-    model: Optional[str] = typer.Option(None, help="model id sent to providers; default: the reference model's id"),
-    reference_model: str = typer.Option("smollm2-135m", help="local reference model (also the tokenizer)"),
+    model: str = opt.model(help="local reference model (also the tokenizer): alias, .gguf file, local directory "
+                           "or cached hub id; the providers' model id is --served-model"),
+    reference_model: Optional[str] = opt.hidden("--reference-model"),
+    served_model: Optional[str] = typer.Option(None, "--served-model", help="model id sent to providers (as "
+                                               "vLLM's --served-model-name); default: the reference model's id; a "
+                                               "providers file's 'model' wins"),
     device: str = opt.device(),
     reference_url: Optional[str] = typer.Option(None, help="trusted reference API base URL (e.g. your own vllm "
                                                 "serve) returning prompt logprobs (echo) and, for rank / mmd / auto, "
@@ -123,7 +169,6 @@ def run(
                              "ranked among reference draws), mmd (many completions per prompt), logprobs (the "
                              "provider's returned logprobs against the reference's), or auto (every test the responses "
                              "allow, combined by Holm's procedure)"),
-    sampler: str = typer.Option("vllm", help="seeded mode: the provider's sampler profile"),
     samples: int = typer.Option(16, help="rank: reference draws per prompt; mmd: completions per prompt from the "
                                 "provider (one request with n) and from the reference"),
     stream: bool = typer.Option(False, help="ask for streamed responses (stream: true, server-sent events)"),
@@ -132,11 +177,7 @@ def run(
                                 "request's seed + j, as vLLM seeds it (prompt i is sent seed + i x choices)"),
     top_logprobs: int = typer.Option(5, help="logprobs mode: alternatives asked for per position (0-20; the "
                                      "sampled token's own logprob is always compared)"),
-    temperature: float = opt.temperature(),
-    top_k: int = typer.Option(-1, help=TOP_K_HELP),
-    top_p: float = typer.Option(1.0, help=TOP_P_HELP),
-    min_p: float = opt.min_p(),
-    seed: int = opt.seed(),
+    sampling: Optional[dict] = None,
     max_tokens: int = opt.max_tokens(48),
     endpoint: str = typer.Option("chat", help="chat (messages) or completions (token-id prompts)"),
     token_ids: bool = opt.token_ids("ask for the output's token ids (return_token_ids), or only text "
@@ -164,17 +205,17 @@ def run(
     """Audit providers: ask, persist, verify against the reference, judge against calibrated bands.
 
     Exit 0: every provider consistent; 1: some provider INCONSISTENT; 2: bad input."""
-    from verinfer import api
-    from verinfer.auditing.report import warning_lines
-
     verdict_batch = opt.alias(verdict_batch, batch_size, "--batch-size (tokens per verdict batch)", "--verdict-batch")
     if no_token_ids is not None:
         token_ids = not opt.alias(no_token_ids, no_token_ids, "--no-token-ids", "--token-ids/--text-only")
-    _endpoints(provider, providers_file, model or reference_model, api_key_env)  # refused before the model loads
-    backend = api.load_model(reference_model, "float32", device)
-    endpoints = _endpoints(provider, providers_file, model or backend.model_id, api_key_env)
-    result = api.audit(endpoints, out=out, prompts=prompts, n=n, prompt_seed=prompt_seed, mode=mode, sampler=sampler,
-                       temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed,
+    model = _reference_model(ctx, model, reference_model)
+    _endpoints(provider, providers_file, served_model or model, api_key_env)  # refused before torch or a model loads
+    from verinfer import api
+    from verinfer.auditing.report import warning_lines
+
+    backend = api.load_model(model, "float32", device)
+    endpoints = _endpoints(provider, providers_file, served_model or backend.model_id, api_key_env)
+    result = api.audit(endpoints, out=out, prompts=prompts, n=n, prompt_seed=prompt_seed, mode=mode, **sampling,
                        max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids, bands=bands_file,
                        calibration=calibration, batch_size=verdict_batch, fpr=fpr, concurrency=concurrency,
                        timeout=timeout, retries=retries, deadline=deadline, max_response_mb=max_response_mb,

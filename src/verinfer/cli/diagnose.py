@@ -29,7 +29,7 @@ def _table(diagnosis, rows: int) -> Table:
 
 @one_line_errors
 def diagnose(
-    traces: Path = typer.Argument(..., help="trace file (.jsonl or .parquet)", exists=False),
+    traces: Path = opt.input_files("trace file (.jsonl or .parquet)"),
     model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
     dtype: str = opt.dtype("float32", "reference compute dtype"),
     device: str = opt.device(),

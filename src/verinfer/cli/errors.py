@@ -30,11 +30,9 @@ def one_line_errors(fn):
     def wrapper(*args, **kwargs):
         from verinfer.extras import MissingExtra
         from verinfer.models.load import ModelNotAvailable
-        from verinfer.prompts import PromptError
-        from verinfer.trace import TraceError
 
-        try:
+        try:  # TraceError, PromptError, StreamError... are ValueErrors
             return fn(*args, **kwargs)
-        except (TraceError, PromptError, ModelNotAvailable, MissingExtra, ValueError, OSError) as exc:
+        except (ModelNotAvailable, MissingExtra, ValueError, OSError) as exc:
             fail(str(exc))
     return wrapper

@@ -13,7 +13,6 @@ import typer
 
 from verinfer.cli import options as opt
 from verinfer.cli.errors import one_line_errors
-from verinfer.sampling.profiles import profile_names
 
 
 def _bool(name: str, value: str) -> bool:
@@ -55,7 +54,8 @@ def gateway(
                                            "dropped)"),
     port: int = typer.Option(8080, help="TCP port to listen on (0: a free one, logged at start)"),
     traces: Path = typer.Option(..., help="directory for the trace shards (created if missing)"),
-    profile: str = typer.Option("vllm", help="sampler profile the traces claim: " + ", ".join(profile_names())),
+    profile: str = opt.profile("sampler profile the traces claim"),
+    sampler: Optional[str] = opt.hidden("--sampler"),
     assign_seeds: bool = typer.Option(False, "--assign-seeds",
                                       help="give sampled requests without a seed one (recorded), so they verify"),
     model: Optional[str] = typer.Option(
@@ -97,6 +97,7 @@ def gateway(
 
     if no_token_ids:
         token_ids = not opt.alias(no_token_ids, no_token_ids, "--no-token-ids", "--text-only")
+    profile = opt.alias(profile, sampler, "--sampler", "--profile")
     get_profile(profile)  # an unknown name is refused here, naming the known ones
     store = _bool("--store-text", store_text)
     model_id, tokenizer, stops = _tokenizer(model) if model else (None, None, frozenset())

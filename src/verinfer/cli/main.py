@@ -19,11 +19,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table  # noqa: E402
 
 from verinfer.cli import options as opt  # noqa: E402
-from verinfer.cli.console import console as _console  # noqa: E402
+from verinfer.cli.console import console as _console, help_style  # noqa: E402
 from verinfer.cli.errors import one_line_errors as _friendly  # noqa: E402
-from verinfer.sampling.profiles import profile_names  # noqa: E402
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, **help_style(), no_args_is_help=True,
                   help="verinfer: verify that LLM outputs came from the claimed model and sampler.")
 console = _console()
 err = _console(stderr=True)
@@ -74,7 +73,8 @@ def generate(
     model: str = opt.model(),
     dtype: str = opt.dtype(),
     device: str = opt.device(),
-    profile: str = typer.Option("vllm", help="sampler profile: " + ", ".join(profile_names())),
+    profile: str = opt.profile(),
+    sampler: Optional[str] = opt.hidden("--sampler"),
     temperature: float = opt.temperature(),
     top_k: int = typer.Option(50, help="top-k (<= 0: off; 50 with top-p 0.95 simulates a vLLM chat deployment, "
                               "where `audit` asks providers for the unfiltered distribution)"),
@@ -95,6 +95,7 @@ def generate(
     """Generate traces with a sampler profile (the provider simulator)."""
     from verinfer import api
 
+    profile = opt.alias(profile, sampler, "--sampler", "--profile")
     for name, value in (("--n", n), ("--max-tokens", max_tokens), ("--batch-size", batch_size)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
@@ -122,8 +123,8 @@ def generate(
 @app.command()
 @_friendly
 def verify(
-    traces_arg: str = typer.Argument(..., metavar="TRACES", help="trace file (.jsonl or .parquet), or a directory "
-                                     "or glob of trace shards (verified shard by shard, resumably)"),
+    traces_arg: str = opt.traces("trace file (.jsonl or .parquet), or a directory or glob of trace shards "
+                                 "(verified shard by shard, resumably)"),
     scores: Optional[Path] = typer.Option(None, help="per-token scores (.parquet); default: <TRACES stem>.scores.parquet "
                                           "(a trace file not in .jsonl keeps its extension: t.parquet.scores.parquet)"),
     commit_scores: Optional[Path] = typer.Option(None, help="commit scores (.parquet); default: <scores stem>"
@@ -153,6 +154,7 @@ def verify(
     invalid; 2: bad input."""
     from verinfer import api
     from verinfer.files import check_outputs, write_atomic
+    from verinfer.scoring.diagnosis_run import reference_model
     from verinfer.trace import read_traces
 
     batch_size = opt.alias(verdict_batch, batch_size, "--batch-size (tokens per verdict batch)", "--verdict-batch")
@@ -169,10 +171,7 @@ def verify(
         return
     check_outputs([json_out], [traces_path, calibration, scores])
     traces = read_traces(traces_path)
-    claimed = sorted({t.model for t in traces})
-    if model is None and len(claimed) > 1:
-        raise ValueError(f"{traces_path}: traces claim several models ({', '.join(claimed)}); pass --model")
-    backend = _load_backend(model or claimed[0], dtype, device)
+    backend = _load_backend(reference_model(traces, model, str(traces_path)), dtype, device)
     with _progress() as bar:
         task = bar.add_task("verifying", total=sum(len(t.output_token_ids) for t in traces))
         result = api.verify(traces_path, calibration=calibration, batch_size=batch_size, scores=scores,

@@ -15,9 +15,10 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import typer  # noqa: E402
 
 from verinfer.cli import options as opt  # noqa: E402
+from verinfer.cli.console import help_style  # noqa: E402
 from verinfer.cli.errors import one_line_errors  # noqa: E402
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, **help_style(), no_args_is_help=True,
                   help="MarginGate: verify only low-margin decode steps against a deterministic path.")
 LLAMA_ONLY = "model alias, .gguf file, local directory or cached hub id (Llama-architecture models only)"
 

@@ -1,12 +1,14 @@
 """One vocabulary of options: the same flag means the same thing in every command.
 
-``--model`` (alias, .gguf file, local directory or cached hub id), ``--dtype``, ``--device``,
+``--model`` (the model loaded here: alias, .gguf file, local directory or cached hub id; a
+provider's model id is ``audit run --served-model``), ``--profile`` (the engine sampler), ``--dtype``, ``--device``,
 ``--prompts`` / ``--n`` / ``--prompt-seed`` (which prompts), ``--seed`` (the first request's
 sampling seed: request i uses seed + i), ``--max-tokens`` (new tokens per request), ``--batch-size``
 / ``--batch-sizes`` (requests decoded together), ``--verdict-batch`` / ``--verdict-batches`` (tokens
 per verdict batch), ``--token-ids/--text-only``, ``--fpr`` (target false-positive rate), ``--out`` /
 ``-o``. Old spellings (``--max-new-tokens``, ``--batch``, ``--n-prompts``, ``--batch-size`` and
-``--batch-sizes`` for verdict batches, ``--no-token-ids``) are hidden aliases for one release and
+``--batch-sizes`` for verdict batches, ``--no-token-ids``, ``--sampler``, ``audit run
+--reference-model``) are hidden aliases for one release and
 print a deprecation note. ``tests/test_options.py`` walks every command and holds them to this.
 
 Input files are checked as the command line is parsed (``input_file``, ``prompts``): a missing one
@@ -15,7 +17,7 @@ is one line and exit 2 before any model loads (issue #31, item 4).
 
 from __future__ import annotations
 
-import json
+import glob
 from pathlib import Path
 from typing import Optional
 
@@ -24,6 +26,7 @@ import typer
 from verinfer.cli.console import console
 from verinfer.cli.errors import fail
 from verinfer.models.load import DEFAULT_MODEL
+from verinfer.sampling.profile_names import PROFILE_NAMES
 
 err = console(stderr=True)
 
@@ -43,8 +46,8 @@ def device(default: str = "cpu"):
 
 def _check_device(value: str) -> str:
     """Every command's ``--device``, checked as it is parsed: one line and exit 2 for a device torch
-    cannot name or this machine lacks (``verinfer.api.check_device``)."""
-    from verinfer.api import check_device
+    cannot name or this machine lacks (``verinfer.machine.check_device``)."""
+    from verinfer.machine import check_device
 
     try:
         check_device(value)
@@ -72,6 +75,18 @@ def input_file(flag: str, help: str, default: Optional[Path] = None):
     return typer.Option(default, flag, help=help, callback=_check_inputs)
 
 
+def traces(help: str):
+    """The TRACES argument (a trace file, a directory or a glob of shards): a plain path that does
+    not exist is refused as it is parsed, before torch is even imported."""
+    return typer.Argument(..., metavar="TRACES", help=help, callback=_check_traces)
+
+
+def _check_traces(value: str) -> str:
+    if not glob.has_magic(value) and not Path(value).exists():
+        fail(f"TRACES {value}: no such file or directory")
+    return value
+
+
 def input_files(help: str, default=..., metavar: Optional[str] = None):
     """Input file arguments (score files), each checked to exist as it is parsed."""
     return typer.Argument(default, help=help, metavar=metavar, callback=_check_inputs)
@@ -88,6 +103,12 @@ def _check_inputs(ctx: typer.Context, param: typer.CallbackParam, value):
         if Path(path).is_dir():
             fail(f"{flag} {path}: is a directory, not a file")
     return value
+
+
+def profile(help: str = "sampler profile"):
+    """The engine sampler a request is (or was) drawn with, one name in every command (the trace's
+    ``sampling.profile``, ``api.generate(profile=)``); ``--sampler`` is its old spelling."""
+    return typer.Option("vllm", "--profile", help=f"{help}: {', '.join(PROFILE_NAMES)}")
 
 
 def n(default: int = 16, help: str = "number of prompts"):
@@ -176,13 +197,7 @@ def alias(value, old: Optional[object], old_flag: str, new_flag: str):
 
 def json_object(option: str, text: Optional[str]) -> Optional[dict]:
     """A JSON-object option's value (``audit run --extra-body``, ``gateway --request-defaults``), or a
-    ValueError naming the option: one parser for every command."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{option}: not valid JSON ({exc})") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{option}: expected a JSON object, got {type(value).__name__}")
-    return value
+    ValueError naming the option (``verinfer.jsonl.json_object``, as streamed events are read)."""
+    from verinfer.jsonl import json_object as parse
+
+    return None if text is None else parse(text, option)

@@ -14,7 +14,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import typer  # noqa: E402
 
 from verinfer.cli import options as opt  # noqa: E402
-from verinfer.sampling.profiles import profile_names  # noqa: E402
+from verinfer.cli.console import help_style  # noqa: E402
 
 MISCONFIG_HELP = (
     "Serve misconfigured while the API claims the honest configuration; comma-separated or repeated. "
@@ -35,10 +35,10 @@ SPECULATIVE_HELP = (
     "layers:28:4, w4:2. Each sampled request then steps speculatively beside the batch (its own KV caches); "
     "greedy ones decode in the batch (same tokens). "
     "Each choice reports verinfer_spec_modes (a accepted draft, r resampled, b bonus per token). "
-    "Needs --sampler vllm."
+    "Needs --profile vllm."
 )
 
-app = typer.Typer(add_completion=False, help="Serve a local model over an OpenAI-compatible HTTP API.")
+app = typer.Typer(add_completion=False, **help_style(), help="Serve a local model over an OpenAI-compatible HTTP API.")
 
 
 def _list_misconfigs() -> None:
@@ -58,7 +58,8 @@ def serve(
     model: str = opt.model(),
     host: str = typer.Option("127.0.0.1", help="interface to listen on"),
     port: int = typer.Option(8000, help="TCP port (0: a free one, printed at start)"),
-    sampler: str = typer.Option("vllm", help="sampler profile: " + ", ".join(profile_names())),
+    profile: str = opt.profile(),
+    sampler: Optional[str] = opt.hidden("--sampler"),
     dtype: str = opt.dtype("float32", "compute dtype of the served (claimed) model"),
     device: str = opt.device(),
     batch_size: int = opt.batch_size(8, "most requests decoded together"),
@@ -93,11 +94,12 @@ def serve(
 
     err = console(stderr=True)
     max_batch = opt.alias(batch_size, max_batch, "--max-batch", "--batch-size")
+    profile = opt.alias(profile, sampler, "--sampler", "--profile")
     if list_misconfigs:
         _list_misconfigs()
         raise typer.Exit(0)
     try:
-        _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
+        _serve(err, model, host, port, profile, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
                misconfig, served_model_name, max_prompt_tokens=max_prompt_tokens,
                max_batch_prompt_tokens=max_batch_prompt_tokens, prefill_chunk_tokens=prefill_chunk,
                queue_timeout_s=queue_timeout, stream_buffer_events=stream_buffer, result_ttl_s=result_ttl,
@@ -107,7 +109,7 @@ def serve(
         raise typer.Exit(2) from None
 
 
-def _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
+def _serve(err, model, host, port, profile, dtype, device, max_batch, batch_wait_ms, max_tokens_limit, max_model_len,
            misconfig, served_model_name, **limits) -> None:
     import uvicorn
 
@@ -117,7 +119,7 @@ def _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait
     from verinfer.serve.config import ServeConfig, split_names
     from verinfer.serve.runner import base_url, bind
 
-    config = ServeConfig(sampler=sampler, max_batch=max_batch, misconfig=split_names(misconfig),
+    config = ServeConfig(sampler=profile, max_batch=max_batch, misconfig=split_names(misconfig),
                          served_model_name=served_model_name, max_tokens_limit=max_tokens_limit,
                          max_model_len=max_model_len, batch_wait_s=batch_wait_ms / 1000, host=host, port=port,
                          **limits)
@@ -135,6 +137,6 @@ def _serve(err, model, host, port, sampler, dtype, device, max_batch, batch_wait
     state = "honest" if served.mis.honest else f"MISCONFIGURED: {', '.join(served.mis.names)}"
     if served.speculative:
         state += f"; speculative: draft {served.speculative['draft']}, k={served.speculative['k']}"
-    err.print(f"serving {served.name} ({state}; sampler {sampler}, {dtype}, batches of up to "
+    err.print(f"serving {served.name} ({state}; sampler profile {profile}, {dtype}, batches of up to "
               f"{served.scheduler.max_batch}) at {base_url(sock)}", highlight=False)
     uvicorn.Server(uvicorn.Config(create_app(backend, config, served), log_level="info")).run(sockets=[sock])

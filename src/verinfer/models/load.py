@@ -17,8 +17,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -87,6 +89,22 @@ def resolve(spec: str) -> ModelSource:
     )
 
 
+def available_offline(spec: str) -> str | None:
+    """Why ``spec`` cannot be loaded here (``resolve`` fails, or a hub id is not in the local hub
+    cache), or None when it can; no model is loaded and torch is not imported."""
+    try:
+        source = resolve(spec)
+    except ModelNotAvailable as exc:
+        return str(exc)
+    if source.path.exists():
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(spec, "config.json"), str):
+        return None
+    return f"model {spec!r} is not a local file or directory, and not in the local hub cache"
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("VERINFER_CACHE", Path.home() / ".cache" / "verinfer"))
 
@@ -112,6 +130,7 @@ def _quiet_transformers():
 
 def _convert_gguf(source: ModelSource, target: Path) -> None:
     """Dequantize a GGUF file through transformers and save it as a plain safetensors model."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(source.path.parent), source.path.name
@@ -151,9 +170,14 @@ def local_dir(source: ModelSource) -> Path:
     return target
 
 
-def load_pretrained(source: ModelSource, dtype: torch.dtype = torch.float32):
-    """(model, tokenizer) in eval mode, offline; ModelNotAvailable when files are missing."""
+def load_pretrained(source: ModelSource, dtype: torch.dtype | None = None):
+    """(model, tokenizer) in eval mode, offline (``dtype`` default float32); ModelNotAvailable when
+    files are missing. torch is imported here, not with the module: the command line reads
+    ``DEFAULT_MODEL`` and checks model names without it."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = dtype or torch.float32
 
     directory = local_dir(source)
     try:

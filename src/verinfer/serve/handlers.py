@@ -1,7 +1,7 @@
 """The two generation endpoints, ``/v1/completions`` and ``/v1/chat/completions``: a request body
 checked, decoded by the ``ServedModel`` and answered as a body or server-sent events.
 
-Seeds and replay. Every response is generated with the server's sampler profile (``--sampler``)
+Seeds and replay. Every response is generated with the server's sampler profile (``--profile``)
 through ``verinfer.simulate.generate.sample_rows``, the code the verifier replays, and each choice carries
 ``verinfer_sampling``: the ``SamplingParams`` dict (profile, temperature, top_k, top_p, min_p, seed)
 the provider claims. A request without ``seed`` gets a random one in [0, 2^63), reported there.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from verinfer.sampling.params import SamplingParams
+from verinfer.sampling.profile_names import PROFILE_NAMES
 from verinfer.sampling.profiles.base import Profile, RowKeys
 from verinfer.sampling.profiles.greedy import GreedyProfile
 from verinfer.sampling.profiles.llama_cpp import LlamaCppProfile
@@ -23,6 +24,10 @@ _CLASSES: tuple[type[Profile], ...] = (
     LlamaCppProfile,
 )
 
+if tuple(c.name for c in _CLASSES) != PROFILE_NAMES:  # the light list the command line's help reads
+    raise ImportError(f"verinfer.sampling.profile_names.PROFILE_NAMES {PROFILE_NAMES} does not match the "
+                      f"profiles {tuple(c.name for c in _CLASSES)}")
+
 PROFILES: dict[str, type[Profile]] = {n: c for c in _CLASSES for n in (c.name, *c.aliases)}
 
 __all__ = ["PROFILES", "Profile", "RowKeys", "get_profile", "params_problems", "profile_names"]
@@ -30,7 +35,7 @@ __all__ = ["PROFILES", "Profile", "RowKeys", "get_profile", "params_problems", "
 
 def profile_names() -> list[str]:
     """Canonical names (no aliases), for help texts."""
-    return [c.name for c in _CLASSES]
+    return list(PROFILE_NAMES)
 
 
 def get_profile(name: str) -> Profile:
