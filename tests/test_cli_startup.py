@@ -50,6 +50,31 @@ def test_importing_the_command_line_imports_no_model_code():
     assert out.stdout.strip() == "[]", out.stdout
 
 
+EVERY_HELP = """
+import sys, typer
+from typer.testing import CliRunner
+from verinfer.cli.main import app
+
+def walk(cmd, path=()):
+    if hasattr(cmd, "commands"):
+        for name, sub in cmd.commands.items():
+            yield from walk(sub, (*path, name))
+    else:
+        yield path
+
+paths = list(walk(typer.main.get_command(app)))
+failed = [p for p in paths if CliRunner().invoke(app, [*p, "--help"]).exit_code != 0]
+print(len(paths), failed, [m for m in %r if m in sys.modules])
+""" % (HEAVY,)
+
+
+def test_every_commands_help_imports_no_model_code():
+    out = subprocess.run([sys.executable, "-c", EVERY_HELP], capture_output=True, text=True, timeout=300,
+                         env=_env(), check=True)
+    count, rest = out.stdout.split(" ", 1)
+    assert int(count) >= 15 and rest.strip() == "[] []", out.stdout
+
+
 PROVIDER = ["-p", "a=http://127.0.0.1:1/v1"]
 
 
