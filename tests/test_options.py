@@ -373,6 +373,22 @@ def test_missing_inputs_fail_before_any_model_loads(no_model, traces, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "c.json").exists()
 
 
+def test_traces_of_several_models_ask_for_model_before_any_loads(no_model, tmp_path):
+    """verify, diagnose and the API share one rule for which model the traces claim (reference_model)."""
+    from verinfer import api
+    from verinfer.sampling.params import SamplingParams
+    from verinfer.trace import Trace, write_traces
+
+    mixed = [Trace(id=f"t{i}", model=m, prompt_token_ids=[1, 2], output_token_ids=[3], sampling=SamplingParams(seed=3))
+             for i, m in enumerate(("smollm2-135m", "gemma3-270m"))]
+    path = write_traces(mixed, tmp_path / "mixed.jsonl")
+    for command in ("verify", "diagnose"):
+        one_line(invoke(command, path), "traces claim several models (gemma3-270m, smollm2-135m)", "pass --model")
+    with pytest.raises(ValueError, match="pass --model"):
+        api.verify(mixed, scores=tmp_path / "s.parquet")
+    assert no_model == []
+
+
 def test_a_missing_scores_file_says_it_does_not_exist(tmp_path):
     from verinfer.scoring.scores import read_scores
 

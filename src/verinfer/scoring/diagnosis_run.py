@@ -213,7 +213,8 @@ def reference_model(trace_list: Sequence[Trace], model: str | None, source: str)
     """The model to replay with: ``model``, else the one model the traces claim."""
     claimed = sorted({t.model for t in trace_list})
     if model is None and len(claimed) > 1:
-        raise ValueError(f"{source}: traces claim several models ({', '.join(claimed)}); pass model=")
+        raise ValueError(f"{source}: traces claim several models ({', '.join(claimed)}); "
+                         "pass --model (Python: model=)")
     return model or claimed[0]
 
 
