@@ -321,10 +321,30 @@ def test_a_seeded_audit_without_bands_refuses_before_any_request(backend, server
     proxy = counting_proxy(servers["honest"], fail_after=None)
     with asgi_in_thread(proxy) as url:
         with pytest.raises(ValueError, match="no bands for"):
-            audit({"p": url}, out=tmp_path, prompts=prompts, n=2, mode="seeded", sampler="vllm", top_k=50,
+            audit({"p": url}, out=tmp_path, prompts=prompts, n=2, mode="seeded", profile="vllm", top_k=50,
                   top_p=0.95, max_tokens=8, api_key_env=None, backend=backend)
     assert proxy.state.forwarded == 0
     assert not (tmp_path / "p").exists()
+
+
+def test_api_audit_model_is_the_local_reference_and_old_names_still_work(backend, servers, prompts, tmp_path):
+    """``model=`` is the reference model in api.audit as in the CLI: a provider's id there is refused
+    with the new name before anything loads; ``reference_model=`` / ``sampler=`` keep working, warned,
+    with ``model=`` then keeping its old meaning (the id sent to providers)."""
+    from verinfer.api import audit
+
+    with pytest.raises(ValueError, match="served_model='gpt-4o'"):
+        audit({"p": "http://127.0.0.1:9/v1"}, out=tmp_path / "a", model="gpt-4o", api_key_env=None)
+    assert not (tmp_path / "a").exists()
+    proxy = counting_proxy(servers["honest"], fail_after=None)
+    with asgi_in_thread(proxy) as url:
+        with pytest.warns(DeprecationWarning, match="now model="), \
+                pytest.warns(DeprecationWarning, match="now profile="):
+            with pytest.raises(ValueError, match="no bands for"):  # refused before any request, as without them
+                audit({"p": url}, out=tmp_path / "b", prompts=prompts, n=2, mode="seeded", sampler="vllm",
+                      reference_model="smollm2-135m", model="provider-id", top_k=50, top_p=0.95,
+                      max_tokens=8, api_key_env=None, backend=backend)
+    assert proxy.state.forwarded == 0
 
 
 def test_reports_show_the_bands_file_without_the_installation_path(audit):

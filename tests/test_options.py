@@ -171,16 +171,16 @@ def fake_audit(monkeypatch):
 
     def audit(endpoints, **kwargs):
         got, loaded[:] = list(loaded), []
-        raise Captured(json.dumps({"loaded": got, "served": [e.model for e in endpoints], "sampler": kwargs["sampler"]}))
+        raise Captured(json.dumps({"loaded": got, "served": [e.model for e in endpoints], "profile": kwargs["profile"]}))
     monkeypatch.setattr(verinfer.api, "audit", audit)
 
 
 def test_sampler_is_a_hidden_alias_of_profile(monkeypatch, tmp_path):
     fake_audit(monkeypatch)
     base = ["audit", "run", "-p", "a=http://127.0.0.1:1/v1", "-o", tmp_path / "a"]
-    assert captured(invoke(*base, "--profile", "sglang"))["sampler"] == "sglang"
+    assert captured(invoke(*base, "--profile", "sglang"))["profile"] == "sglang"
     old = invoke(*base, "--sampler", "vllm-cpu")
-    assert captured(old)["sampler"] == "vllm-cpu" and "--sampler is deprecated; use --profile" in old.output
+    assert captured(old)["profile"] == "vllm-cpu" and "--sampler is deprecated; use --profile" in old.output
     capture(monkeypatch, "verinfer.api", "generate")
     monkeypatch.setattr(importlib.import_module("verinfer.cli.main"), "_load_backend", lambda *a, **k: None)
     old = invoke("generate", "-o", tmp_path / "g.jsonl", "--sampler", "sglang")
@@ -203,7 +203,7 @@ def test_audit_run_model_is_the_local_reference_and_served_model_the_providers_i
              "--reference-model", "--served-model smollm2-135m")
     assert no_model == [] and not (tmp_path / "a").exists()
     fake_audit(monkeypatch)
-    assert captured(invoke(*base)) == {"loaded": ["smollm2-135m"], "served": ["smollm2-135m"], "sampler": "vllm"}
+    assert captured(invoke(*base)) == {"loaded": ["smollm2-135m"], "served": ["smollm2-135m"], "profile": "vllm"}
     got = captured(invoke(*base, "--model", "smollm2-135m", "--served-model", "meta-llama/Llama-3.1-8B"))
     assert (got["loaded"], got["served"]) == (["smollm2-135m"], ["meta-llama/Llama-3.1-8B"])
     old = invoke(*base, "--reference-model", "smollm2-135m")

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -305,9 +306,9 @@ def calibrate(honest: VerifyResult | str | Path | Sequence[VerifyResult | str | 
 # audit
 
 
-def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfer-audit", model: str | None = None,
-          reference_model: str = DEFAULT_MODEL, device: str = "cpu", prompts: str | Sequence[Prompt] = "chitchat",
-          n: int = 16, prompt_seed: int = 0, mode: str = "greedy", sampler: str = "vllm", temperature: float = 1.0,
+def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfer-audit", model: str = DEFAULT_MODEL,
+          served_model: str | None = None, device: str = "cpu", prompts: str | Sequence[Prompt] = "chitchat",
+          n: int = 16, prompt_seed: int = 0, mode: str = "greedy", profile: str = "vllm", temperature: float = 1.0,
           top_k: int = -1, top_p: float = 1.0, min_p: float = 0.0, seed: int = 1000, max_tokens: int = 48,
           endpoint: str = "chat", token_ids: bool = True, bands: str | Path | None = None,
           calibration: Calibrator | str | Path | None = None, batch_size: int | None = None, fpr: float = 0.01,
@@ -316,11 +317,15 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
           reference_api_model: str | None = None, reference_api_key_env: str | None = None,
           backend: Backend | None = None, on_stage: Callable[[str], None] | None = None, samples: int = 16,
           stream: bool = False, top_logprobs: int = 5, extra_body: Mapping[str, Any] | None = None,
-          choices: int = 1):
+          choices: int = 1, reference_model: str | None = None, sampler: str | None = None):
     """Audit OpenAI-compatible providers against a trusted reference.
 
     ``providers`` maps names to base URLs (ending in ``/v1``), or is a list of
-    ``verinfer.auditing.client.Endpoint``. The reference is the local model, or with
+    ``verinfer.auditing.client.Endpoint``. ``model`` is the local reference model (as everywhere in the
+    API and the CLI), ``served_model`` the model id sent to providers (default: the reference's id) and
+    ``profile`` the engine whose sampler the providers claim; ``reference_model`` and ``sampler`` are
+    the old names of ``model`` and ``profile`` (a DeprecationWarning; with ``reference_model`` given,
+    ``model`` keeps its old meaning, the providers' id). The reference is the local model, or with
     ``reference_url`` an API returning prompt logprobs. Every response is stored before it is
     scored (re-running with the same ``out`` resumes); the verdict comes from the shipped or given
     bands, or from a calibration, by the one verdict rule; both are checked against the audit's
@@ -343,7 +348,14 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     from verinfer.auditing.run import run_audit
     from verinfer.auditing.store import ResponseStore
 
-    spec = AuditSpec(mode=mode, sampler=sampler, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+    if sampler is not None:
+        warnings.warn("api.audit(sampler=) is now profile=", DeprecationWarning, stacklevel=2)
+        profile = sampler
+    if reference_model is not None:
+        warnings.warn("api.audit(reference_model=) is now model=, and the providers' model id served_model=",
+                      DeprecationWarning, stacklevel=2)
+        served_model, model = served_model or (model if model != DEFAULT_MODEL else None), reference_model
+    spec = AuditSpec(mode=mode, sampler=profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids, samples=samples,
                      stream=stream, top_logprobs=top_logprobs, extra_body=extra_body, choices=choices)
     if spec.problems():
@@ -358,8 +370,14 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
         raise ValueError(policy.problems()[0])
     out = Path(out)
     ensure_threads()
-    backend = backend or load_model(reference_model, "float32", device)
-    endpoints = ([Endpoint(name, url, model or backend.model_id, api_key_env) for name, url in providers.items()]
+    if backend is None:
+        from verinfer.models.load import ALIASES, available_offline
+
+        if model not in ALIASES and (problem := available_offline(model)) is not None:
+            raise ValueError(f"{problem}: model= is the local reference model; the providers' model id is "
+                             f"served_model={model!r}")
+        backend = load_model(model, "float32", device)
+    endpoints = ([Endpoint(name, url, served_model or backend.model_id, api_key_env) for name, url in providers.items()]
                  if isinstance(providers, Mapping) else list(providers))
     if not endpoints:
         raise ValueError("no providers to audit: give at least one NAME=BASE_URL")

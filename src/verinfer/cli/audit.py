@@ -27,8 +27,8 @@ TOP_P_HELP = "seeded and seedless modes: top-p (1.0: off, the whole distribution
 
 def sampling_options(fn):
     """The sampling options ``audit bands`` and ``audit run`` share, declared once: the command gets
-    them as one dict ``sampling`` in ``AuditSpec`` / ``api.audit`` keywords (``sampler`` is the
-    profile), so bands are built for exactly what an audit asks (and ``--sampler``, the profile's
+    them as one dict ``sampling`` of ``api.audit`` keywords (``AuditSpec`` calls the profile
+    ``sampler``), so bands are built for exactly what an audit asks (and ``--sampler``, the profile's
     old spelling, is a hidden alias)."""
     options = [("profile", str, opt.profile("seeded mode: the provider's sampler profile")),
                ("sampler", Optional[str], opt.hidden("--sampler")),
@@ -47,7 +47,7 @@ def sampling_options(fn):
     def command(*args, **kwargs):
         values = {name: kwargs.pop(name) for name, _, _ in options}
         profile = opt.alias(values.pop("profile"), values.pop("sampler"), "--sampler", "--profile")
-        return fn(*args, sampling={"sampler": profile, **values}, **kwargs)
+        return fn(*args, sampling={"profile": profile, **values}, **kwargs)
 
     command.__signature__ = signature.replace(parameters=params)
     return command
@@ -77,7 +77,8 @@ def bands(
     from verinfer.models.backend import Backend
     from verinfer.prompts import load_prompts
 
-    spec = AuditSpec(mode=mode, max_tokens=max_tokens, endpoint="chat", **sampling)
+    spec = AuditSpec(mode=mode, max_tokens=max_tokens, endpoint="chat", sampler=sampling["profile"],
+                     **{k: v for k, v in sampling.items() if k != "profile"})
     if spec.problems():
         raise ValueError(spec.problems()[0])
     sp = sampling
@@ -87,7 +88,7 @@ def bands(
                        on_stage=lambda s: err.print(s), command=" ".join(
                            ["verinfer audit bands", f"--model {model}", f"--prompts {prompts}", f"--n {n}",
                             f"--prompt-seed {prompt_seed}", f"--variants {variants}", f"--mode {mode}",
-                            *([f"--profile {sp['sampler']}", f"--temperature {sp['temperature']:g}",
+                            *([f"--profile {sp['profile']}", f"--temperature {sp['temperature']:g}",
                                f"--top-k {sp['top_k']}", f"--top-p {sp['top_p']:g}", f"--min-p {sp['min_p']:g}",
                                f"--seed {sp['seed']}"]
                               if mode == "seeded" else []), f"--max-tokens {max_tokens}"]))
