@@ -1,18 +1,23 @@
-"""Sampler deviations against the pooled fp32 + bf16 honest calibration: margin-only vs margin + shape.
+"""Sampler deviations against the pooled fp32 + bf16 honest calibration: margin-only vs margin + sides.
 
-    python experiments/sampler_deviation.py --out experiments/results/sampler_deviation.md
+    python experiments/sampler_deviation.py --cal-prompts 200 --cal-max-tokens 80 --test-prompts 128 \
+        --max-tokens 40 --batch-sizes 20,100 --min-p --out experiments/results/sampler_deviation.md
 
 Generates traces on chitchat prompts with vLLM's seeded sampler claiming T=1, top-k 50, top-p 0.95,
-from honest providers (fp32; bf16 as GPU providers run; batch-1 decode) and from providers whose
-sampler deviates (top-k 40 / 25 / 60, top-p 0.76, temperature 1.1 / 0.9) while claiming the honest
-settings. The fp32 reference scores them; a calibration is fitted on honest fp32 + bf16 traces of
-calibration prompts (disjoint from the held-out prompts), once with the margin detector only
-(``shape=False``, the verdict before issue #28) and once with the sampler-shape statistics
-(``verinfer.scoring.sampler_shape``), and each variant's held-out traces are judged by the one
-verdict rule. The table gives the verdict, its p-value and the tokens at the first rejecting look.
+from honest providers (fp32; bf16 as GPU providers run; the catalogue's other honest variants: batch-8,
+eager attention, batch-1 decode) and from providers whose sampler deviates (top-k 40 / 25 / 60, top-p
+0.76, temperature 1.1 / 0.9) while claiming the honest settings; with ``--min-p`` also a claim of
+min-p 0.05 alone (its own honest fp32 + bf16 calibration; served min-p 0.04 / 0.06). The fp32
+reference scores them; a calibration is fitted on honest fp32 + bf16 traces of calibration prompts
+(disjoint from the held-out prompts), once with the margin detector only (``shape=False``, the
+verdict before issue #28) and once with the per-precision side counts of the sampler-shape test
+(``verinfer.stats.sides``), and each variant's held-out traces are judged by the one verdict rule,
+whole and in random sets of whole traces holding 500 and 2,000 tokens.
 
-Traces are cached under ``$VERINFER_CACHE/experiments/sampler_deviation`` (fixed seeds; a rerun only
-re-scores and re-analyses). ``--cal-prompts`` / ``--test-prompts`` / ``--max-tokens`` set the scale.
+Traces and scores are cached under ``$VERINFER_CACHE/experiments/sampler_deviation`` (fixed seeds;
+held-out prompts in chunks of 48, so more prompts reuse the earlier ones; a rerun only re-analyses).
+The calibration pool of 200 prompts x 80 tokens is the one ``experiments/default_calibrations.py``
+builds (same cache and seeds).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from verinfer.trace import read_traces, write_traces
 CLAIM = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000)
 MIN_P_CLAIM = SamplingParams(profile="vllm", temperature=1.0, min_p=0.05, seed=7000)  # min-p alone decides the kept set
 ORDER = ("honest", "bf16", "top-k-40", "top-k-60", "temperature-1.1", "top-p-0.76", "temperature-0.9", "top-k-25")
-HONEST_EXTRA = ("batch-8", "attn-eager", "batch-1")  # the catalogue's other honest variants (generated last)
+HONEST_EXTRA = ("batch-8", "attn-eager", "batch-1")  # the catalogue's other honest variants (last; first chunk only)
 MIN_P_ORDER = ("honest", "bf16", "min-p-0.04", "min-p-0.06")  # claiming MIN_P_CLAIM
 POOL, TEST_OFFSET = 400, 200  # prompts drawn once; calibration takes the first ones, held-out ones start at 200
 CHUNK = 48  # held-out prompts are generated (and cached) in chunks of this many
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=40, help="tokens per held-out completion")
     ap.add_argument("--cal-max-tokens", type=int, default=40, help="tokens per calibration completion")
     ap.add_argument("--min-p", action="store_true", help=f"also claim {MIN_P_CLAIM.signature()} (its own calibration)")
-    ap.add_argument("--min-p-cal-prompts", type=int, default=64, help="calibration prompts per precision for min-p")
+    ap.add_argument("--min-p-cal-prompts", type=int, default=32, help="calibration prompts per precision for min-p")
     ap.add_argument("--batch-sizes", default="10,20", help="calibrated batch sizes (the verdict uses the largest)")
     ap.add_argument("--generate-only", action="store_true", help="fill the trace cache and stop")
     ap.add_argument("--set-tokens", type=lambda v: [int(x) for x in v.split(",")], default=[500, 2000],
@@ -110,22 +115,24 @@ def main(argv: list[str] | None = None) -> int:
                                    args.max_tokens, cache, MIN_P_CLAIM) for v in ("honest", "bf16")}
         min_p_test = {v: held_out(backend, v, test_prompts, args.max_tokens, cache, MIN_P_CLAIM, tag)
                       for v in MIN_P_ORDER}
-    test.update({v: held_out(backend, v, test_prompts, args.max_tokens, cache) for v in HONEST_EXTRA})
+    test.update({v: held_out(backend, v, test_prompts[:CHUNK], args.max_tokens, cache) for v in HONEST_EXTRA})
     if args.generate_only:
         return 0
     batch_sizes = tuple(int(s) for s in args.batch_sizes.split(","))
-    sections = [section(backend, CLAIM, cal, test, "", batch_sizes, args, cache)]
+    sections = [section(backend, CLAIM, cal, test, "", batch_sizes, args, cache, args.cal_max_tokens)]
     if args.min_p:
-        sections.append(section(backend, MIN_P_CLAIM, min_p_cal, min_p_test, tag, batch_sizes, args, cache))
+        sections.append(section(backend, MIN_P_CLAIM, min_p_cal, min_p_test, tag, batch_sizes, args, cache,
+                                args.max_tokens))
     command = " ".join(shlex.quote(a) for a in ["python", "experiments/sampler_deviation.py", *sys.argv[1:]])
     text = "\n".join([
         f"# Sampler deviations: margin-only vs margin + sides verdict ({dt.date.today()})", "",
         f"Command: `{command}`  ",
         f"Machine: {describe(torch.get_num_threads())}; load average {os.getloadavg()[0]:.1f} at the report  ",
-        f"Held-out: {args.test_prompts} prompts per variant (from prompt {TEST_OFFSET} on), up to {args.max_tokens} tokens "
-        f"each. Each cell: the verdict on all held-out tokens of the variant (p-value, tokens at the first rejecting "
+        f"Held-out: {args.test_prompts} prompts per variant (from prompt {TEST_OFFSET} on; the first {CHUNK} for "
+        f"{', '.join(HONEST_EXTRA)}), up to {args.max_tokens} tokens each. Each cell: the verdict on all held-out tokens of the variant (p-value, tokens at the first rejecting "
         f"look, the detector with the smallest p), then the share of {args.draws} random sets of held-out traces "
-        f"holding at least {' / '.join(map(str, args.set_tokens))} tokens called INCONSISTENT (sets overlap). "
+        f"holding at least {' / '.join(map(str, args.set_tokens))} tokens called INCONSISTENT (sets overlap; n/a: the "
+        f"held-out set has fewer than 1.25 times the set's tokens). "
         f"Sides: the mismatches with depth_shift > 0 / < 0 (claim shallower / deeper than the verifier's token).",
         "", *sections])
     print(text)
@@ -147,17 +154,26 @@ def subsets(cols: dict[str, np.ndarray], tokens: int, draws: int, rng: np.random
         yield {k: np.asarray(v)[pick] for k, v in cols.items()}
 
 
-def section(backend, claim: SamplingParams, cal, test, tag: str, batch_sizes, args, cache: Path) -> str:
-    """One claim's table: its pooled fp32 + bf16 calibration, then every held-out variant judged twice."""
-    def columns(split, variant, traces):  # scored once: the file name holds the traces' token count
-        n = sum(len(t.output_token_ids) for t in traces)
-        path = cache / f"{split}-{variant}-n{n}.scores.parquet"
-        if not path.exists():
-            with atomic_path(path) as tmp:
-                score_traces(backend, traces, tmp)
-        return read_scores(path)
+def scored(backend: Backend, traces, stem: Path, reuse: Path | None = None) -> dict[str, np.ndarray]:
+    """Score columns of ``traces``, scored once (the file name holds their token count); ``reuse``: a score
+    file of the same traces written by another script (``default_calibrations.py``), used when complete."""
+    n = sum(len(t.output_token_ids) for t in traces)
+    if reuse is not None and reuse.exists():
+        cols = read_scores(reuse)
+        if "depth_shift" in cols and len(cols["margin"]) == n:
+            return cols
+    path = stem.with_name(f"{stem.name}-n{n}.scores.parquet")
+    if not path.exists():
+        with atomic_path(path) as tmp:
+            score_traces(backend, traces, tmp)
+    return read_scores(path)
 
-    honest = {v: columns(f"{tag}cal{len(t)}", v, t) for v, t in cal.items()}
+
+def section(backend, claim: SamplingParams, cal, test, tag: str, batch_sizes, args, cache: Path,
+            cal_max_tokens: int) -> str:
+    """One claim's table: its pooled fp32 + bf16 calibration, then every held-out variant judged twice."""
+    honest = {v: scored(backend, t, cache / f"{tag}cal{len(t)}-{v}", cache / f"{tag}cal{len(t)}-m{cal_max_tokens}-{v}.scores.parquet")
+              for v, t in cal.items()}
     pooled = {k: np.concatenate([c[k] for c in honest.values()]) for k in honest["honest"]}
     groups = {"float32" if v == "honest" else "bfloat16": c["depth_shift"] for v, c in honest.items()}
     calibrations = {"margin only": fit_calibrator(pooled, batch_sizes, shape=False, resample=args.resample),
@@ -166,18 +182,21 @@ def section(backend, claim: SamplingParams, cal, test, tag: str, batch_sizes, ar
                      for g in calibrations["margin + sides"].sides)
     rows = []
     for variant, traces in test.items():
-        cols = columns(f"{tag}test{args.test_prompts}", variant, traces)
+        cols = scored(backend, traces, cache / f"{tag}test{args.test_prompts}-{variant}",
+                      cache / f"{tag}test{len(traces)}-m{args.max_tokens}-{variant}.scores.parquet")
         cells = []
         for cal_ in calibrations.values():
             v = calibrated_verdict(cols, cal_)
             shares = []
             for tokens in args.set_tokens:
+                if tokens > 0.8 * len(cols["margin"]):
+                    shares.append("n/a")  # the sets would be (nearly) the whole held-out set
+                    continue
                 rng = np.random.default_rng(0)
-                shares.append(np.mean([not calibrated_verdict(c, cal_).consistent
-                                       for c in subsets(cols, tokens, args.draws, rng)]))
+                shares.append(f"{np.mean([not calibrated_verdict(c, cal_).consistent for c in subsets(cols, tokens, args.draws, rng)]):.1%}")
             cells.append(f"{v.label} (p = {v.p_value:.2g}{f', after {v.tokens_needed} tokens' if v.tokens_needed else ''}"
                          f"{f', by {v.decided_by}' if not v.consistent and len(v.detectors) > 1 else ''}); "
-                         + " / ".join(f"{x:.1%}" for x in shares))
+                         + " / ".join(shares))
         exact = float(np.mean(cols["exact_match"]))
         positive, negative = side_counts(cols["depth_shift"])
         kind = "honest" if get_variant(variant).honest else "deviation"
@@ -185,7 +204,7 @@ def section(backend, claim: SamplingParams, cal, test, tag: str, batch_sizes, ar
                     f"{cells[0]} | {cells[1]} |")
     return "\n".join([
         f"## Claim: {claim.signature()}", "",
-        f"Calibration: honest fp32 + bf16 traces of {len(cal['honest'])} prompts each "
+        f"Calibration: honest fp32 + bf16 traces of {len(cal['honest'])} prompts each, up to {cal_max_tokens} tokens "
         f"({sum(len(c['margin']) for c in honest.values())} tokens; sides {null}), "
         f"{'disjoint batches' if args.resample is None else f'{args.resample} bootstrap windows'} of {batch_sizes} "
         f"tokens (the verdict uses the largest that fits), 1% FPR.", "",
