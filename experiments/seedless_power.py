@@ -67,6 +67,7 @@ VARIANTS = {"honest fp32": "honest", "honest bf16": "bf16", "4-bit (w4)": "w4", 
 CHEAT = ("greedy-only cheat (greedy-honest:w4)", "4-bit (w4)")
 BUDGETS = (10, 25, 50, 100)
 MODES = ("surprise", "rank", "rank-raw", "mmd", "MET", "logprobs")
+FAST = ("surprise", "rank", "rank-raw", "logprobs")
 CLAIMED = SamplingParams(profile="torch-exponential", temperature=1.0)
 MET_SCRIPT = Path(__file__).with_name("met_two_sample.py")
 
@@ -122,6 +123,54 @@ def pools(args, backend, cache: Path) -> dict:
     return out
 
 
+def honest_pool(args, backend, cache: Path) -> dict:
+    """Large honest pools for the false-positive rows, made in chunks of 40 prompts (each cached, so a
+    run can stop and resume): ``--honest-draws`` fp32 draws per prompt (shared prefill; by
+    exchangeability any one of m + 1 of them plays the provider, the others the reference) and
+    ``--honest-bf16`` bf16 completions per prompt (the honest bf16 provider, judged against the same
+    prompt's fp32 draws), every one scored by the fp32 reference; bf16's returned top-5 logprobs too."""
+    prompts = load_prompts("chitchat", args.honest_prompts, seed=29)
+    L, D, k = args.max_tokens, args.honest_draws, args.honest_bf16
+    base = build_requests(backend, prompts, CLAIMED.with_(seed=60_000))
+    root = cache / f"honest-p{args.honest_prompts}-d{D}-b{k}-t{L}"
+    root.mkdir(parents=True, exist_ok=True)
+    bf16 = None
+    out: dict = {"fp32": [], "bf16": [], "bf16_logprobs": []}
+    for lo in range(0, len(base), 40):
+        chunk = base[lo: lo + 40]
+        entries = [(r.id, r.prompt_token_ids) for r in chunk]
+        ids = [list(r.prompt_token_ids) for r in chunk]
+        parts = {"fp32": (backend, D, 2029), "bf16": (None, k, 4029)}
+        for part in args.honest_parts:
+            f = root / f"{part}-{lo // 40:03d}.npz"
+            if not f.exists():
+                t0 = time.time()
+                if part == "bf16" and bf16 is None:
+                    bf16 = get_variant("bf16").build(backend)
+                model, n, seed = parts[part]
+                model = model or bf16
+                draws = reference_draws(model, entries, CLAIMED, n, seed, L, ResponseStore(root / f"{part}-draws.jsonl"),
+                                        batch_size=8 * n)
+                s = completion_scores(backend, [p for p in ids for _ in range(n)], [o for d in draws for o in d], CLAIMED)
+                arrays = {name: getattr(s, name).reshape(len(chunk), n) for name in ("logprob", "expected", "variance",
+                                                                                     "tokens")}
+                if part == "bf16":
+                    ret = returned_logprobs(bf16, [p for p in ids for _ in range(n)], [o for d in draws for o in d],
+                                            [p for p in ids for _ in range(n)])
+                    theirs, ours = provider_values(ret), reference_values(backend, ret)
+                    write_atomic(root / f"bf16-logprobs-{lo // 40:03d}.json",
+                                 json.dumps([[a.tolist() for a in theirs], [b.tolist() for b in ours]]))
+                save(f, **arrays)
+                print(f"honest {part} prompts {lo}-{lo + len(chunk)}: {time.time() - t0:.0f} s", flush=True)
+    for part in ("fp32", "bf16"):
+        for f in sorted(root.glob(f"{part}-[0-9]*.npz")):
+            d = np.load(f)
+            out[part].append(CompletionScores(d["logprob"], d["expected"], d["variance"], d["tokens"]))
+    for f in sorted(root.glob("bf16-logprobs-*.json")):
+        out["bf16_logprobs"].append(json.loads(f.read_text()))
+    return out
+
+
 def met_p_values(python: str, cases: list[dict]) -> list[float]:
     """Model Equality Testing's own two-sample test on each case, run in its environment."""
     proc = subprocess.run([python, str(MET_SCRIPT)], input=json.dumps(cases), capture_output=True, text=True,
@@ -132,72 +181,183 @@ def met_p_values(python: str, cases: list[dict]) -> list[float]:
 
 
 def counts(args, data: dict, label: str, cache: Path) -> dict[str, list]:
-    """(rejected, resamplings) per mode and budget for one provider pool, cached beside the pools."""
-    path = cache / (f"counts-{stem(label)}-r{args.resamplings}-mmd{args.mmd_resamplings}"
-                    f"-met{args.met_resamplings if args.met_python else 0}-fpr{args.fpr}.json")
+    """(rejected, resamplings) per mode and budget for one provider pool of 120 units, cached beside
+    the pools: ``--resamplings`` for surprise / rank / logprobs, the first ``--raw-resamplings`` of the
+    same picks for rank-raw (the old statistic, kept for comparison), and the permutation tests'
+    counts (``permutation_counts``)."""
+    path = cache / f"counts-{stem(label)}-r{args.resamplings}-raw{args.raw_resamplings}-fpr{args.fpr}.json"
+    if not path.exists():
+        t0 = time.time()
+        m, fpr = args.samples, args.fpr
+        U = len(data["units"])
+        draw_s, pool = data["draw_scores"], data["variants"][label]
+        s = CompletionScores(*(np.asarray(a, dtype=np.float64) for a in pool["scores"]))
+        tokens = s.tokens.astype(int)
+        rng = np.random.default_rng(11)
+        u = {"rank": rank_p_values(s.centred, split(draw_s.centred, [m] * U), rng),
+             "rank-raw": rank_p_values(s.logprob, split(draw_s.logprob, [m] * U), rng)}
+        theirs = [np.asarray(a) for a in pool["returned"]]
+        ours = [np.asarray(b) for b in pool["reference"]]
+        row: dict[str, list] = {mode: [] for mode in FAST}
+        for B in BUDGETS:
+            if B > U:
+                raise SystemExit(f"budget {B} exceeds the pool's {U} units: raise --prompts or --per-prompt")
+            rng = np.random.default_rng([B, 1])
+            picks = [rng.choice(U, B, replace=False) for _ in range(args.resamplings)]
+            rej = {mode: 0 for mode in FAST}
+            for r, pick in enumerate(picks):
+                rej["surprise"] += not surprise_verdict(s[pick], fpr).consistent
+                rej["rank"] += not rank_verdict(u["rank"][pick], tokens[pick], m, fpr).consistent
+                if r < args.raw_resamplings:
+                    rej["rank-raw"] += not rank_verdict(u["rank-raw"][pick], tokens[pick], m, fpr).consistent
+                rej["logprobs"] += not logprob_verdict([theirs[i] for i in pick], [ours[i] for i in pick],
+                                                       tokens[pick], fpr).consistent
+            for mode in FAST:
+                row[mode].append([rej[mode], min(args.raw_resamplings, len(picks)) if mode == "rank-raw" else len(picks)])
+            print(label, B, {k: f"{v}" for k, v in rej.items()}, f"{time.time() - t0:.0f} s", flush=True)
+        write_atomic(path, json.dumps(row))
+    return json.loads(path.read_text()) | permutation_counts(args, data, label, cache)
+
+
+def permutation_counts(args, data: dict, label: str, cache: Path) -> dict[str, list]:
+    """(rejected, resamplings) of the two MMDs (``--mmd-resamplings``, ``--met-resamplings``): slower
+    permutation tests, on the same B // n prompts of n completions from each side."""
+    met = args.met_resamplings if args.met_python else 0
+    path = cache / f"permutation-{stem(label)}-mmd{args.mmd_resamplings}-met{met}-fpr{args.fpr}.json"
     if path.exists():
         return json.loads(path.read_text())
     t0 = time.time()
-    c, m, L, fpr = args.per_prompt, args.samples, args.max_tokens, args.fpr
-    U = len(data["units"])
-    draw_s, pool = data["draw_scores"], data["variants"][label]
-    s = CompletionScores(*(np.asarray(a, dtype=np.float64) for a in pool["scores"]))
-    tokens = s.tokens.astype(int)
-    rng = np.random.default_rng(11)
-    u = {"rank": rank_p_values(s.centred, split(draw_s.centred, [m] * U), rng),
-         "rank-raw": rank_p_values(s.logprob, split(draw_s.logprob, [m] * U), rng)}
-    theirs = [np.asarray(a) for a in pool["returned"]]
-    ours = [np.asarray(b) for b in pool["reference"]]
-    outputs = pool["outputs"]
-    row: dict[str, list] = {mode: [] for mode in MODES}
+    c, L, fpr = args.per_prompt, args.max_tokens, args.fpr
+    prompts = len(data["units"]) // c
+    outputs = data["variants"][label]["outputs"]
+    row: dict[str, list] = {"mmd": [], "MET": []}
     for B in BUDGETS:
-        if B > U:
-            raise SystemExit(f"budget {B} exceeds the pool's {U} units: raise --prompts or --per-prompt")
-        rng = np.random.default_rng([B, 1])
-        picks = [rng.choice(U, B, replace=False) for _ in range(args.resamplings)]
-        rej = {mode: 0 for mode in MODES}
-        runs = {mode: args.resamplings for mode in MODES}
-        for pick in picks:
-            rej["surprise"] += not surprise_verdict(s[pick], fpr).consistent
-            rej["rank"] += not rank_verdict(u["rank"][pick], tokens[pick], m, fpr).consistent
-            rej["rank-raw"] += not rank_verdict(u["rank-raw"][pick], tokens[pick], m, fpr).consistent
-            rej["logprobs"] += not logprob_verdict([theirs[i] for i in pick], [ours[i] for i in pick],
-                                                   tokens[pick], fpr).consistent
-        n = completions_per_prompt(B, c)  # both MMDs: B // n prompts of n completions from each side
-        prompts = U // c
+        n = completions_per_prompt(B, c)
+        rng = np.random.default_rng([B, 1])  # the groups follow the table's first run's 500 resampled sets,
+        for _ in range(500):  # so the counts cached by that run (the same groups and seeds) stand
+            rng.choice(len(data["units"]), B, replace=False)
         groups = [rng.choice(prompts, B // n, replace=False) for _ in range(args.mmd_resamplings)]
+        rejected = 0
         for k, pick in enumerate(groups):
             prov = [[outputs[i * c + j] for j in range(n)] for i in pick]
             ref = [[data["draws"][i * c + j][0] for j in range(n)] for i in pick]
-            rej["mmd"] += not mmd_verdict(prov, ref, L, fpr, seed=k).consistent
-        runs["mmd"] = args.mmd_resamplings
-        if args.met_python:
+            rejected += not mmd_verdict(prov, ref, L, fpr, seed=k).consistent
+        row["mmd"].append([rejected, len(groups)])
+        if met:
             cases = [{"m": prompts, "L": L, "seed": k, "prompts": [int(i) for i in pick for _ in range(n)],
                       "x": [outputs[i * c + j] for i in pick for j in range(n)],
                       "y": [data["draws"][i * c + j][0] for i in pick for j in range(n)]}
-                     for k, pick in enumerate(groups[: args.met_resamplings])]
-            rej["MET"] = sum(p < fpr for p in met_p_values(args.met_python, cases))
-            runs["MET"] = len(cases)
-        for mode in MODES:
-            row[mode].append([rej[mode], runs[mode]] if mode != "MET" or args.met_python else None)
-        print(label, B, {k: f"{v}/{runs[k]}" for k, v in rej.items()}, f"{time.time() - t0:.0f} s", flush=True)
+                     for k, pick in enumerate(groups[:met])]
+            row["MET"].append([sum(p < fpr for p in met_p_values(args.met_python, cases)), len(cases)])
+        else:
+            row["MET"].append(None)
+        print(label, B, "mmd / MET", row["mmd"][-1], row["MET"][-1], f"{time.time() - t0:.0f} s", flush=True)
     write_atomic(path, json.dumps(row))
     return row
 
 
-def draws_null(args, data: dict, cache: Path) -> list:
-    """(rejected, resamplings) per budget of the surprise test on the reference's own draws: a larger
-    honest fp32 pool (every unit's draws) for the one mode that does not use them."""
-    path = cache / f"counts-draws-surprise-r{args.resamplings}-fpr{args.fpr}.json"
+def stacked(pool: list) -> CompletionScores:
+    """The honest pool's chunks as one [prompts, completions] ``CompletionScores``."""
+    return CompletionScores(*(np.concatenate([getattr(c, f) for c in pool]).astype(np.float64)
+                              for f in ("logprob", "expected", "variance", "tokens")))
+
+
+def honest_counts(args, honest: dict, extra: CompletionScores, cache: Path) -> dict[str, dict]:
+    """Honest rejections on the large pools, per mode and budget: ``--resamplings`` random sets of B
+    completions (``resampled``) and one partition of the pool into disjoint sets of B (``disjoint``:
+    independent sets, fewer of them). fp32: by exchangeability one of 7 fp32 draws of a prompt,
+    chosen at random in each resampling, plays the provider and the other 6 the reference (rank);
+    surprise judges any fp32 draws. bf16: each bf16 completion ranked among 6 fp32 draws of its
+    prompt, never shared with the prompt's other bf16 completion; logprobs: its returned top-5
+    against the fp32 reference's values. ``extra``: the 120-unit pool's honest fp32 groups
+    ([units, 1 + m]: the provider's completion and its m draws, all fp32 samples of the unit's
+    prompt), added to the fp32 pool the same way."""
+    if not honest["fp32"] or not honest["bf16"]:
+        raise SystemExit("the large honest pools are not made yet: run with --pools-only first")
+    F, H = stacked(honest["fp32"]), stacked(honest["bf16"])
+    P, D = F.tokens.shape
+    Pb, k = H.tokens.shape
+    X = len(extra.tokens)
+    key = f"honest-{P}x{D}+{X}-{Pb}x{k}-r{args.resamplings}-fpr{args.fpr}"
+    path = cache / f"{key}.json"
     if path.exists():
         return json.loads(path.read_text())
-    s, out = data["draw_scores"], []
-    rng = np.random.default_rng(29)
-    for B in BUDGETS:
-        out.append([sum(not surprise_verdict(s[rng.choice(len(s.tokens), B, replace=False)], args.fpr).consistent
-                        for _ in range(args.resamplings)), args.resamplings])
+    theirs = [np.asarray(a) for ch in honest["bf16_logprobs"] for a in ch[0]]
+    ours = [np.asarray(b) for ch in honest["bf16_logprobs"] for b in ch[1]]
+    m, g, fpr = args.samples, D // (args.samples + 1), args.fpr
+    common = min(P, Pb)  # bf16 units with fp32 draws of their prompt (rank)
+    flat_f = CompletionScores(*(np.concatenate([getattr(F, f).ravel(), getattr(extra, f).ravel()])
+                                for f in ("logprob", "expected", "variance", "tokens")))
+    flat_h = H[np.unravel_index(np.arange(Pb * k), (Pb, k))]
+    sizes = {"fp32": {"surprise": len(flat_f.tokens), "rank": P * g + X},
+             "bf16": {"surprise": Pb * k, "rank": common * k, "logprobs": len(theirs)}}
+
+    def rank_sets(rng, picks, bf16: bool):
+        """Rank quantiles and tokens of each picked unit, from one fresh shuffle of every prompt's draws."""
+        order = np.argsort(rng.uniform(size=(P, D)), axis=1)
+        roles = np.argsort(rng.uniform(size=(X, m + 1)), axis=1)  # the extra groups' provider: column 0
+        c = F.centred
+        out = []
+        for pick in picks:
+            if bf16:
+                p, j = np.divmod(pick, k)
+                ref = [c[pi, order[pi, m * ji: m * (ji + 1)]] for pi, ji in zip(p, j)]
+                obs, tok = H.centred[p, j], H.tokens[p, j]
+            else:
+                rows = [(F, pi, order[pi, (m + 1) * ji: (m + 1) * (ji + 1)]) for pi, ji in
+                        (divmod(int(i), g) for i in pick if i < P * g)]
+                rows += [(extra, int(i) - P * g, roles[int(i) - P * g]) for i in pick if i >= P * g]
+                obs = np.array([S.centred[pi, cs[0]] for S, pi, cs in rows])
+                ref = [S.centred[pi, cs[1:]] for S, pi, cs in rows]
+                tok = np.array([S.tokens[pi, cs[0]] for S, pi, cs in rows])
+            out.append((rank_p_values(obs, ref, rng), tok.astype(int)))
+        return out
+
+    def rejected(row: str, mode: str, rng, picks) -> int:
+        if mode == "surprise":
+            flat = flat_f if row == "fp32" else flat_h
+            return sum(not surprise_verdict(flat[pick], fpr).consistent for pick in picks)
+        if mode == "logprobs":
+            tokens = H.tokens.reshape(-1).astype(int)
+            return sum(not logprob_verdict([theirs[i] for i in pick], [ours[i] for i in pick], tokens[pick],
+                                           fpr).consistent for pick in picks)
+        return sum(not rank_verdict(u, tok, m, fpr).consistent for u, tok in rank_sets(rng, picks, row == "bf16"))
+
+    t0, out = time.time(), {}
+    for row, modes in sizes.items():
+        for mode, N in modes.items():
+            cells = {"resampled": [], "disjoint": [], "units": N}
+            for B in BUDGETS:
+                if B > N:  # a pool smaller than the budget: no cell (the table shows "-")
+                    cells["resampled"].append(None)
+                    cells["disjoint"].append(None)
+                    continue
+                rng = np.random.default_rng([B, 3])
+                picks = [rng.choice(N, B, replace=False) for _ in range(args.resamplings)]
+                cells["resampled"].append([rejected(row, mode, rng, picks), len(picks)])
+                parts = rng.permutation(N)[: N // B * B].reshape(-1, B)
+                cells["disjoint"].append([rejected(row, mode, rng, list(parts)), len(parts)])
+                print("honest", row, mode, B, cells["resampled"][-1], cells["disjoint"][-1],
+                      f"{time.time() - t0:.0f} s", flush=True)
+            out.setdefault(row, {})[mode] = cells
+    out["pools"] = {"fp32 prompts": P, "fp32 draws per prompt": D, "extra fp32 groups": X, "bf16 prompts": Pb,
+                    "bf16 per prompt": k}
     write_atomic(path, json.dumps(out))
     return out
+
+
+def cell(counts: list, honest: bool) -> str:
+    """Rejection rates per budget; honest rows in % with the Wilson 95% interval."""
+    parts = []
+    for x in counts:
+        if x is None:
+            parts.append("-")
+        elif honest:
+            ci = wilson_interval(x[0], x[1])
+            parts.append(f"{100 * x[0] / x[1]:.1f}% [{100 * ci.low:.1f}, {100 * ci.high:.1f}]")
+        else:
+            parts.append(f"{x[0] / x[1]:.2f}")
+    return " / ".join(parts)
 
 
 def table(args, data: dict, cache: Path) -> None:
@@ -209,47 +369,56 @@ def table(args, data: dict, cache: Path) -> None:
     if set(results) != set(VARIANTS):
         print("counts cached for " + ", ".join(results) + "; the table needs every variant")
         return
+    old = data["variants"]["honest fp32"]["scores"]
+    extra = CompletionScores(*(np.column_stack([np.asarray(a, dtype=np.float64), np.reshape(b, (U, m))])
+                               for a, b in zip(old, (data["draw_scores"].logprob, data["draw_scores"].expected,
+                                                     data["draw_scores"].variance, data["draw_scores"].tokens))))
+    honest = honest_counts(args, data["honest"], extra, cache)
+    pools = honest.pop("pools")
     results[CHEAT[0]] = results[CHEAT[1]]
-    draws_label = f"honest fp32: the {len(data['draw_scores'].tokens)} reference draws (surprise only)"
-    results = {"honest fp32": results.pop("honest fp32"),
-               draws_label: {mode: [None] * len(BUDGETS) for mode in MODES} | {"surprise": draws_null(args, data, cache)},
+    none = [None] * len(BUDGETS)
+    large = {row: {mode: honest[row][mode]["resampled"] if mode in honest[row] else none for mode in MODES}
+             for row in ("fp32", "bf16")}
+    results = {"honest fp32 (large pool)": large["fp32"], "honest fp32 (120-unit pool)": results.pop("honest fp32"),
+               "honest bf16 (large pool)": large["bf16"], "honest bf16 (120-unit pool)": results.pop("honest bf16"),
                **results}
-
-    def cell(counts: list, honest: bool) -> str:
-        """Rejection rates per budget; honest rows in % with the Wilson 95% interval."""
-        parts = []
-        for x in counts:
-            if x is None:
-                parts.append("-")
-            elif honest:
-                ci = wilson_interval(x[0], x[1])
-                parts.append(f"{100 * x[0] / x[1]:.1f}% [{100 * ci.low:.1f}, {100 * ci.high:.1f}]")
-            else:
-                parts.append(f"{x[0] / x[1]:.2f}")
-        return " / ".join(parts)
 
     command = "python experiments/seedless_power.py " + shlex.join(sys.argv[1:])
     lines = [
         "# Power of the seedless audit modes at 10 / 25 / 50 / 100 queries (1% FPR)", "",
         f"Command: `{command}`", "",
         f"Date: {started:%Y-%m-%d %H:%M} UTC; machine: {describe(args.threads)}; load average at start {load:.1f}; "
-        f"this run {time.time() - t0:.0f} s (pools and each variant's counts cached in {cache}; counts may come from "
-        "earlier runs of the same command with --variants, as the cache key holds every setting).", "",
-        f"smollm2-135m, fp32 reference; {U // c} chitchat prompts (prompt seed 21) x {c} completions = {U} units per "
-        f"provider, T = 1 claimed, up to {L} tokens; {m} reference draws per unit (rank). Resamplings: "
-        f"{args.resamplings} (surprise, rank, rank-raw, logprobs), {args.mmd_resamplings} (mmd), "
-        f"{args.met_resamplings} (MET). "
-        f"mmd and MET: the same n = completions_per_prompt(B, {c}) completions of B // n prompts from each side; "
-        "MET: the package's mmd_hamming with its permutation p-value, b = 1000.", "",
+        f"this run {time.time() - t0:.0f} s (pools and counts cached in {cache}; counts may come from "
+        "earlier runs of the same command, as each cache key holds its settings).", "",
+        f"smollm2-135m, fp32 reference, T = 1 claimed, up to {L} tokens. Provider pools: {U // c} chitchat prompts "
+        f"(prompt seed 21) x {c} completions = {U} units per provider, {m} reference draws per unit (rank). "
+        f"Large honest pools (prompt seed 29): {pools['fp32 prompts']} prompts x {pools['fp32 draws per prompt']} fp32 "
+        f"draws (+ the 120-unit pool's honest fp32 completions with their draws: {pools['extra fp32 groups']} groups of "
+        f"{m + 1}), {pools['bf16 prompts']} prompts x {pools['bf16 per prompt']} bf16 completions (honest_counts). "
+        f"Resamplings: {args.resamplings} (surprise, rank, logprobs), {args.raw_resamplings} (rank-raw), "
+        f"{args.mmd_resamplings} (mmd), {args.met_resamplings if args.met_python else 0} (MET). "
+        f"mmd and MET: the same n = completions_per_prompt(B, {c}) completions of B // n prompts from each side, "
+        "on the 120-unit pools; MET: the package's mmd_hamming with its permutation p-value, b = 1000.", "",
         "Cells: rejection rate at B = 10 / 25 / 50 / 100 queries (completions). Honest rows: % rejected with "
-        "the Wilson 95% interval (resamplings of one pool are not independent: the interval is optimistic).", "",
+        "the Wilson 95% interval (resamplings of one pool share units: on the 120-unit pools the interval is "
+        "optimistic; the large pools' disjoint sets below are independent).", "",
         "| provider | " + " | ".join(MODES) + " |",
         "|---|" + "---|" * len(MODES),
     ]
     for label, row in results.items():
         lines.append(f"| {label} | " + " | ".join(cell(row[mode], label.startswith("honest")) for mode in MODES) + " |")
+    lines += ["", "## Honest false-positive rates on the large pools", "",
+              "Resampled: random sets of B completions; disjoint: one partition of the pool into independent sets "
+              "of B (fewer sets, no shared units). Units: completions in the pool (rank fp32: groups of 7 draws).", "",
+              "| provider | mode | units | resampled, B = 10 / 25 / 50 / 100 | disjoint sets, B = 10 / 25 / 50 / 100 |",
+              "|---|---|---|---|---|"]
+    for row in ("fp32", "bf16"):
+        for mode, cells in honest[row].items():
+            lines.append(f"| honest {row} | {mode} | {cells['units']} | {cell(cells['resampled'], True)} | "
+                         f"{cell(cells['disjoint'], True)} |")
     raw = {label: {mode: row[mode] for mode in MODES} for label, row in results.items()}
-    lines += ["", "Counts (rejected, resamplings) per budget:", "", "```json", json.dumps(raw), "```", ""]
+    lines += ["", "Counts (rejected, resamplings) per budget:", "", "```json", json.dumps(raw),
+              json.dumps(honest), "```", ""]
     write_atomic(args.out, "\n".join(lines))
     print(f"wrote {args.out}")
 
@@ -262,6 +431,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=6, help="reference draws per unit (rank)")
     ap.add_argument("--batch", type=int, default=40)
     ap.add_argument("--resamplings", type=int, default=2000)
+    ap.add_argument("--raw-resamplings", type=int, default=500, help="resamplings for rank-raw (comparison only)")
     ap.add_argument("--mmd-resamplings", type=int, default=100)
     ap.add_argument("--met-resamplings", type=int, default=10)
     ap.add_argument("--met-python", default="", help="python of an environment with model-equality-testing")
@@ -272,9 +442,14 @@ def main() -> None:
     ap.add_argument("--pools-only", action="store_true", help="generate and score the pools, no table")
     ap.add_argument("--reverse", action="store_true", help="generate the variants' pools in reverse order (a "
                     "second process filling the same cache)")
+    ap.add_argument("--honest-prompts", type=int, default=400, help="prompts of the large honest pools")
+    ap.add_argument("--honest-draws", type=int, default=14, help="fp32 draws per prompt of the honest pool")
+    ap.add_argument("--honest-bf16", type=int, default=2, help="bf16 completions per prompt of the honest pool")
+    ap.add_argument("--honest-parts", default="fp32,bf16", help="which honest pools to generate (fp32, bf16)")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/seedless_power.md"))
     args = ap.parse_args()
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    args.honest_parts = [v.strip() for v in args.honest_parts.split(",") if v.strip()]
     if unknown := set(args.variants) - set(VARIANTS):
         ap.error(f"--variants: unknown {sorted(unknown)}; choose among {list(VARIANTS)}")
     torch.set_num_threads(args.threads)
@@ -283,6 +458,7 @@ def main() -> None:
                                                            f"-m{args.samples}")
     cache.mkdir(parents=True, exist_ok=True)
     data = pools(args, backend, cache)
+    data["honest"] = honest_pool(args, backend, cache)
     if args.pools_only:
         return
     table(args, data, cache)

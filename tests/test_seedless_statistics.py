@@ -18,7 +18,7 @@ from scipy.stats import kstest
 import verinfer.auditing.draws as draws_module
 from verinfer.auditing.draws import CompletionScores, completion_scores, occurrences, reference_draws
 from verinfer.auditing.mmd import completions_per_prompt, mmd_verdict
-from verinfer.auditing.rank import rank_p_values, uniformity_p
+from verinfer.auditing.rank import rank_p_values, rank_verdict, uniformity_p
 from verinfer.auditing.surprise import surprise_p, surprise_verdict, surprise_z
 from verinfer.sampling.params import SamplingParams
 from verinfer.simulate.generate import Request, decode_batch
@@ -144,6 +144,53 @@ def test_surprise_z_is_standard_normal_under_the_null_and_sees_a_temperature():
     assert surprise_p(_scores(rng, logp, hotter, 25, 16)) < 1e-3
     v = surprise_verdict(_scores(rng, logp, hotter, 25, 16))
     assert not v.consistent and v.statistic < 0 and v.tokens_needed <= v.tokens
+
+
+def _stopping_model(seed: int, vocab: int, rows: int = 64) -> np.ndarray:
+    """Log-probability tables of a small autoregressive model whose next-token distribution depends on
+    the previous token and the step, with heavy-tailed logits and a stop token (0)."""
+    x = np.random.default_rng(seed).standard_t(3, size=(rows, vocab)) * 2.0
+    x[:, 0] -= 1.0
+    return x - np.logaddexp.reduce(x, axis=1, keepdims=True)
+
+
+def _complete(table, prompts, rng, length: int) -> CompletionScores:
+    """One completion per prompt (its first 'previous token'), the stop token included and ending it,
+    scored as ``completion_scores`` does."""
+    n, prev, alive = len(prompts), np.asarray(prompts), np.ones(len(prompts), bool)
+    lp, mean, var, tokens = (np.zeros(n) for _ in range(4))
+    for t in range(length):
+        rows = table[(prev * 7 + t) % len(table)]
+        y = np.argmax(rows - np.log(rng.exponential(size=rows.shape)), axis=1)  # exponential race: exact
+        m = (np.exp(rows) * rows).sum(1)
+        lp += np.where(alive, rows[np.arange(n), y], 0)
+        mean += np.where(alive, m, 0)
+        var += np.where(alive, (np.exp(rows) * (rows - m[:, None]) ** 2).sum(1), 0)
+        tokens += alive
+        alive &= y != 0
+        prev = y
+    return CompletionScores(lp, mean, var, tokens.astype(int))
+
+
+def test_rank_test_holds_its_level_on_an_honest_model_with_stops_and_ties():
+    """The rank verdict at 1% on honest completions of a model whose completions stop early and tie
+    often (6 tokens of a 6-token vocabulary: about 15% of draws tie the provider's score): the
+    rejection rate's 95% interval must reach down to 1% (issue #29). With ties not broken (the
+    provider counted below every draw it ties), the same simulation rejects about 10% of honest audits."""
+    table, rng, m, B, sims = _stopping_model(0, 6), np.random.default_rng(2), 6, 50, 600
+    prompts = rng.integers(0, 1000, size=sims * B)
+    provider, draws = _complete(table, prompts, rng, 6), _complete(table, np.repeat(prompts, m), rng, 6)
+    ref = draws.centred.reshape(-1, m)
+    assert np.mean(ref == provider.centred[:, None]) > 0.1  # ties are common
+    u = rank_p_values(provider.centred, ref, rng)
+    rejected = sum(not rank_verdict(u[i * B:(i + 1) * B], provider.tokens[i * B:(i + 1) * B], m).consistent
+                   for i in range(sims))
+    ci = wilson_interval(rejected, sims)
+    assert ci.low <= 0.01, (rejected, sims, ci)
+    below = ((ref < provider.centred[:, None]).sum(1) + 0.5) / (m + 1)  # ties not broken: counted above
+    rejected_below = sum(not rank_verdict(below[i * B:(i + 1) * B], provider.tokens[i * B:(i + 1) * B], m).consistent
+                         for i in range(sims))
+    assert wilson_interval(rejected_below, sims).low > 0.01  # the simulation sees a miscalibrated rank
 
 
 # --------------------------------------------------------------------------------------------------
