@@ -17,6 +17,7 @@ with the disjoint-batch guarantee (``min_batches``). ``--generate-only`` fills t
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import shlex
@@ -25,11 +26,13 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sampler_deviation import CLAIM, POOL, TEST_OFFSET, traces_for  # noqa: E402
 
 from verinfer.files import write_atomic  # noqa: E402
+from verinfer.machine import describe  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
 from verinfer.models.load import cache_root  # noqa: E402
 from verinfer.prompts import load_prompts  # noqa: E402
@@ -89,8 +92,8 @@ def honest_chunk(backend: Backend, profile: str, start: int, size: int, max_toke
     return cols, sig
 
 
-def build(profile: str, pools: dict[str, dict], sig: dict, command: str) -> tuple[Path, dict]:
-    """Fit and write the pooled fp32 + bf16 calibration of one profile; returns its path and coverage."""
+def build(profile: str, pools: dict[str, dict], sig: dict, command: str) -> tuple[Path, str]:
+    """Fit and write the pooled fp32 + bf16 calibration of one profile; returns its path and a table row."""
     pooled = {k: np.concatenate([c[k] for c in pools.values()]) for k in COMPACT}
     n = pooled["margin"].size
     sizes = tuple(s for s in BATCH_SIZES if s * min_batches(FPR) <= n)
@@ -105,8 +108,12 @@ def build(profile: str, pools: dict[str, dict], sig: dict, command: str) -> tupl
                                 groups={p: c["depth_shift"] for p, c in pools.items()})
     path = DATA_DIR / calibration_filename(sig["model"], sig["sampling"][0])
     write_atomic(path, json.dumps(calibrator.to_dict(), indent=1))
-    print(f"{path}: {n} honest tokens (fp32 + bf16), batch sizes {sizes}", flush=True)
-    return path, coverage
+    exact = ", ".join(f"{p} {np.mean(c['exact_match']):.2%}" for p, c in pools.items())
+    row = (f"| {profile} | {coverage['tokens']['float32']:,} ({coverage['traces']['float32']}) | "
+           f"{coverage['tokens']['bfloat16']:,} ({coverage['traces']['bfloat16']}) | {exact} | "
+           f"{', '.join(map(str, sizes))} | `{path.name}` ({path.stat().st_size:,} bytes) |")
+    print(row, flush=True)
+    return path, row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", default="vllm=200,*=25", help="prompts generated (and cached) together, per profile")
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--generate-only", action="store_true", help="fill the trace and score cache and stop")
+    ap.add_argument("--out", type=Path, default=None, help="also write the coverage table here (markdown)")
     args = ap.parse_args(argv)
     profiles = args.profiles.split(",")
     plan = {p: (spec(args.prompts, p), spec(args.chunk, p)) for p in profiles}
@@ -135,10 +143,22 @@ def main(argv: list[str] | None = None) -> int:
                 parts[p].append(honest_chunk(backend, p, start, min(chunk, n - start), args.max_tokens, cache))
     if args.generate_only:
         return 0
+    rows = []
     for p in profiles:
         pools = {precision: {k: np.concatenate([cols[precision][k] for cols, _ in parts[p]]) for k in COMPACT}
                  for precision in PRECISIONS.values()}
-        build(p, pools, parts[p][0][1], command)
+        rows.append(build(p, pools, parts[p][0][1], command)[1])
+    if args.out:
+        write_atomic(args.out, "\n".join([
+            f"# Shipped default calibrations ({dt.date.today()})", "",
+            f"Command: `{command}`  ", f"Machine: {describe(torch.get_num_threads())}; load average {os.getloadavg()[0]:.1f} at the report  ",
+            f"Claim: smollm2-135m, T={CLAIM.temperature:g}, top-k {CLAIM.top_k}, top-p {CLAIM.top_p:g}, min-p "
+            f"{CLAIM.min_p:g} (generate's default sampling) under each profile; "
+            f"honest providers fp32 and bf16 (the simulator's `honest` and `bf16` variants), up to {args.max_tokens} "
+            "tokens per chitchat prompt, verified by the fp32 reference; pooled calibration at 1% FPR on disjoint "
+            "batches. Tokens (traces) per precision; exact match = share of tokens the verifier reproduces.", "",
+            "| profile | fp32 tokens (traces) | bf16 tokens (traces) | exact match | batch sizes | file |",
+            "|---|---|---|---|---|---|", *rows, ""]))
     return 0
 
 
