@@ -42,6 +42,7 @@ from verinfer.scoring.scores import read_scores
 from verinfer.scoring.traces import score_traces
 from verinfer.simulate.generate import build_requests
 from verinfer.simulate.variants import get_variant
+from verinfer.stats.calibration import min_batches
 from verinfer.stats.sides import side_counts
 from verinfer.stats.summary import fit_calibrator
 from verinfer.stats.verdict import calibrated_verdict
@@ -176,6 +177,8 @@ def section(backend, claim: SamplingParams, cal, test, tag: str, batch_sizes, ar
               for v, t in cal.items()}
     pooled = {k: np.concatenate([c[k] for c in honest.values()]) for k in honest["honest"]}
     groups = {"float32" if v == "honest" else "bfloat16": c["depth_shift"] for v, c in honest.items()}
+    if args.resample is None:  # the sizes the honest tokens fill with enough disjoint batches
+        batch_sizes = tuple(n for n in batch_sizes if n * min_batches(0.01) <= pooled["margin"].size)
     calibrations = {"margin only": fit_calibrator(pooled, batch_sizes, shape=False, resample=args.resample),
                     "margin + sides": fit_calibrator(pooled, batch_sizes, resample=args.resample, groups=groups)}
     null = ", ".join(f"{g['group']} {g['positive']}+ / {g['negative']}- of {g['tokens']} tokens"
