@@ -35,7 +35,8 @@ def diagnose(
     device: str = opt.device(),
     threads: int = opt.threads(),
     bands: Optional[str] = typer.Option(None, "--variants", help="also rank model-side variants, one extra prefill "
-                                        "each: 'default' (bf16, w8-channel, w4-g128, fp8-kv), 'catalogue' (every "
+                                        "each (an fp8 KV cache variant: one teacher-forced decode of all the traces "
+                                        "as one batch, as its provider decodes them): 'default' (bf16, w8-channel, w4-g128, fp8-kv), 'catalogue' (every "
                                         "model-side variant) or comma-separated variant names (as `audit bands "
                                         "--variants`)"),
     sigma: Optional[float] = typer.Option(None, help="logit noise (raw-logit std) the likelihood allows "
