@@ -54,6 +54,9 @@ def test_a_calibration_records_its_coverage_and_keeps_it_on_disk(files):
     assert cal.coverage == {"precisions": ["bfloat16", "float32"], "profiles": ["vllm"]}
     assert Calibrator.load(out).coverage == cal.coverage and coverage_warnings(cal) == []
     assert judged_groups(cal.sides) and Calibrator.load(out).sides == cal.sides  # the shape null beside the margin
+    # one honest group per source file: the least favourable precision decides, never a pooled mixture
+    assert [(g["tokens"], g["positive"] + g["negative"] > 0) for g in cal.sides] == [(2000, False), (2000, True)]
+    assert [g["group"].split(": ", 1)[1] for g in cal.sides] == [str(files["fp32"]), str(files["bf16"])]
     assert api.calibrate(files["fp32"], batch_sizes=(10,), shape=False).sides is None
 
 

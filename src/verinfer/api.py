@@ -264,7 +264,9 @@ def calibrate(honest: VerifyResult | str | Path | Sequence[VerifyResult | str | 
     and ``audit`` then check. Commit detectors are fitted from the results' commit checks or from
     ``commit_scores_files``. ``precisions`` names the honest providers' precisions behind the
     scores (``fp32``, ``bf16``, ...), recorded with the profiles as the calibration's coverage
-    (``coverage_warnings`` says what an fp32-only null will reject); ``resample`` bootstraps
+    (``coverage_warnings`` says what an fp32-only null will reject); each source's mismatch sides are
+    kept as one honest group for the sampler-shape null (give each precision its own file: one file
+    mixing fp32 and bf16 traces is one group); ``resample`` bootstraps
     overlapping windows when honest tokens are scarce (``Calibrator``); ``shape=False`` leaves out
     the sampler-shape detectors (the margin-only verdict of before issue #28).
     """
@@ -294,8 +296,12 @@ def calibrate(honest: VerifyResult | str | Path | Sequence[VerifyResult | str | 
         merged["depth_shift"] = np.concatenate([c["depth_shift"] for c in columns])
     coverage = {"precisions": normalize_precisions(precisions) if precisions else None,
                 "profiles": sorted({s.get("profile", "?") for s in (sig or {}).get("sampling", [])}) or None}
+    # Each source is one honest provider's side counts (verinfer.stats.sides): pooled, an fp32 file (no
+    # mismatches) would dilute a bf16 file's rate of one-sided mismatches and honest bf16 would look deviating.
+    groups = ({f"{i}: {where}": c["depth_shift"] for i, (c, (_, where)) in enumerate(zip(columns, signatures))}
+              if "depth_shift" in merged else None)
     calibrator = fit_calibrator(merged, tuple(batch_sizes), fpr, merged_commits, sig, shape=shape,
-                                resample=resample, coverage=coverage)
+                                resample=resample, coverage=coverage, groups=groups)
     if out is not None:
         check_outputs([out], [s for s in sources if not isinstance(s, VerifyResult)] + list(commit_scores_files))
         write_atomic(out, json.dumps(calibrator.to_dict(), indent=1))
