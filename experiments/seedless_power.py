@@ -27,6 +27,12 @@ prompts and completions as ``mmd``: with one completion per prompt its statistic
 and its p-value is 0, so it is never given fewer than 2 per prompt), and ``logprobs``
 (LOGIC's KS test of returned logprobs). Resamplings of one pool share units, so cells at large B
 are correlated draws of few distinct sets: their binomial intervals understate the uncertainty.
+
+The honest rows therefore also come from larger pools (``honest_pool``, prompt seed 29, cached in
+chunks of 40 prompts; ``--pools-only`` makes them): ``--honest-draws`` fp32 draws per prompt, of
+which any 7 are exchangeable, so one plays the provider and 6 the reference (rank), and
+``--honest-bf16`` bf16 completions per prompt, each ranked among 6 fp32 draws of its prompt
+(``honest_counts``: random sets of B and one partition into disjoint sets of B).
 """
 
 from __future__ import annotations
@@ -293,12 +299,13 @@ def honest_counts(args, honest: dict, extra: CompletionScores, cache: Path) -> d
              "bf16": {"surprise": Pb * k, "rank": common * k, "logprobs": len(theirs)}}
 
     def rank_sets(rng, picks, bf16: bool):
-        """Rank quantiles and tokens of each picked unit, from one fresh shuffle of every prompt's draws."""
-        order = np.argsort(rng.uniform(size=(P, D)), axis=1)
-        roles = np.argsort(rng.uniform(size=(X, m + 1)), axis=1)  # the extra groups' provider: column 0
+        """Rank quantiles and tokens of each picked unit, every prompt's draws shuffled afresh for each set
+        (so each set's roles are new: with one shuffle for all sets, they would judge one fixed pool of ranks)."""
         c = F.centred
         out = []
         for pick in picks:
+            order = np.argsort(rng.uniform(size=(P, D)), axis=1)
+            roles = np.argsort(rng.uniform(size=(X, m + 1)), axis=1)  # the extra groups' provider: column 0
             if bf16:
                 p, j = np.divmod(pick, k)
                 ref = [c[pi, order[pi, m * ji: m * (ji + 1)]] for pi, ji in zip(p, j)]
@@ -366,14 +373,15 @@ def table(args, data: dict, cache: Path) -> None:
     c, m, L = args.per_prompt, args.samples, args.max_tokens
     U = len(data["units"])
     results = {label: counts(args, data, label, cache) for label in data["variants"]}
+    if "honest fp32" in results:
+        old = data["variants"]["honest fp32"]["scores"]
+        draws = data["draw_scores"]
+        extra = CompletionScores(*(np.column_stack([np.asarray(a, dtype=np.float64), np.reshape(b, (U, m))])
+                                   for a, b in zip(old, (draws.logprob, draws.expected, draws.variance, draws.tokens))))
+        honest = honest_counts(args, data["honest"], extra, cache)
     if set(results) != set(VARIANTS):
         print("counts cached for " + ", ".join(results) + "; the table needs every variant")
         return
-    old = data["variants"]["honest fp32"]["scores"]
-    extra = CompletionScores(*(np.column_stack([np.asarray(a, dtype=np.float64), np.reshape(b, (U, m))])
-                               for a, b in zip(old, (data["draw_scores"].logprob, data["draw_scores"].expected,
-                                                     data["draw_scores"].variance, data["draw_scores"].tokens))))
-    honest = honest_counts(args, data["honest"], extra, cache)
     pools = honest.pop("pools")
     results[CHEAT[0]] = results[CHEAT[1]]
     none = [None] * len(BUDGETS)
