@@ -296,8 +296,8 @@ def calibrate(honest: VerifyResult | str | Path | Sequence[VerifyResult | str | 
         merged["depth_shift"] = np.concatenate([c["depth_shift"] for c in columns])
     coverage = {"precisions": normalize_precisions(precisions) if precisions else None,
                 "profiles": sorted({s.get("profile", "?") for s in (sig or {}).get("sampling", [])}) or None}
-    # Each source is one honest provider's side counts (verinfer.stats.sides): pooled, an fp32 file (no
-    # mismatches) would dilute a bf16 file's rate of one-sided mismatches and honest bf16 would look deviating.
+    # Each source is one honest provider's side counts (verinfer.stats.sides): the verdict takes the least
+    # favourable group, where one pooled mixture of precisions that lean to different sides would not.
     groups = ({f"{i}: {where}": c["depth_shift"] for i, (c, (_, where)) in enumerate(zip(columns, signatures))}
               if "depth_shift" in merged else None)
     calibrator = fit_calibrator(merged, tuple(batch_sizes), fpr, merged_commits, sig, shape=shape,
