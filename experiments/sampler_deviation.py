@@ -1,18 +1,23 @@
 """Sampler deviations against the pooled fp32 + bf16 honest calibration: margin-only vs margin + sides.
 
     python experiments/sampler_deviation.py --cal-prompts 200 --cal-max-tokens 80 --test-prompts 128 \
-        --max-tokens 40 --batch-sizes 20,100 --min-p --out experiments/results/sampler_deviation.md
+        --max-tokens 40 --batch-sizes 20,100 --min-p --fpr-prompts 144 \
+        --out experiments/results/sampler_deviation.md
 
 Generates traces on chitchat prompts with vLLM's seeded sampler claiming T=1, top-k 50, top-p 0.95,
-from honest providers (fp32; bf16 as GPU providers run; the catalogue's other honest variants: batch-8,
-eager attention, batch-1 decode) and from providers whose sampler deviates (top-k 40 / 25 / 60, top-p
-0.76, temperature 1.1 / 0.9) while claiming the honest settings; with ``--min-p`` also a claim of
-min-p 0.05 alone (its own honest fp32 + bf16 calibration; served min-p 0.04 / 0.06). The fp32
-reference scores them; a calibration is fitted on honest fp32 + bf16 traces of calibration prompts
-(disjoint from the held-out prompts), once with the margin detector only (``shape=False``, the
-verdict before issue #28) and once with the per-precision side counts of the sampler-shape test
-(``verinfer.stats.sides``), and each variant's held-out traces are judged by the one verdict rule,
-whole and in random sets of whole traces holding 500 and 2,000 tokens.
+from honest providers (fp32; bf16 as GPU providers run; every other honest variant of the catalogue:
+batch-1 / 4 / 8 / 16, prefill-vs-decode, eager and SDPA attention) and from providers whose sampler
+deviates (top-k 40 / 25 / 60, top-p 0.76, temperature 1.1 / 0.9) while claiming the honest settings;
+with ``--min-p`` also a claim of min-p 0.05 alone (its own honest fp32 + bf16 calibration; served
+min-p 0.04 / 0.06). The fp32 reference scores them; a calibration is fitted on honest fp32 + bf16
+traces of calibration prompts (disjoint from the held-out prompts), with the margin detector only
+(``shape=False``, the verdict before issue #28), with the two side counts of session 12
+(``narrower``, ``wider``) and with all three sampler-shape detectors (``narrower``, ``wider``,
+``beyond``: ``verinfer.stats.sides``), and each variant's held-out traces are judged by the one
+verdict rule, whole and in random (overlapping) sets of whole traces holding 500 and 2,000 tokens.
+``--fpr-prompts`` adds honest bf16 traces of that many further prompts (chitchat prompts whose text
+is in neither half of the pool), so that the honest bf16 held-out traces split into *disjoint* sets:
+their rejection count is the false-positive rate measured without overlap (Wilson 95% interval).
 
 Traces and scores are cached under ``$VERINFER_CACHE/experiments/sampler_deviation`` (fixed seeds;
 held-out prompts in chunks of 48, so more prompts reuse the earlier ones; a rerun only re-analyses).
@@ -23,6 +28,7 @@ builds (same cache and seeds).
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime as dt
 import os
 import shlex
@@ -43,6 +49,7 @@ from verinfer.scoring.traces import score_traces
 from verinfer.simulate.generate import build_requests
 from verinfer.simulate.variants import get_variant
 from verinfer.stats.calibration import min_batches
+from verinfer.stats.evaluation import wilson_interval
 from verinfer.stats.sides import side_counts
 from verinfer.stats.summary import fit_calibrator
 from verinfer.stats.verdict import calibrated_verdict
@@ -51,9 +58,11 @@ from verinfer.trace import read_traces, write_traces
 CLAIM = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000)
 MIN_P_CLAIM = SamplingParams(profile="vllm", temperature=1.0, min_p=0.05, seed=7000)  # min-p alone decides the kept set
 ORDER = ("honest", "bf16", "top-k-40", "top-k-60", "temperature-1.1", "top-p-0.76", "temperature-0.9", "top-k-25")
-HONEST_EXTRA = ("batch-8", "attn-eager", "batch-1")  # the catalogue's other honest variants (last; first chunk only)
+HONEST_EXTRA = ("batch-8", "attn-eager", "batch-1", "prefill-vs-decode", "batch-4", "batch-16",
+                "attn-sdpa")  # the catalogue's other honest variants (last; first chunk only)
 MIN_P_ORDER = ("honest", "bf16", "min-p-0.04", "min-p-0.06")  # claiming MIN_P_CLAIM
 POOL, TEST_OFFSET = 400, 200  # prompts drawn once; calibration takes the first ones, held-out ones start at 200
+FPR_SEED = 2801  # the seeded draw of the further honest prompts (--fpr-prompts)
 CHUNK = 48  # held-out prompts are generated (and cached) in chunks of this many
 
 
@@ -97,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--draws", type=int, default=200, help="random sets per variant")
     ap.add_argument("--resample", type=int, default=None, help="bootstrap this many windows per batch size "
                     "(thresholds without the disjoint-batch FPR guarantee) for batches the honest tokens cannot fill")
+    ap.add_argument("--fpr-prompts", type=int, default=0, help="honest bf16 traces of this many further prompts "
+                    "(not in the pool) for the false-positive rate on disjoint sets")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -117,10 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         min_p_test = {v: held_out(backend, v, test_prompts, args.max_tokens, cache, MIN_P_CLAIM, tag)
                       for v in MIN_P_ORDER}
     test.update({v: held_out(backend, v, test_prompts[:CHUNK], args.max_tokens, cache) for v in HONEST_EXTRA})
+    extra = held_out(backend, "bf16", fpr_prompts(prompts, args.fpr_prompts), args.max_tokens, cache,
+                     tag=f"fpr{FPR_SEED}-") if args.fpr_prompts else []
     if args.generate_only:
         return 0
     batch_sizes = tuple(int(s) for s in args.batch_sizes.split(","))
-    sections = [section(backend, CLAIM, cal, test, "", batch_sizes, args, cache, args.cal_max_tokens)]
+    sections = [section(backend, CLAIM, cal, test, "", batch_sizes, args, cache, args.cal_max_tokens, extra)]
     if args.min_p:
         sections.append(section(backend, MIN_P_CLAIM, min_p_cal, min_p_test, tag, batch_sizes, args, cache,
                                 args.max_tokens))
@@ -140,6 +153,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_atomic(args.out, text)
     return 0
+
+
+def fpr_prompts(pool, n: int):
+    """``n`` chitchat prompts whose text is in neither half of ``pool`` (a seeded draw of its own)."""
+    seen = {p.messages for p in pool}
+    fresh = [p for p in load_prompts("chitchat", 4 * n + len(pool), seed=FPR_SEED, distinct=True) if p.messages not in seen]
+    if len(fresh) < n:
+        raise SystemExit(f"--fpr-prompts {n}: only {len(fresh)} chitchat prompts outside the pool were drawn")
+    return fresh[:n]
+
+
+def disjoint(cols: dict[str, np.ndarray], tokens: int):
+    """Score columns of runs of whole traces (in order of first appearance), each holding at least
+    ``tokens`` tokens: no trace in two sets; the remainder that fills no set is left out."""
+    ids = np.asarray(cols["trace_id"])
+    names, first = np.unique(ids, return_index=True)
+    take: list[np.ndarray] = []
+    for t in names[np.argsort(first)]:
+        take.append(np.flatnonzero(ids == t))
+        if sum(map(len, take)) >= tokens:
+            pick = np.concatenate(take)
+            yield {k: np.asarray(v)[pick] for k, v in cols.items()}
+            take = []
 
 
 def subsets(cols: dict[str, np.ndarray], tokens: int, draws: int, rng: np.random.Generator):
@@ -171,22 +207,27 @@ def scored(backend: Backend, traces, stem: Path, reuse: Path | None = None) -> d
 
 
 def section(backend, claim: SamplingParams, cal, test, tag: str, batch_sizes, args, cache: Path,
-            cal_max_tokens: int) -> str:
-    """One claim's table: its pooled fp32 + bf16 calibration, then every held-out variant judged twice."""
+            cal_max_tokens: int, extra=()) -> str:
+    """One claim's table: its pooled fp32 + bf16 calibration, then every held-out variant judged with each
+    calibration; with ``extra`` honest bf16 traces, the false-positive rate on disjoint honest bf16 sets."""
     honest = {v: scored(backend, t, cache / f"{tag}cal{len(t)}-{v}", cache / f"{tag}cal{len(t)}-m{cal_max_tokens}-{v}.scores.parquet")
               for v, t in cal.items()}
     pooled = {k: np.concatenate([c[k] for c in honest.values()]) for k in honest["honest"]}
-    groups = {"float32" if v == "honest" else "bfloat16": c["depth_shift"] for v, c in honest.items()}
+    groups = {"float32" if v == "honest" else "bfloat16": c for v, c in honest.items()}
     if args.resample is None:  # the sizes the honest tokens fill with enough disjoint batches
         batch_sizes = tuple(n for n in batch_sizes if n * min_batches(0.01) <= pooled["margin"].size)
+    shape = fit_calibrator(pooled, batch_sizes, resample=args.resample, groups=groups)
+    two_sides = copy.deepcopy(shape)  # session 12's null: the two side counts without ``beyond``
+    two_sides.sides = [{k: v for k, v in g.items() if k != "beyond"} for g in shape.sides]
     calibrations = {"margin only": fit_calibrator(pooled, batch_sizes, shape=False, resample=args.resample),
-                    "margin + sides": fit_calibrator(pooled, batch_sizes, resample=args.resample, groups=groups)}
-    null = ", ".join(f"{g['group']} {g['positive']}+ / {g['negative']}- of {g['tokens']} tokens"
-                     for g in calibrations["margin + sides"].sides)
-    rows = []
+                    "margin + sides": two_sides, "margin + sides + beyond": shape}
+    null = ", ".join(f"{g['group']} {g['positive']}+ / {g['negative']}- ({g['beyond']} beyond) of {g['tokens']} tokens"
+                     for g in shape.sides)
+    rows, held = [], {}
     for variant, traces in test.items():
         cols = scored(backend, traces, cache / f"{tag}test{args.test_prompts}-{variant}",
                       cache / f"{tag}test{len(traces)}-m{args.max_tokens}-{variant}.scores.parquet")
+        held[variant] = cols
         cells = []
         for cal_ in calibrations.values():
             v = calibrated_verdict(cols, cal_)
@@ -201,18 +242,47 @@ def section(backend, claim: SamplingParams, cal, test, tag: str, batch_sizes, ar
                          f"{f', by {v.decided_by}' if not v.consistent and len(v.detectors) > 1 else ''}); "
                          + " / ".join(shares))
         exact = float(np.mean(cols["exact_match"]))
-        positive, negative = side_counts(cols["depth_shift"])
+        counts = side_counts(cols["depth_shift"], cols["margin"])
         kind = "honest" if get_variant(variant).honest else "deviation"
-        rows.append(f"| {variant} ({kind}) | {len(cols['margin'])} | {exact:.2%} | {positive} / {negative} | "
-                    f"{cells[0]} | {cells[1]} |")
-    return "\n".join([
+        rows.append(f"| {variant} ({kind}) | {len(cols['margin'])} | {exact:.2%} | {counts['positive']} / "
+                    f"{counts['negative']} ({counts['beyond']}) | {' | '.join(cells)} |")
+    lines = [
         f"## Claim: {claim.signature()}", "",
         f"Calibration: honest fp32 + bf16 traces of {len(cal['honest'])} prompts each, up to {cal_max_tokens} tokens "
         f"({sum(len(c['margin']) for c in honest.values())} tokens; sides {null}), "
         f"{'disjoint batches' if args.resample is None else f'{args.resample} bootstrap windows'} of {batch_sizes} "
         f"tokens (the verdict uses the largest that fits), 1% FPR.", "",
-        "| variant | tokens | exact match | sides + / - | margin only | margin + sides |",
-        "|---|---|---|---|---|---|", *rows, ""])
+        f"| variant | tokens | exact match | sides + / - (beyond) | {' | '.join(calibrations)} |",
+        f"|---|---|---|---|{'---|' * len(calibrations)}", *rows, ""]
+    if len(extra):
+        lines += disjoint_fpr(backend, extra, held, calibrations, args, cache)
+    return "\n".join(lines)
+
+
+def disjoint_fpr(backend, extra, held: dict[str, dict], calibrations: dict, args, cache: Path) -> list[str]:
+    """Rejections of disjoint honest sets: bf16 (the held-out traces and ``extra``), and every fp32 honest
+    variant's held-out traces pooled, split into runs of whole traces of ``args.set_tokens`` tokens."""
+    more = scored(backend, extra, cache / f"fpr{FPR_SEED}-{args.fpr_prompts}-bf16")
+    pools = {"honest bf16": {k: np.concatenate([held["bf16"][k], more[k]]) for k in more},
+             "honest fp32 variants": {k: np.concatenate([c[k] for v, c in held.items() if get_variant(v).honest
+                                                         and v != "bf16"]) for k in more}}
+    rows = []
+    for name, cols in pools.items():
+        for tokens in args.set_tokens:
+            sets = list(disjoint(cols, tokens))
+            cells = []
+            for cal_ in calibrations.values():
+                k = sum(not calibrated_verdict(c, cal_).consistent for c in sets)
+                ci = wilson_interval(k, len(sets))
+                cells.append(f"{k} of {len(sets)} (95% CI {ci.low:.1%}-{ci.high:.1%})")
+            rows.append(f"| {name} | {len(cols['margin'])} | {tokens} | {' | '.join(cells)} |")
+    head = (f"False positives on disjoint honest sets: the honest bf16 held-out traces above plus {len(extra)} "
+            f"traces of {args.fpr_prompts} further prompts (seed {FPR_SEED}, texts in neither half of the pool); "
+            "the fp32 honest variants' held-out traces pooled. Each set: consecutive whole traces holding at least "
+            "the tokens named, no trace in two sets; INCONSISTENT sets of all sets, Wilson 95% interval.")
+    return [head, "",
+            f"| honest pool | tokens | set tokens | {' | '.join(calibrations)} |",
+            f"|---|---|---|{'---|' * len(calibrations)}", *rows, ""]
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from verinfer.sampling.params import SamplingParams
 from verinfer.scoring.scores import SCORE_SCHEMA, ScoreWriter
 from verinfer.stats.calibration import Calibrator, coverage_warnings
 from verinfer.stats.shipped import DATA_DIR, calibration_filename, find_calibration
-from verinfer.stats.sides import judged_groups
+from verinfer.stats.sides import detectors, judged_groups
 from verinfer.stats.verdict import calibrated_verdict
 
 SIG = {"model": "smollm2-135m", "dtype": "float32",
@@ -58,6 +58,25 @@ def test_a_calibration_records_its_coverage_and_keeps_it_on_disk(files):
     assert [(g["tokens"], g["positive"] + g["negative"] > 0) for g in cal.sides] == [(2000, False), (2000, True)]
     assert [g["group"].split(": ", 1)[1] for g in cal.sides] == [str(files["fp32"]), str(files["bf16"])]
     assert api.calibrate(files["fp32"], batch_sizes=(10,), shape=False).sides is None
+
+
+def test_side_counts_load_from_files_with_and_without_beyond(files):
+    """A calibration file counts each group's mismatches beyond the claimed filters; files written before
+    that count load and judge the two sides only; a count that cannot be (beyond > deeper) is refused."""
+    out = files["dir"] / "beyond.json"
+    api.calibrate([files["fp32"], files["bf16"]], batch_sizes=(10,), precisions=["fp32", "bf16"], out=out)
+    doc = json.loads(out.read_text())
+    assert all("beyond" in g for g in doc["sides"]) and detectors(Calibrator.load(out).sides)[-1] == "beyond"
+    for g in doc["sides"]:
+        del g["beyond"]
+    old = Calibrator.from_dict(doc)
+    assert detectors(old.sides) == ("narrower", "wider")
+    from verinfer.scoring.scores import read_scores
+
+    assert "beyond" not in calibrated_verdict(read_scores(files["noisy"]), old, 10).detectors
+    doc["sides"][1].update(beyond=doc["sides"][1]["negative"] + 1)
+    with pytest.raises(ValueError, match="more 'beyond' than 'negative'"):
+        Calibrator.from_dict(doc)
 
 
 def test_an_fp32_only_null_warns_and_its_rejections_say_why(files):

@@ -11,13 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from scipy.stats import fisher_exact
 
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import RowKeys, get_profile
 from verinfer.sampling.sampler import replay
 from verinfer.scoring.sampler_shape import DEPTH_CAP, depth, depth_shift
 from verinfer.stats.summary import fit_calibrator
-from verinfer.stats.sides import side_p_value
+from verinfer.stats.sides import detectors, fisher_greater, oriented, side_counts, side_p_value
 from verinfer.stats.verdict import calibrated_verdict, flag_verdict, minimum_evidence
 
 V = 2000
@@ -52,7 +53,7 @@ def calibrations():
     """Pooled honest null: an exact provider and a noisy ("bf16") one, 3,000 tokens each."""
     honest = [columns(3000, 1), columns(3000, 2, noise=NOISE)]
     pooled = {k: np.concatenate([c[k] for c in honest]) for k in honest[0]}
-    groups = {"exact": honest[0]["depth_shift"], "noisy": honest[1]["depth_shift"]}
+    groups = {"exact": honest[0], "noisy": honest[1]}
     return fit_calibrator(pooled, (10, 50), groups=groups), fit_calibrator(pooled, (10, 50), shape=False)
 
 
@@ -91,26 +92,49 @@ def test_honest_noise_puts_mismatches_on_both_sides():
     assert abs(shift.mean()) < 3 * shift.std() / np.sqrt(shift.size)
 
 
+OPPOSITE = {"narrower": "wider", "wider": "narrower", "beyond": "narrower"}
+
+
 @pytest.mark.parametrize("served, noise, direction", [
     (CLAIM, 0.0, None), (CLAIM, NOISE, None),
     (CLAIM.with_(top_k=25), 0.0, "narrower"), (CLAIM.with_(top_k=25), NOISE, "narrower"),
-    (CLAIM.with_(top_k=40), 0.0, "narrower"), (CLAIM.with_(top_k=60), 0.0, "wider"),
+    (CLAIM.with_(top_k=40), 0.0, "narrower"), (CLAIM.with_(top_k=60), 0.0, "beyond"),
     (CLAIM.with_(top_p=0.76), NOISE, "narrower"), (CLAIM.with_(temperature=0.9), NOISE, "narrower"),
     (CLAIM.with_(temperature=1.1), NOISE, "wider"),
 ])
 def test_the_one_verdict_rule_with_shape_detectors(calibrations, served, noise, direction):
     """A fifth off in top-k (by an exact provider: with bf16-like noise on top the side counts of 2,000
     tokens reach p ~ 0.003-0.008 per look here, short of the rule's Bonferroni level) / top-p, or 10% off
-    in temperature (with noise on top), is caught within 2,000 tokens by the detector of its side;
+    in temperature (with noise on top), is caught within 2,000 tokens by the detector of its kind;
     honest providers are not."""
     shape, _ = calibrations
     v = calibrated_verdict(columns(2000, 21, served=served, noise=noise), shape, 50)
     assert v.consistent is (direction is None), v.text
-    assert set(v.detectors) == {"margin", "narrower", "wider"}
+    assert set(v.detectors) == {"margin", "narrower", "wider", "beyond"}
     if direction is not None:
-        other = {"narrower": "wider", "wider": "narrower"}[direction]
-        assert v.detectors[direction]["p"] < v.alpha <= v.detectors[other]["p"], v.detectors
+        assert v.detectors[direction]["p"] < v.alpha <= v.detectors[OPPOSITE[direction]]["p"], v.detectors
         assert v.tokens_needed is not None and v.tokens_needed <= 2000
+
+
+def test_a_wider_top_k_is_caught_beyond_the_claimed_boundary(calibrations):
+    """A served top-k 60 for a claimed 50 (an exact provider) makes mismatches only beyond the claimed
+    boundary; the honest noisy group crosses it in a minority of its mismatches (boundary reorderings
+    among near-tied tokens), so ``beyond`` rejects within 500 tokens with a p-value far below
+    ``wider``'s, which counts only the side; an honest noisy provider's boundary crossings pass."""
+    shape, _ = calibrations
+    noisy = next(g for g in shape.sides if g["group"] == "noisy")
+    assert 0 < noisy["beyond"] < 0.5 * (noisy["positive"] + noisy["negative"]), noisy
+    cols = columns(500, 31, served=CLAIM.with_(top_k=60))
+    counts = side_counts(cols["depth_shift"], cols["margin"])
+    assert counts["positive"] == 0 and counts["beyond"] == counts["negative"] >= 3, counts
+    v = calibrated_verdict(cols, shape, 50)
+    assert not v.consistent and v.decided_by == "beyond", v.text
+    assert v.detectors["beyond"]["p"] < v.detectors["wider"]["p"] / 100, v.detectors
+    assert "beyond the claimed sampler's filters" in v.text
+    honest = columns(2000, 32, noise=NOISE)
+    assert side_counts(honest["depth_shift"], honest["margin"])["beyond"] > 0  # it crosses the boundary too
+    h = calibrated_verdict(honest, shape, 50)
+    assert h.consistent and h.detectors["beyond"]["p"] >= h.alpha, h.text
 
 
 @pytest.mark.parametrize("served, direction", [(0.06, "narrower"), (0.04, "wider"), (0.05, None)])
@@ -120,56 +144,95 @@ def test_a_min_p_a_fifth_off_is_caught(served, direction):
     claim = CLAIM.with_(top_k=-1, top_p=1.0, min_p=0.05)
     honest = [columns(3000, 1, claim=claim, served=claim), columns(3000, 2, noise=NOISE, claim=claim, served=claim)]
     pooled = {k: np.concatenate([c[k] for c in honest]) for k in honest[0]}
-    cal = fit_calibrator(pooled, (50,), groups={"exact": honest[0]["depth_shift"], "noisy": honest[1]["depth_shift"]})
+    cal = fit_calibrator(pooled, (50,), groups={"exact": honest[0], "noisy": honest[1]})
     noise = NOISE if direction is None else 0.0
     v = calibrated_verdict(columns(2000, 23, served=claim.with_(min_p=served), noise=noise, claim=claim), cal, 50)
     assert v.consistent is (direction is None), v.text
     if direction is not None:
-        other = {"narrower": "wider", "wider": "narrower"}[direction]
-        assert v.detectors[direction]["p"] < v.alpha <= v.detectors[other]["p"] and v.tokens_needed <= 2000, v.text
+        assert v.detectors[direction]["p"] < v.alpha <= v.detectors[OPPOSITE[direction]]["p"], v.text
+        assert v.tokens_needed <= 2000, v.text
+
+
+def honest_counts(rng: np.random.Generator, mean: float, size: int) -> dict[str, np.ndarray]:
+    """Side counts of ``size`` honest sets with Poisson(``mean``) mismatches, lopsided as logit noise is
+    (40% shallower, and 30% of the deeper ones beyond the claimed boundary: about bf16's shares)."""
+    n = rng.poisson(mean, size)
+    positive = rng.binomial(n, 0.4)
+    return {"positive": positive, "negative": n - positive, "beyond": rng.binomial(n - positive, 0.3)}
 
 
 def test_side_p_values_of_honest_noise_are_valid_at_every_level():
-    """Honest noise with a lopsided side share (0.4, as logit noise leans deeper): the test's counts and the
-    calibration group's are drawn alike, and the p-value of either side is below a level at most that often."""
+    """Honest noise with lopsided shares: the test's counts and the calibration group's are drawn alike,
+    and every detector's p-value (Fisher's exact test, as ``side_p_value`` takes it) is below a level
+    at most that often (binomial bound over 4,000 draws)."""
     rng = np.random.default_rng(3)
     trials = 4000
-    cal_n, test_n = rng.poisson(90, trials), rng.poisson(40, trials)
-    cal_pos, test_pos = rng.binomial(cal_n, 0.4), rng.binomial(test_n, 0.4)
-    for side in ("narrower", "wider"):
-        p = np.array([side_p_value(int(tp), int(tn - tp), [{"group": "g", "positive": int(cp), "negative": int(cn - cp)}],
-                                   side) for tp, tn, cp, cn in zip(test_pos, test_n, cal_pos, cal_n)])
+    test, cal = honest_counts(rng, 40, trials), honest_counts(rng, 90, trials)
+    for detector in ("narrower", "wider", "beyond"):
+        p = fisher_greater(*oriented(test, detector), *oriented(cal, detector))
         for level in (0.01, 0.05, 0.2, 0.5):
-            assert np.mean(p <= level) <= level + 3 * np.sqrt(level * (1 - level) / trials), (side, level)
+            assert np.mean(p <= level) <= level + 3 * np.sqrt(level * (1 - level) / trials), (detector, level)
         assert np.mean(p <= 0.5) > 0.3  # not a test that never rejects
+    one = {k: int(v[0]) for k, v in cal.items()}
+    for j in range(20):  # side_p_value is that test, per look
+        counts = {k: int(v[j]) for k, v in test.items()}
+        for detector in ("narrower", "wider", "beyond"):
+            on, off = oriented(counts, detector)
+            expected = fisher_exact([[on, off], list(oriented(one, detector))], alternative="greater").pvalue
+            assert side_p_value(counts, [{"group": "g", **one}], detector) == pytest.approx(expected, rel=1e-9, abs=1e-300)
     # against the symmetric 1/2 these same honest counts would be called "wider" far too often
-    biased = [side_p_value(int(tp), int(tn - tp), [{"group": "half", "positive": 500, "negative": 500}], "wider")
-              for tp, tn in zip(test_pos[:500], test_n[:500])]
-    assert np.mean(np.array(biased) <= 0.05) > 0.1
+    biased = fisher_greater(test["negative"], test["positive"], 500, 500)
+    assert np.mean(biased <= 0.05) > 0.1
 
 
 def test_the_least_favourable_honest_group_sets_the_p_value():
-    groups = [{"group": "a", "positive": 40, "negative": 60}, {"group": "b", "positive": 60, "negative": 40},
-              {"group": "exact", "positive": 0, "negative": 0}]
-    both = side_p_value(30, 10, groups, "narrower")
-    assert both == side_p_value(30, 10, groups[1:2], "narrower") > side_p_value(30, 10, groups[:1], "narrower")
-    assert side_p_value(30, 10, groups[2:], "narrower") == 1.0  # a group without mismatches judges no side
-    assert side_p_value(0, 0, groups, "wider") == 1.0
+    groups = [{"group": "a", "positive": 40, "negative": 60, "beyond": 10},
+              {"group": "b", "positive": 60, "negative": 40, "beyond": 30},
+              {"group": "exact", "positive": 0, "negative": 0, "beyond": 0}]
+    counts = {"positive": 30, "negative": 10, "beyond": 8}
+    both = side_p_value(counts, groups, "narrower")
+    assert both == side_p_value(counts, groups[1:2], "narrower") > side_p_value(counts, groups[:1], "narrower")
+    assert side_p_value(counts, groups, "beyond") == side_p_value(counts, groups[1:2], "beyond")
+    assert side_p_value(counts, groups[2:], "narrower") == 1.0  # a group without mismatches judges no side
+    assert side_p_value({"positive": 0, "negative": 0, "beyond": 0}, groups, "wider") == 1.0
+    looks = {k: np.array([0, v // 2, v]) for k, v in counts.items()}  # one array call judges every look
+    assert side_p_value(looks, groups, "beyond").tolist() == [
+        1.0, side_p_value({k: v // 2 for k, v in counts.items()}, groups, "beyond"), side_p_value(counts, groups, "beyond")]
+    assert detectors(groups) == ("narrower", "wider", "beyond")
+    assert detectors([{k: v for k, v in g.items() if k != "beyond"} for g in groups]) == ("narrower", "wider")
+    assert detectors(groups[2:]) == ()
 
 
 def test_the_whole_rule_keeps_its_false_positive_rate_with_side_detectors():
-    """Batches flagged at the calibrated rate and honest mismatches drawn like the calibration group's:
-    the sequential verdict over margin + both sides rejects at most alpha of honest sets."""
+    """Batches flagged at the calibrated rate and honest mismatches drawn like the calibration group's
+    (side and boundary crossing): the sequential verdict over margin + three shape detectors rejects at
+    most alpha of honest sets (binomial bound: 3 standard errors over 1,000 sets)."""
     rng = np.random.default_rng(5)
-    trials, fpr, size, n = 1500, 0.01, 20, 40
-    null = [{"group": "bf16", "tokens": 20000, "positive": 230, "negative": 330}]
+    trials, fpr, size, n = 1000, 0.01, 20, 40
+    null = [{"group": "bf16", "tokens": 20000, "positive": 230, "negative": 330, "beyond": 100}]
     rejected = 0
     for _ in range(trials):
         miss = rng.random(n * size) < 0.028
-        shift = np.where(miss, np.where(rng.random(n * size) < 0.41, 1.0, -1.0) * rng.random(n * size), 0.0)
-        v = flag_verdict(rng.random(n) < fpr, fpr, size, names=["margin"], sides=(shift, null))
+        deep = rng.random(n * size) >= 0.41
+        shift = np.where(miss, np.where(deep, -1.0, 1.0) * rng.random(n * size), 0.0)
+        margin = np.where(miss & deep & (rng.random(n * size) < 100 / 330), np.inf, np.where(miss, 1.0, 0.0))
+        v = flag_verdict(rng.random(n) < fpr, fpr, size, names=["margin"],
+                         sides=({"depth_shift": shift, "margin": margin}, null))
+        assert "beyond" in v.detectors
         rejected += not v.consistent
     assert rejected / trials <= fpr + 3 * np.sqrt(fpr * (1 - fpr) / trials)
+
+
+def test_side_groups_take_margins_from_the_pooled_columns_they_slice(calibrations):
+    """Groups given as bare ``depth_shift`` arrays (as callers passed them before ``beyond``) count beyond
+    the claimed filters when they are the pooled columns' consecutive slices, and not otherwise."""
+    honest = [columns(600, 1), columns(600, 2, noise=NOISE)]
+    pooled = {k: np.concatenate([c[k] for c in honest]) for k in honest[0]}
+    as_columns = fit_calibrator(pooled, (10,), groups={"a": honest[0], "b": honest[1]}).sides
+    as_arrays = fit_calibrator(pooled, (10,), groups={"a": honest[0]["depth_shift"], "b": honest[1]["depth_shift"]}).sides
+    assert as_arrays == as_columns and as_columns[1]["negative"] > 0
+    shuffled = fit_calibrator(pooled, (10,), groups={"b": honest[1]["depth_shift"], "a": honest[0]["depth_shift"]}).sides
+    assert [sorted(g) for g in shuffled] == [["group", "negative", "positive", "tokens"]] * 2
 
 
 def test_a_margin_only_calibration_has_no_shape_detectors(calibrations):

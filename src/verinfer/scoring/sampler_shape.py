@@ -18,9 +18,10 @@ makes mismatches whose verifier token has depth >= 0.8 and whose claim is shallo
 ``depth_shift = depth(verifier token) - depth(claim)`` at mismatches, 0 where they agree (and for
 greedy rows, whose sampler has no filter or temperature to deviate): positive means the provider
 looks narrower or colder than claimed, negative wider or hotter. Honest noise puts it on both
-sides; its detectors ``narrower`` and ``wider`` count the mismatches on each side cumulatively and
-test them against the honest groups' counts of the same calibration as the margin
-(``verinfer.stats.sides``).
+sides; the detectors ``narrower`` and ``wider`` count the mismatches on each side cumulatively, and
+``beyond`` those of the deep side whose claim the claimed filters remove (an infinite margin: where
+a wider filter puts all of its mismatches), and test them against the honest groups' counts of the
+same calibration as the margin (``verinfer.stats.sides``).
 Computed only for the mismatched rows of a block of logits the prefill already produced (about 1%
 of tokens), so it costs nothing next to the prefill.
 """
@@ -35,7 +36,6 @@ import torch
 from verinfer.sampling.params import SamplingParams
 
 DEPTH_CAP = 2.0  # a claim twice as deep as the claimed boundary allows counts no more than at 2x
-SHAPE_METRICS = {"narrower": 1.0, "wider": -1.0}  # detector -> the sign of depth_shift it counts
 
 
 def depth(x: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -80,4 +80,4 @@ def depth_shift(logits: torch.Tensor, claimed: np.ndarray, verifier: np.ndarray,
     return out
 
 
-__all__ = ["DEPTH_CAP", "SHAPE_METRICS", "depth", "depth_shift"]
+__all__ = ["DEPTH_CAP", "depth", "depth_shift"]

@@ -123,7 +123,7 @@ class Calibrator:
         self.random_state = random_state
         self.signature: dict | None = None  # what the honest scores were verified under (verify/scores.py)
         self.coverage: dict | None = None  # honest noise fitted on: {"precisions": [...], "profiles": [...]}
-        self.sides: list[dict] | None = None  # honest groups' mismatch side counts (verinfer.stats.sides)
+        self.sides: list[dict] | None = None  # honest groups' mismatch counts per side (verinfer.stats.sides)
         if not self.batch_sizes or self.batch_sizes[0] < 1:
             raise ValueError(f"batch_sizes must be positive integers, got {self.batch_sizes}")
         if not 0.0 < self.fpr < 1.0:
@@ -317,16 +317,19 @@ class Calibrator:
 
 
 def _sides(raw: Any) -> list[dict] | None:
-    """A document's honest side counts, checked: a list of {"group", "tokens", "positive", "negative"}."""
+    """A document's honest side counts, checked: a list of {"group", "tokens", "positive", "negative"} and,
+    from files that count it, "beyond" (at most "negative"; absent from older files, which judge two sides)."""
     if raw is None:
         return None
     if not isinstance(raw, list):
         raise ValueError(f"'sides' must be a list of honest groups, got {type(raw).__name__}")
     out = []
     for g in raw:
-        counts = {k: int(g[k]) for k in ("tokens", "positive", "negative")}
+        counts = {k: int(g[k]) for k in ("tokens", "positive", "negative", "beyond") if k != "beyond" or k in g}
         if min(counts.values()) < 0:
             raise ValueError(f"'sides' group {g.get('group')!r} has a negative count")
+        if counts.get("beyond", 0) > counts["negative"]:
+            raise ValueError(f"'sides' group {g.get('group')!r} counts more 'beyond' than 'negative' mismatches")
         out.append({"group": str(g["group"]), **counts})
     return out
 

@@ -7,7 +7,7 @@ evidence and one sequential test over them.
 *Calibrated flags* (``flag_verdict``): a ``verinfer calibrate`` detector flags consecutive batches of
 ``size`` tokens; its threshold is a conformal quantile of honest batches, so an honest batch is
 flagged with probability at most the calibration's ``fpr``. A look at the first ``n`` batches has
-the one-sided binomial p-value of its ``k`` flags at rate ``fpr`` (SciPy's ``binomtest``).
+the one-sided binomial p-value of its ``k`` flags at rate ``fpr`` (SciPy's binomial tail, as ``binomtest``).
 
 *Pooled sequences* (``pooled_verdict``): the mean clipped margin over a provider's sequences against
 honest bands (``verinfer audit bands``). The null is composite (the provider runs *some* honest
@@ -17,10 +17,11 @@ of the statistic's rank among pseudo-audits of the same size that resample whole
 bootstrap's extrapolation and the verdict says so (``beyond_pool``).
 
 *Several detectors, one test.* A token verdict flags batches with the calibrated margin detector
-and, when the calibration holds honest mismatches, adds the sampler-shape detectors ``narrower``
-and ``wider`` (``verinfer.stats.sides``: honest noise puts a mismatched claim on both sides of the
-verifier's token, a wrong top-k / top-p / min-p or temperature on one side). These count the
-mismatches on each side over every token up to the look (a batch rarely holds a deviating
+and, when the calibration holds honest mismatches, adds the sampler-shape detectors ``narrower``,
+``wider`` and ``beyond`` (``verinfer.stats.sides``: honest noise puts a mismatched claim on both
+sides of the verifier's token and rarely beyond the claimed filters, a wrong top-k / top-p / min-p
+or temperature on one side, a wider filter beyond the claimed boundary). These count the
+mismatches of their kind over every token up to the look (a batch rarely holds a deviating
 mismatch) and give each look the p-value of Fisher's exact test against the least favourable
 honest group. Each look's p-value is the Bonferroni minimum over the ``m`` detectors,
 ``min(1, m * min_j p_j)``, so the detectors add power without adding a rule or raising the
@@ -38,20 +39,29 @@ Several sets judged together (providers of one audit) get Holm-Bonferroni adjust
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
-from scipy.stats import binomtest
+from scipy.stats import binom, binomtest
 
-from verinfer.scoring.sampler_shape import SHAPE_METRICS
 from verinfer.stats.calibration import Calibrator
 from verinfer.stats.evaluation import bootstrap_ci, wilson_interval
 from verinfer.stats.pooling import MARGIN_CLIP
-from verinfer.stats.sides import honest_share, judged_groups, side_counts, side_p_value
+from verinfer.stats.sides import detectors as side_detectors
+from verinfer.stats.sides import (
+    honest_share,
+    judged_groups,
+    oriented,
+    side_counts,
+    side_p_value,
+)
 
+WHERE = {"narrower": "on the narrower side of the verifier's tokens", "wider": "on the wider side of the verifier's "
+         "tokens", "beyond": "beyond the claimed sampler's filters"}  # sampler-shape detector -> its mismatches
 CLIPPED = ("margin", "clip:99.9")  # margins clipped at their honest 99.9th percentile (DiFR section 4)
 DETECTOR = ("margin", f"bound:{MARGIN_CLIP:g}")  # the bounded margin min(margin, 20): for a null without noise
 COMMIT_RULE = "clip:99.9"  # commit scores (fingerprint L2, TOPLOC) clipped at their honest 99.9th percentile
@@ -109,8 +119,8 @@ class Verdict:
         which = "Holm-adjusted p" if self.p_adjusted is not None else "p"
         side = self.detectors.get(self.decided_by or "", {})
         if self.unit == "batch" and "on_side" in side:
-            evidence = (f"{side['on_side']}/{side['mismatches']} mismatches on the {self.decided_by} side of the "
-                        f"verifier's tokens (95% CI {self.ci_low:.0%}-{self.ci_high:.0%}; honest at most "
+            evidence = (f"{side['on_side']}/{side['mismatches']} mismatches {WHERE[self.decided_by]} "
+                        f"(95% CI {self.ci_low:.0%}-{self.ci_high:.0%}; honest at most "
                         f"{side['honest_share']:.0%}) in {self.units} batches of {self.batch_size} tokens, "
                         f"{self.flagged} flagged by margin")
         elif self.unit == "batch":
@@ -165,10 +175,13 @@ def default_batch_size(calibrator: Calibrator, n: int) -> int:
     return min(calibrator.batch_sizes, key=lambda s: (s > n, -s))
 
 
-def _binom_p(k: int, n: int, fpr: float) -> float:
-    return float(binomtest(k, n, fpr, alternative="greater").pvalue)
+def _binom_p(k, n, fpr: float):
+    """One-sided binomial p-value of ``k`` flags in ``n`` batches at rate ``fpr`` (``binomtest(k, n, fpr,
+    alternative="greater")``), elementwise."""
+    return np.clip(binom.sf(np.asarray(k) - 1, n, fpr), 0.0, 1.0)
 
 
+@functools.lru_cache(maxsize=256)
 def minimum_evidence(n: int, fpr: float, alpha: float, detectors: int = 1) -> str:
     """The fewest flagged batches that can reject among ``n`` (a look of k batches rejects when the
     binomial p of its flags is below ``alpha / (looks * detectors)``): stated in every flag verdict,
@@ -177,7 +190,8 @@ def minimum_evidence(n: int, fpr: float, alpha: float, detectors: int = 1) -> st
     level = alpha / (len(looks) * detectors)
     best = None
     for k in looks:
-        j = next((j for j in range(1, k + 1) if _binom_p(j, k, fpr) < level), None)
+        hit = np.flatnonzero(_binom_p(np.arange(1, k + 1), k, fpr) < level)
+        j = int(hit[0]) + 1 if hit.size else None
         if j is not None and (best is None or j < best[0]):
             best = (j, k)
     if best is None:
@@ -189,13 +203,14 @@ def minimum_evidence(n: int, fpr: float, alpha: float, detectors: int = 1) -> st
 def flag_verdict(flags: np.ndarray, fpr: float, batch_size: int, alpha: float | None = None,
                  method: str = "", subject: str = "the claimed configuration",
                  names: Sequence[str] | None = None, unjudged_tokens: int = 0,
-                 sides: tuple[np.ndarray, Sequence[Mapping]] | None = None) -> Verdict:
+                 sides: tuple[Mapping[str, np.ndarray], Sequence[Mapping]] | None = None) -> Verdict:
     """Sequential one-sided binomial test of batch ``flags`` (honest batches flag at <= ``fpr``).
 
     ``flags`` is one detector's [batches] or several detectors' [detectors, batches] (named by
-    ``names``); ``sides`` (the judged tokens' ``depth_shift`` and the calibration's honest side
-    counts, ``verinfer.stats.sides``) adds the ``narrower`` and ``wider`` detectors, judged on every
-    token up to each look. Each look's p-value is the Bonferroni minimum over all detectors.
+    ``names``); ``sides`` (the judged tokens' ``depth_shift`` and ``margin`` columns, and the
+    calibration's honest counts, ``verinfer.stats.sides``) adds the sampler-shape detectors the null
+    can judge (``narrower``, ``wider``; ``beyond`` when the null and the columns count it), judged on
+    every token up to each look. Each look's p-value is the Bonferroni minimum over all detectors.
     """
     flags = np.atleast_2d(np.asarray(flags, dtype=bool))
     if flags.size == 0:
@@ -204,17 +219,22 @@ def flag_verdict(flags: np.ndarray, fpr: float, batch_size: int, alpha: float | 
     names = list(names) if names is not None else [f"detector {j}" for j in range(flags.shape[0])]
     alpha = fpr if alpha is None else alpha
     looks = look_sizes(n)
+    at = np.asarray(looks)
     cum = np.concatenate([np.zeros((flags.shape[0], 1), dtype=np.int64), np.cumsum(flags, axis=1)], axis=1)
-    tests: dict[str, Callable[[int], float]] = {
-        name: (lambda k, j=j: _binom_p(int(cum[j, k]), k, fpr)) for j, name in enumerate(names)}
+    ps = {name: _binom_p(cum[j, at], at, fpr) for j, name in enumerate(names)}  # detector -> p at each look
+    shapes: tuple[str, ...] = ()
     if sides is not None:
-        shift, null = np.asarray(sides[0], dtype=np.float64)[: n * batch_size], sides[1]
-        pos = np.concatenate([[0], np.cumsum(shift > 0)])
-        neg = np.concatenate([[0], np.cumsum(shift < 0)])
-        for side in SHAPE_METRICS:
-            tests[side] = lambda k, side=side: side_p_value(int(pos[k * batch_size]), int(neg[k * batch_size]), null, side)
-    m = len(tests)
-    cache = {name: {k: test(k) for k in looks} for name, test in tests.items()}
+        null, shift = sides[1], np.asarray(sides[0]["depth_shift"], dtype=np.float64)[: n * batch_size]
+        margin = sides[0].get("margin")
+        margin = None if margin is None else np.asarray(margin, dtype=np.float64)[: n * batch_size]
+        kinds = {"positive": shift > 0, "negative": shift < 0}
+        if margin is not None:
+            kinds["beyond"] = (shift < 0) & np.isinf(margin)
+        upto = {c: np.concatenate([[0], np.cumsum(v)])[at * batch_size] for c, v in kinds.items()}
+        shapes = tuple(d for d in side_detectors(null) if d != "beyond" or margin is not None)
+        ps.update({side: side_p_value(upto, null, side) for side in shapes})
+    m = len(ps)
+    cache = {name: dict(zip(looks, map(float, p_at))) for name, p_at in ps.items()}
     p, first = sequential(lambda k: min(1.0, m * min(c[k] for c in cache.values())), looks, alpha)
     own = {name: sequential(c.__getitem__, looks, alpha)[0] for name, c in cache.items()}
     best = min(own, key=own.get)
@@ -222,16 +242,16 @@ def flag_verdict(flags: np.ndarray, fpr: float, batch_size: int, alpha: float | 
     k = int(flags[0].sum()) if best not in names else int(flags[names.index(best)].sum())
     ci = wilson_interval(k, n)
     statistic, statistic_name = k / n, "flag rate"
-    if sides is not None:
-        positive, negative = side_counts(shift)
-        for side in SHAPE_METRICS:
-            on = positive if SHAPE_METRICS[side] > 0 else negative
-            detectors[side] = {"on_side": on, "mismatches": positive + negative,
+    if shapes:
+        counts = side_counts(shift, margin)
+        for side in shapes:
+            on, off = oriented(counts, side)
+            detectors[side] = {"on_side": on, "mismatches": on + off,
                                "honest_share": honest_share(sides[1], side), "p": own[side]}
-        if best in SHAPE_METRICS:
-            on, total = detectors[best]["on_side"], positive + negative
+        if best in shapes:
+            on, total = detectors[best]["on_side"], detectors[best]["mismatches"]
             ci = wilson_interval(on, total)
-            statistic, statistic_name = on / total, f"share of mismatches on the {best} side"
+            statistic, statistic_name = on / total, f"share of mismatches {WHERE[best]}"
     return Verdict(p >= alpha, p, alpha, n * batch_size, n, "batch", statistic, statistic_name, ci.low, ci.high,
                    len(looks), None if first is None else first * batch_size,
                    method or f"sequential binomial test of batches flagged at <= {fpr:.2%} when honest",
@@ -255,15 +275,15 @@ def token_detector(calibrator: Calibrator) -> tuple[str, str]:
     return CLIPPED if usable else DETECTOR
 
 
-def side_evidence(calibrator: Calibrator, columns: Mapping[str, np.ndarray]) -> tuple[np.ndarray, list] | None:
-    """(the scores' ``depth_shift``, the calibration's honest side counts) when a token verdict can use the
-    sampler-shape detectors: the scores carry ``depth_shift`` and an honest group of the calibration made
-    mismatches (``verinfer.stats.sides``); else None."""
+def side_evidence(calibrator: Calibrator, columns: Mapping[str, np.ndarray]) -> tuple[dict, list] | None:
+    """(the scores' ``depth_shift`` and ``margin``, the calibration's honest side counts) when a token
+    verdict can use the sampler-shape detectors: the scores carry ``depth_shift`` and an honest group of
+    the calibration made mismatches (``verinfer.stats.sides``); else None."""
     shift = columns.get("depth_shift")
     null = getattr(calibrator, "sides", None)
     if shift is None or not judged_groups(null):
         return None
-    return np.asarray(shift, dtype=np.float64), list(null)
+    return {k: np.asarray(columns[k], dtype=np.float64) for k in ("depth_shift", "margin") if k in columns}, list(null)
 
 
 def calibrated_verdict(scores: np.ndarray | Mapping[str, np.ndarray], calibrator: Calibrator,
@@ -296,11 +316,14 @@ def calibrated_verdict(scores: np.ndarray | Mapping[str, np.ndarray], calibrator
         method = (f"sequential binomial test ({looks}, Bonferroni over looks) of batches of {size} tokens flagged "
                   f"by the calibrated {which}; honest batches flag at <= {calibrator.fpr:.0%}")
     else:
-        groups = ", ".join(f"{g['group']} {g['positive']}/{g['negative']}" for g in judged_groups(sides[1]))
-        method = (f"sequential test ({looks}, Bonferroni over looks and 3 detectors): batches of {size} tokens "
-                  f"flagged by the calibrated {which} (binomial, honest batches flag at <= {calibrator.fpr:.0%}); "
-                  f"mismatches on the narrower / wider side of the verifier's tokens up to each look (Fisher's "
-                  f"exact test against the least favourable honest group, positive/negative: {groups})")
+        shapes = side_detectors(sides[1])
+        groups = ", ".join(f"{g['group']} {'/'.join(str(g[c]) for c in ('positive', 'negative', 'beyond') if c in g)}"
+                           for g in judged_groups(sides[1]))
+        method = (f"sequential test ({looks}, Bonferroni over looks and {1 + len(shapes)} detectors): batches of "
+                  f"{size} tokens flagged by the calibrated {which} (binomial, honest batches flag at <= "
+                  f"{calibrator.fpr:.0%}); mismatches {' / '.join(WHERE[d] for d in shapes)} up to each look "
+                  f"(Fisher's exact test against the least favourable honest group, positive/negative"
+                  f"{'/beyond' if 'beyond' in shapes else ''}: {groups})")
     verdict = flag_verdict(flags, calibrator.fpr, size, alpha, method, names=[metric],
                            unjudged_tokens=values.size % size, sides=sides)
     shift = scores.get("depth_shift") if isinstance(scores, Mapping) else None
@@ -319,7 +342,8 @@ def coverage_note(calibrator: Calibrator, verdict: Verdict, shift: np.ndarray | 
     ``verinfer diagnose`` names the cause. Without mismatch sides nothing is said."""
     if verdict.consistent or shift is None:
         return None
-    positive, negative = side_counts(np.asarray(shift, dtype=np.float64)[: verdict.tokens])
+    counts = side_counts(np.asarray(shift, dtype=np.float64)[: verdict.tokens])
+    positive, negative = counts["positive"], counts["negative"]
     if not positive + negative:
         return None  # no evidence on where the mismatches fall
     if binomtest(min(positive, negative), positive + negative, 0.5).pvalue < verdict.alpha:
@@ -443,7 +467,26 @@ def adjust(verdicts: Sequence[Verdict]) -> None:
         v.consistent = p >= v.alpha
 
 
-__all__ = ["CLIPPED", "COMMIT_RULE", "DETECTOR", "Verdict", "adjust", "band_p_value",
-           "calibrated_verdict", "coverage_note", "doubling_looks", "flag_verdict", "holm", "look_sizes",
-           "minimum_evidence", "pooled", "pooled_verdict", "pseudo_audits", "sequence_ci", "sequential",
-           "side_evidence", "token_detector"]
+__all__ = [
+    "CLIPPED",
+    "COMMIT_RULE",
+    "DETECTOR",
+    "WHERE",
+    "Verdict",
+    "adjust",
+    "band_p_value",
+    "calibrated_verdict",
+    "coverage_note",
+    "doubling_looks",
+    "flag_verdict",
+    "holm",
+    "look_sizes",
+    "minimum_evidence",
+    "pooled",
+    "pooled_verdict",
+    "pseudo_audits",
+    "sequence_ci",
+    "sequential",
+    "side_evidence",
+    "token_detector",
+]
