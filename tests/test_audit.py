@@ -248,7 +248,7 @@ def test_seeded_mode_with_a_calibration_file(backend, prompts, tmp_path):
     from verinfer.simulate.generate import build_requests
     from verinfer.stats.summary import fit_calibrator
 
-    spec = AuditSpec(mode="seeded", sampler="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000, max_tokens=16)
+    spec = AuditSpec(mode="seeded", profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000, max_tokens=16)
     honest_traces = generate(backend, build_requests(backend, prompts, spec.params(0).with_(seed=123)), 16, 10)
     calibrator = fit_calibrator(score_traces(backend, honest_traces).columns, (1,),
                                 signature={"model": backend.model_id, "dtype": "float32",
@@ -301,7 +301,7 @@ def test_a_calibration_of_another_sampler_is_refused_before_any_request(backend,
     with both signatures named, and the provider never sees a request."""
     from verinfer.stats.summary import fit_calibrator
 
-    spec = AuditSpec(mode="seeded", sampler="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000, max_tokens=8)
+    spec = AuditSpec(mode="seeded", profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000, max_tokens=8)
     other = {"model": backend.model_id, "dtype": "float32",
              "sampling": [{**spec.signature(), "profile": "torch-exponential"}]}
     rng = np.random.default_rng(0)

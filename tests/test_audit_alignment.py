@@ -75,7 +75,7 @@ def test_count_mismatch_allows_a_stop_token_only(tok, reported, finish, flagged)
     assert c.drift.get("count_mismatch") == flagged
 
 
-SEEDED = dict(mode="seeded", sampler="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=100, max_tokens=32,
+SEEDED = dict(mode="seeded", profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=100, max_tokens=32,
               token_ids=False)
 
 

@@ -18,7 +18,7 @@ from verinfer.prompts import load_prompts
 from verinfer.serve import ServeConfig, serve_in_thread
 from verinfer.trace import read_traces
 
-SPEC = AuditSpec(mode="seeded", sampler="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000, max_tokens=12,
+SPEC = AuditSpec(mode="seeded", profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=7000, max_tokens=12,
                  choices=3)
 
 

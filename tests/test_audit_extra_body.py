@@ -21,7 +21,7 @@ def prompts():
 
 
 def test_extra_fields_fill_gaps_and_the_claim_wins(backend, prompts):
-    spec = AuditSpec(mode="seeded", sampler="llama.cpp", top_k=50, top_p=0.95, seed=7,
+    spec = AuditSpec(mode="seeded", profile="llama.cpp", top_k=50, top_p=0.95, seed=7,
                      extra_body={**LLAMA, "seed": 99, "temperature": 0.2, "model": "x"})
     body = generation_calls(spec, prompts, backend.tokenizer, "m")[1].body
     assert body["repeat_penalty"] == 1 and body["min_p"] == 0  # not claimed: sent as given

@@ -121,7 +121,7 @@ def test_seeded_audit_of_a_real_llama_cpp_server_and_of_a_seed_rewriting_proxy(l
     from verinfer.auditing.plan import AuditSpec
     from verinfer.prompts import load_prompts
 
-    seeded = dict(mode="seeded", sampler="llama.cpp", temperature=1.0, top_k=50, top_p=0.95, seed=100,
+    seeded = dict(mode="seeded", profile="llama.cpp", temperature=1.0, top_k=50, top_p=0.95, seed=100,
                   max_tokens=24)
     bands = tmp_path / "bands.json"
     bands.write_text(json.dumps(build_bands(backend, load_prompts("chitchat", 8, seed=11), AuditSpec(**seeded),
@@ -148,7 +148,7 @@ def test_seeded_audit_where_retokenized_text_merges_sampled_tokens_is_consistent
     from verinfer.auditing.plan import AuditSpec
     from verinfer.prompts import load_prompts
 
-    seeded = dict(mode="seeded", sampler="llama.cpp", temperature=1.0, top_k=50, top_p=0.95, seed=100,
+    seeded = dict(mode="seeded", profile="llama.cpp", temperature=1.0, top_k=50, top_p=0.95, seed=100,
                   max_tokens=32)
     bands = tmp_path / "bands.json"
     bands.write_text(json.dumps(build_bands(backend, load_prompts("chitchat", 8, seed=11), AuditSpec(**seeded),

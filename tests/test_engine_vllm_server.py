@@ -91,7 +91,7 @@ def test_seeded_audit_of_a_real_vllm_server_and_of_a_seed_rewriting_proxy(vllm_u
     from verinfer.auditing.plan import AuditSpec
     from verinfer.prompts import load_prompts
 
-    seeded = dict(mode="seeded", sampler="vllm-cpu", temperature=1.0, top_k=50, top_p=0.95, seed=100,
+    seeded = dict(mode="seeded", profile="vllm-cpu", temperature=1.0, top_k=50, top_p=0.95, seed=100,
                   max_tokens=24)
     spec = AuditSpec(**seeded)
     bands = tmp_path / "bands.json"

@@ -89,7 +89,7 @@ def test_streamed_seeded_audit_yields_traces_that_replay(server, backend, tmp_pa
     """``verinfer audit run --mode seeded --stream`` against the speculative server: the audit's
     traces claim the draft and carry the modes, the verifier replays them exactly, and only a
     calibration of the same speculative claim judges them (as ``verinfer verify`` would)."""
-    spec = AuditSpec(mode="seeded", sampler="vllm", seed=500, max_tokens=10, stream=True, **SAMPLING)
+    spec = AuditSpec(mode="seeded", profile="vllm", seed=500, max_tokens=10, stream=True, **SAMPLING)
     rng = np.random.default_rng(0)  # a stand-in calibration: this test checks the traces, not the verdict
     columns = {"margin": rng.exponential(0.01, 400), "cross_entropy": rng.exponential(1.0, 400),
                "exact_match": np.ones(400, dtype=bool)}

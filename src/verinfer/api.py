@@ -41,7 +41,7 @@ from verinfer.models.load import DEFAULT_MODEL
 from verinfer.prompts import Prompt, load_prompts
 from verinfer.sampling.params import SamplingParams, parse_speculative
 from verinfer.sampling.profiles import get_profile, params_problems
-from verinfer.simulate.generate import build_requests
+from verinfer.simulate.generate import build_requests, placed
 from verinfer.simulate.generate import generate as simulate
 from verinfer.simulate.speculative import generate_speculative as simulate_speculative
 from verinfer.stats.calibration import Calibrator, normalize_precisions, signature_mismatch
@@ -118,8 +118,9 @@ def generate(prompts: str | Sequence[Prompt] = "chitchat", *, n: int = 16, model
     spec = parse_speculative(speculative) if isinstance(speculative, str) else speculative
     params = SamplingParams(profile=profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                             seed=None if profile == "greedy" else seed, speculative=spec)
-    if params_problems(params):
-        raise ValueError(f"sampling: {params_problems(params)[0]}")
+    problems = params_problems(placed(params, batch_size, 0, 1))  # with the place generate records (transformers)
+    if problems:
+        raise ValueError(f"sampling: {problems[0]}")
     if spec and commits is not None:
         raise ValueError("activation commits are not built for speculative decoding; drop --speculative or the commits")
     ensure_threads()
@@ -361,7 +362,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
         warnings.warn("api.audit(reference_model=) is now model=, and the providers' model id served_model=",
                       DeprecationWarning, stacklevel=2)
         served_model, model = served_model or (model if model != DEFAULT_MODEL else None), reference_model
-    spec = AuditSpec(mode=mode, sampler=profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+    spec = AuditSpec(mode=mode, profile=profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids, samples=samples,
                      stream=stream, top_logprobs=top_logprobs, extra_body=extra_body, choices=choices)
     if spec.problems():
@@ -377,9 +378,9 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     out = Path(out)
     ensure_threads()
     if backend is None:
-        from verinfer.models.load import ALIASES, available_offline
+        from verinfer.models.load import available_offline
 
-        if model not in ALIASES and (problem := available_offline(model)) is not None:
+        if (problem := available_offline(model)) is not None:
             raise ValueError(f"{problem}: model= is the local reference model; the providers' model id is "
                              f"served_model={model!r}")
         backend = load_model(model, "float32", device)

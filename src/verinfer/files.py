@@ -85,6 +85,15 @@ def fresh_path(path: str | Path, directory: bool = False) -> Path:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+def missing_input(spec: str | Path) -> str | None:
+    """Why an input path or pattern names nothing (a plain path that does not exist), or None. Glob
+    patterns pass: what they match is the reader's question. Shared by the CLI's parse-time check and
+    ``sharded.find_shards``, so a missing input is worded the same before and after torch loads."""
+    if not glob.has_magic(str(spec)) and not Path(spec).exists():
+        return f"{spec}: no such file or directory"
+    return None
+
+
 def remove_stale_temporaries(path: str | Path) -> list[Path]:
     """Delete the temporary files ``atomic_path`` left beside ``path`` when its writer was killed
     (its pid no longer runs on this machine); a live writer's temporary is left alone."""

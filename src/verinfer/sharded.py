@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from verinfer.files import remove_stale_temporaries, write_atomic
+from verinfer.files import missing_input, remove_stale_temporaries, write_atomic
 from verinfer.models.load import file_sha256 as sha256
 from verinfer.scoring.scores import read_commit_scores, read_scores
 from verinfer.stats.calibration import Calibrator, signature_mismatch
@@ -47,12 +47,12 @@ def find_shards(spec: str | Path) -> list[Path]:
     """Trace shards named by ``spec``: a trace file, a directory (its ``.jsonl`` / ``.parquet`` files,
     not recursive) or a glob pattern; sorted, so every run sees them in one order."""
     path = Path(spec)
+    if (missing := missing_input(spec)) is not None:
+        raise ValueError(missing)
     if path.is_dir():
         found = [p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES]
     elif path.is_file():
         found = [path]
-    elif not glob.has_magic(str(spec)):
-        raise ValueError(f"{spec}: no such file or directory")
     else:
         found = [Path(p) for p in glob.glob(str(spec)) if Path(p).is_file() and Path(p).suffix in SUFFIXES]
     if not found:

@@ -45,7 +45,7 @@ class AuditSpec:
     """How the audit samples: mode, the claimed sampler settings, the endpoint and token budget."""
 
     mode: str = "greedy"
-    sampler: str = "vllm"  # profile replaying the provider's seeded sampler (seeded mode)
+    profile: str = "vllm"  # profile replaying the provider's seeded sampler (seeded mode)
     temperature: float = 1.0
     top_k: int = -1
     top_p: float = 1.0
@@ -95,7 +95,7 @@ class AuditSpec:
                            "(use --mode greedy for argmax spot checks)")
         if self.mode in ("seeded", "auto"):
             try:
-                get_profile(self.sampler)
+                get_profile(self.profile)
             except (KeyError, ValueError) as exc:
                 out.append(str(exc.args[0]))
             out += self.params(0).problems()
@@ -108,7 +108,7 @@ class AuditSpec:
         is claim ``i * choices + j`` (``claim_index``), so its seed is the request's seed + j."""
         if self.mode == "greedy":
             return SamplingParams(profile="greedy", temperature=0.0)
-        return SamplingParams(profile=self.sampler, temperature=self.temperature, top_k=self.top_k,
+        return SamplingParams(profile=self.profile, temperature=self.temperature, top_k=self.top_k,
                               top_p=self.top_p, min_p=self.min_p, seed=None if self.seedless else self.seed + index)
 
     def claim_index(self, prompt_index: int, choice: int = 0) -> int:

@@ -27,9 +27,9 @@ TOP_P_HELP = "seeded and seedless modes: top-p (1.0: off, the whole distribution
 
 def sampling_options(fn):
     """The sampling options ``audit bands`` and ``audit run`` share, declared once: the command gets
-    them as one dict ``sampling`` of ``api.audit`` keywords (``AuditSpec`` calls the profile
-    ``sampler``), so bands are built for exactly what an audit asks (and ``--sampler``, the profile's
-    old spelling, is a hidden alias)."""
+    them as one dict ``sampling`` of ``api.audit`` keywords, which are ``AuditSpec``'s field names, so
+    bands are built for exactly what an audit asks (``--sampler``, the profile's old spelling, is a
+    hidden alias)."""
     options = [("profile", str, opt.profile("seeded mode: the provider's sampler profile")),
                ("sampler", Optional[str], opt.hidden("--sampler")),
                ("temperature", float, opt.temperature()),
@@ -77,8 +77,7 @@ def bands(
     from verinfer.models.backend import Backend
     from verinfer.prompts import load_prompts
 
-    spec = AuditSpec(mode=mode, max_tokens=max_tokens, endpoint="chat", sampler=sampling["profile"],
-                     **{k: v for k, v in sampling.items() if k != "profile"})
+    spec = AuditSpec(mode=mode, max_tokens=max_tokens, endpoint="chat", **sampling)
     if spec.problems():
         raise ValueError(spec.problems()[0])
     sp = sampling
@@ -124,7 +123,7 @@ def _reference_model(ctx: typer.Context, model: str, old: Optional[str]) -> str:
     """``--model`` is the local reference model in ``audit run`` too; before issue #31 it was the id
     sent to providers (now ``--served-model``) and the reference was ``--reference-model`` (now its
     hidden alias). An old script's provider id is refused before anything loads, saying so."""
-    from verinfer.models.load import ALIASES, available_offline
+    from verinfer.models.load import available_offline
 
     given = getattr(ctx.get_parameter_source("model"), "name", None) == "COMMANDLINE"
     if old is not None and given and old != model:
@@ -132,7 +131,7 @@ def _reference_model(ctx: typer.Context, model: str, old: Optional[str]) -> str:
                          f"now (--reference-model its old spelling); pass the providers' model id as "
                          f"--served-model {model}")
     model = opt.alias(model, old, "--reference-model", "--model")
-    problem = available_offline(model) if given and model not in ALIASES else None
+    problem = available_offline(model) if given else None
     if problem:
         raise ValueError(f"--model {model}: not a model verinfer can load here ({problem}); --model is the local "
                          f"reference model: pass the providers' model id as --served-model {model}")

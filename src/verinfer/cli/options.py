@@ -17,7 +17,6 @@ is one line and exit 2 before any model loads (issue #31, item 4).
 
 from __future__ import annotations
 
-import glob
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +24,7 @@ import typer
 
 from verinfer.cli.console import console
 from verinfer.cli.errors import fail
+from verinfer.files import missing_input
 from verinfer.models.load import DEFAULT_MODEL
 from verinfer.sampling.profile_names import PROFILE_NAMES
 
@@ -82,8 +82,8 @@ def traces(help: str):
 
 
 def _check_traces(value: str) -> str:
-    if not glob.has_magic(value) and not Path(value).exists():
-        fail(f"TRACES {value}: no such file or directory")
+    if (missing := missing_input(value)) is not None:
+        fail(f"TRACES {missing}")
     return value
 
 

@@ -91,7 +91,10 @@ def resolve(spec: str) -> ModelSource:
 
 def available_offline(spec: str) -> str | None:
     """Why ``spec`` cannot be loaded here (``resolve`` fails, or a hub id is not in the local hub
-    cache), or None when it can; no model is loaded and torch is not imported."""
+    cache), or None when it can; no model is loaded and torch is not imported. A bundled alias counts
+    as loadable: loading it names the package to install when that is missing."""
+    if spec in ALIASES:
+        return None
     try:
         source = resolve(spec)
     except ModelNotAvailable as exc:

@@ -593,7 +593,7 @@ class AuditSchedule:
                 s.add(AuditResult(
                     run_id=run_id, url=p.endpoint.base_url, mode=result.spec.mode, at=at,
                     report=str(result.reports[1]) if result.reports else None, provider=p.endpoint.name,
-                    model=p.endpoint.model, profile=result.spec.sampler if result.spec.mode != "greedy" else "greedy",
+                    model=p.endpoint.model, profile=result.spec.profile if result.spec.mode != "greedy" else "greedy",
                     traces=len(p.claims), tokens=v.tokens, exact_match_rate=stats.get("exact_match_rate"),
                     mean_margin=stats.get("mean_margin"), verdict=v.label,
                     p_value=v.p_adjusted if v.p_adjusted is not None else v.p_value, tokens_needed=v.tokens_needed,
