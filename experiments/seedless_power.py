@@ -2,6 +2,9 @@
 
     python experiments/seedless_power.py --met-python /tmp/metvenv/bin/python --out experiments/results/seedless_power.md
 
+(``--permutations-only STEP`` grows the cached mmd / MET counts, every variant in turn, in a run that
+can be stopped; each group's outcome is cached, so the table then uses any count all variants reached.)
+
 Pools, generated once with the in-process provider simulator and cached under
 ``$VERINFER_CACHE/studies/seedless_power`` (``--prompts`` chitchat prompts, prompt seed 21,
 ``--per-prompt`` completions each at T = 1, up to ``--max-tokens`` tokens, no top-k / top-p):
@@ -17,7 +20,9 @@ Pools, generated once with the in-process provider simulator and cached under
 A budget of B queries is B completions (an ``n`` > 1 request counts n). Each cell resamples B
 units without replacement from the pool (``--resamplings`` times; fewer for the permutation tests,
 ``--mmd-resamplings``) and applies the verdict the audit uses at 1% FPR (doubling looks,
-Bonferroni): ``surprise`` (z-test of the centred log-probability, no draws), ``rank`` (exact rank
+Bonferroni): ``surprise`` (test martingale of the centred log-probability with its exact cumulant
+generating function, no draws: the pools' completions rescored with ``surprise.TILTS``, cached as
+``tilted-*.npz``; ``--pools-only --tilted`` makes them), ``rank`` (exact rank
 test of the centred log-probability among the unit's draws), ``rank-raw`` (RUT's raw
 log-probability, the old statistic), ``mmd`` (this project's paired MMD, ``--per-prompt``
 completions per prompt, B // n prompts, ``mmd.completions_per_prompt``), ``MET`` (the
@@ -56,7 +61,7 @@ from verinfer.auditing.logprobs import logprob_verdict, provider_values, referen
 from verinfer.auditing.mmd import completions_per_prompt, mmd_verdict
 from verinfer.auditing.rank import rank_p_values, rank_verdict, split
 from verinfer.auditing.store import ResponseStore
-from verinfer.auditing.surprise import surprise_verdict
+from verinfer.auditing.surprise import TILTS, surprise_verdict
 from verinfer.files import atomic_path, write_atomic
 from verinfer.machine import describe
 from verinfer.models.backend import Backend
@@ -73,8 +78,9 @@ VARIANTS = {"honest fp32": "honest", "honest bf16": "bf16", "4-bit (w4)": "w4", 
 CHEAT = ("greedy-only cheat (greedy-honest:w4)", "4-bit (w4)")
 BUDGETS = (10, 25, 50, 100)
 MODES = ("surprise", "rank", "rank-raw", "mmd", "MET", "logprobs")
-FAST = ("surprise", "rank", "rank-raw", "logprobs")
+FAST = ("rank", "rank-raw", "logprobs")
 CLAIMED = SamplingParams(profile="torch-exponential", temperature=1.0)
+FIELDS = ("logprob", "expected", "variance", "tokens")
 MET_SCRIPT = Path(__file__).with_name("met_two_sample.py")
 
 
@@ -103,7 +109,7 @@ def pools(args, backend, cache: Path) -> dict:
     if not (cache / "draw_scores.npz").exists():
         s = completion_scores(backend, [p for p in prompt_ids for _ in range(m)], [o for d in draws for o in d], CLAIMED)
         save(cache / "draw_scores.npz", logprob=s.logprob, expected=s.expected, variance=s.variance, tokens=s.tokens)
-    out = {"prompt_ids": prompt_ids, "draws": draws, "units": units, "variants": {}}
+    out = {"prompt_ids": prompt_ids, "draws": draws, "units": units, "variants": {}, "tilted": {}}
     order = [(label, name) for label, name in VARIANTS.items() if label in args.variants]
     for label, name in order[::-1] if args.reverse else order:
         f = cache / f"{stem(name)}.json"
@@ -124,9 +130,40 @@ def pools(args, backend, cache: Path) -> dict:
             print(f"{label}: generated and scored in {time.time() - t0:.0f} s", flush=True)
     for label, name in order:
         out["variants"][label] = json.loads((cache / f"{stem(name)}.json").read_text())
+    if args.rescore:  # the surprise test's scores, rescored with its tilts (in --variants order)
+        for label in args.variants:
+            out["tilted"][label] = tilted(backend, cache / f"tilted-{stem(VARIANTS[label])}.npz", prompt_ids,
+                                          out["variants"][label]["outputs"], out["variants"][label]["scores"][0])
+        out["tilted draws"] = tilted(backend, cache / "tilted-draws.npz", [p for p in prompt_ids for _ in range(m)],
+                                     [o for d in draws for o in d], np.load(cache / "draw_scores.npz")["logprob"])
     d = np.load(cache / "draw_scores.npz")
     out["draw_scores"] = CompletionScores(d["logprob"], d["expected"], d["variance"], d["tokens"])
     return out
+
+
+def tilted(backend, path: Path, prompt_ids: list, outputs: list, logprob) -> CompletionScores:
+    """The reference's scores of ``outputs`` with the surprise test's cumulant generating function at
+    ``TILTS`` (one more prefill of completions scored before the surprise test used it; cached), checked
+    against their earlier scores ``logprob`` (the same completions in the same order)."""
+    if not path.exists():
+        t0 = time.time()
+        s = completion_scores(backend, prompt_ids, outputs, CLAIMED, tilts=TILTS)
+        save(path, logprob=s.logprob, expected=s.expected, variance=s.variance, tokens=s.tokens, cgf=s.cgf,
+             tilts=np.asarray(TILTS))
+        print(f"rescored {len(outputs)} completions with tilts in {time.time() - t0:.0f} s -> {path.name}", flush=True)
+    d = np.load(path)
+    if tuple(d["tilts"]) != TILTS:
+        raise SystemExit(f"{path}: scored at other tilts than surprise.TILTS; delete it to rescore")
+    if not np.allclose(d["logprob"], np.ravel(logprob), atol=1e-3):
+        raise SystemExit(f"{path}: its completions' log-probabilities differ from the pool's: not the same completions")
+    return CompletionScores(d["logprob"], d["expected"], d["variance"], d["tokens"], d["cgf"], TILTS)
+
+
+def stored_draws(path: Path, ids: list[str], m: int, seed: int) -> list[list[list[int]]]:
+    """The draws ``reference_draws`` stored for each prompt id (``m`` per prompt, drawn with ``seed``)."""
+    found = {r["request"]["prompt_id"]: r["response"] for r in ResponseStore(path).records()
+             if r["request"].get("m") == m and r["request"].get("seed") == seed}
+    return [found[i] for i in ids]
 
 
 def honest_pool(args, backend, cache: Path) -> dict:
@@ -172,6 +209,19 @@ def honest_pool(args, backend, cache: Path) -> dict:
         for f in sorted(root.glob(f"{part}-[0-9]*.npz")):
             d = np.load(f)
             out[part].append(CompletionScores(d["logprob"], d["expected"], d["variance"], d["tokens"]))
+    if args.rescore:  # the same completions rescored with the surprise test's tilts
+        out["tilted"] = {}
+        for part, (n, seed) in {"bf16": (k, 4029), "fp32": (D, 2029)}.items():
+            chunks = []
+            for c in range(len(out[part])):
+                chunk = base[40 * c: 40 * (c + 1)]
+                ids = [list(r.prompt_token_ids) for r in chunk]
+                draws = stored_draws(root / f"{part}-draws.jsonl", [r.id for r in chunk], n, seed)
+                s = tilted(backend, root / f"tilted-{part}-{c:03d}.npz", [p for p in ids for _ in range(n)],
+                           [o for d in draws for o in d], out[part][c].logprob)
+                chunks.append(CompletionScores(*(getattr(s, f).reshape(len(chunk), n, -1)[..., 0] for f in FIELDS),
+                                               s.cgf.reshape(len(chunk), n, -1), TILTS))
+            out["tilted"][part] = chunks
     for f in sorted(root.glob("bf16-logprobs-*.json")):
         out["bf16_logprobs"].append(json.loads(f.read_text()))
     return out
@@ -212,7 +262,6 @@ def counts(args, data: dict, label: str, cache: Path) -> dict[str, list]:
             picks = [rng.choice(U, B, replace=False) for _ in range(args.resamplings)]
             rej = {mode: 0 for mode in FAST}
             for r, pick in enumerate(picks):
-                rej["surprise"] += not surprise_verdict(s[pick], fpr).consistent
                 rej["rank"] += not rank_verdict(u["rank"][pick], tokens[pick], m, fpr).consistent
                 if r < args.raw_resamplings:
                     rej["rank-raw"] += not rank_verdict(u["rank-raw"][pick], tokens[pick], m, fpr).consistent
@@ -222,53 +271,83 @@ def counts(args, data: dict, label: str, cache: Path) -> dict[str, list]:
                 row[mode].append([rej[mode], min(args.raw_resamplings, len(picks)) if mode == "rank-raw" else len(picks)])
             print(label, B, {k: f"{v}" for k, v in rej.items()}, f"{time.time() - t0:.0f} s", flush=True)
         write_atomic(path, json.dumps(row))
-    return json.loads(path.read_text()) | permutation_counts(args, data, label, cache)
+    return (json.loads(path.read_text()) | surprise_counts(args, data["tilted"][label], f"surprise-{stem(label)}", cache)
+            | permutation_counts(args, data, label, cache))
 
 
-def permutation_counts(args, data: dict, label: str, cache: Path) -> dict[str, list]:
-    """(rejected, resamplings) of the two MMDs (``--mmd-resamplings``, ``--met-resamplings``): slower
-    permutation tests, on the same B // n prompts of n completions from each side."""
-    met = args.met_resamplings if args.met_python else 0
-    path = cache / f"permutation-{stem(label)}-mmd{args.mmd_resamplings}-met{met}-fpr{args.fpr}.json"
-    if path.exists():
-        return json.loads(path.read_text())
+def surprise_counts(args, s: CompletionScores, name: str, cache: Path, seed: int = 1) -> dict[str, list]:
+    """(rejected, resamplings) of the surprise test (test martingale, ``surprise.TILTS``) per budget on
+    ``s`` (completions rescored with the tilts): ``--resamplings`` random sets of B completions, drawn as
+    the other modes' are (``default_rng([B, seed])``), and, for the large honest pools (``seed`` 3), one
+    partition into disjoint sets (``disjoint``)."""
+    path = cache / f"{name}-r{args.resamplings}-fpr{args.fpr}.json"
+    if not path.exists():
+        t0, row = time.time(), {"surprise": [], "disjoint": []}
+        for B in BUDGETS:
+            N = len(s.tokens)
+            if B > N:
+                row["surprise"].append(None)
+                row["disjoint"].append(None)
+                continue
+            rng = np.random.default_rng([B, seed])
+            picks = [rng.choice(N, B, replace=False) for _ in range(args.resamplings)]
+            row["surprise"].append([sum(not surprise_verdict(s[p], args.fpr).consistent for p in picks), len(picks)])
+            parts = rng.permutation(N)[: N // B * B].reshape(-1, B)
+            row["disjoint"].append([sum(not surprise_verdict(s[p], args.fpr).consistent for p in parts), len(parts)])
+            print(name, B, row["surprise"][-1], row["disjoint"][-1], f"{time.time() - t0:.0f} s", flush=True)
+        write_atomic(path, json.dumps(row))
+    return json.loads(path.read_text())
+
+
+def permutation_counts(args, data: dict, label: str, cache: Path, mmd: int | None = None,
+                       met: int | None = None) -> dict[str, list]:
+    """(rejected, resamplings) of the two MMDs (``--mmd-resamplings``, ``--met-resamplings``, or ``mmd`` /
+    ``met``): slower permutation tests, on the same B // n prompts of n completions from each side.
+    Each group's outcome is cached in order, so a larger count extends a smaller one (group k is the same
+    whatever the count; the first 20 are those of the table's first run)."""
+    mmd = args.mmd_resamplings if mmd is None else mmd
+    met = (args.met_resamplings if met is None else met) if args.met_python else 0
+    path = cache / f"permutations-{stem(label)}-fpr{args.fpr}.json"
+    done = json.loads(path.read_text()) if path.exists() else {"mmd": {}, "MET": {}}
     t0 = time.time()
     c, L, fpr = args.per_prompt, args.max_tokens, args.fpr
     prompts = len(data["units"]) // c
     outputs = data["variants"][label]["outputs"]
-    row: dict[str, list] = {"mmd": [], "MET": []}
     for B in BUDGETS:
         n = completions_per_prompt(B, c)
         rng = np.random.default_rng([B, 1])  # the groups follow the table's first run's 500 resampled sets,
         for _ in range(500):  # so the counts cached by that run (the same groups and seeds) stand
             rng.choice(len(data["units"]), B, replace=False)
-        groups = [rng.choice(prompts, B // n, replace=False) for _ in range(args.mmd_resamplings)]
-        rejected = 0
-        for k, pick in enumerate(groups):
-            prov = [[outputs[i * c + j] for j in range(n)] for i in pick]
-            ref = [[data["draws"][i * c + j][0] for j in range(n)] for i in pick]
-            rejected += not mmd_verdict(prov, ref, L, fpr, seed=k).consistent
-        row["mmd"].append([rejected, len(groups)])
-        if met:
-            cases = [{"m": prompts, "L": L, "seed": k, "prompts": [int(i) for i in pick for _ in range(n)],
-                      "x": [outputs[i * c + j] for i in pick for j in range(n)],
-                      "y": [data["draws"][i * c + j][0] for i in pick for j in range(n)]}
-                     for k, pick in enumerate(groups[:met])]
-            row["MET"].append([sum(p < fpr for p in met_p_values(args.met_python, cases)), len(cases)])
-        else:
-            row["MET"].append(None)
-        print(label, B, "mmd / MET", row["mmd"][-1], row["MET"][-1], f"{time.time() - t0:.0f} s", flush=True)
-    write_atomic(path, json.dumps(row))
-    return row
+        groups = [rng.choice(prompts, B // n, replace=False) for _ in range(max(mmd, met))]
+        ours, theirs = done["mmd"].setdefault(str(B), []), done["MET"].setdefault(str(B), [])
+        for k in range(len(ours), mmd):
+            prov = [[outputs[i * c + j] for j in range(n)] for i in groups[k]]
+            ref = [[data["draws"][i * c + j][0] for j in range(n)] for i in groups[k]]
+            ours.append(int(not mmd_verdict(prov, ref, L, fpr, seed=k).consistent))
+        write_atomic(path, json.dumps(done))
+        for lo in range(len(theirs), met, args.met_batch):  # one environment start per batch of cases
+            cases = [{"m": prompts, "L": L, "seed": k, "prompts": [int(i) for i in groups[k] for _ in range(n)],
+                      "x": [outputs[i * c + j] for i in groups[k] for j in range(n)],
+                      "y": [data["draws"][i * c + j][0] for i in groups[k] for j in range(n)]}
+                     for k in range(lo, min(met, lo + args.met_batch))]
+            theirs.extend(int(p < fpr) for p in met_p_values(args.met_python, cases))
+            write_atomic(path, json.dumps(done))
+        print(label, B, "mmd / MET", sum(ours[:mmd]), "/", mmd, ",", sum(theirs[:met]), "/", met,
+              f"{time.time() - t0:.0f} s", flush=True)
+    return {"mmd": [[sum(done["mmd"][str(B)][:mmd]), mmd] for B in BUDGETS],
+            "MET": [[sum(done["MET"][str(B)][:met]), met] if met else None for B in BUDGETS]}
 
 
 def stacked(pool: list) -> CompletionScores:
-    """The honest pool's chunks as one [prompts, completions] ``CompletionScores``."""
-    return CompletionScores(*(np.concatenate([getattr(c, f) for c in pool]).astype(np.float64)
-                              for f in ("logprob", "expected", "variance", "tokens")))
+    """The honest pool's chunks as one [prompts, completions] ``CompletionScores`` (with their ``cgf``
+    when every chunk has one)."""
+    cgf = np.concatenate([c.cgf for c in pool]) if all(c.cgf is not None for c in pool) else None
+    return CompletionScores(*(np.concatenate([getattr(c, f) for c in pool]).astype(np.float64) for f in FIELDS),
+                            cgf, pool[0].tilts)
 
 
-def honest_counts(args, honest: dict, extra: CompletionScores, cache: Path) -> dict[str, dict]:
+def honest_counts(args, honest: dict, extra: CompletionScores, extra_tilted: CompletionScores,
+                  cache: Path) -> dict[str, dict]:
     """Honest rejections on the large pools, per mode and budget: ``--resamplings`` random sets of B
     completions (``resampled``) and one partition of the pool into disjoint sets of B (``disjoint``:
     independent sets, fewer of them). fp32: by exchangeability one of 7 fp32 draws of a prompt,
@@ -277,7 +356,8 @@ def honest_counts(args, honest: dict, extra: CompletionScores, cache: Path) -> d
     prompt, never shared with the prompt's other bf16 completion; logprobs: its returned top-5
     against the fp32 reference's values. ``extra``: the 120-unit pool's honest fp32 groups
     ([units, 1 + m]: the provider's completion and its m draws, all fp32 samples of the unit's
-    prompt), added to the fp32 pool the same way."""
+    prompt), added to the fp32 pool the same way; surprise judges the same completions rescored with its
+    tilts (``honest["tilted"]``, ``extra_tilted``: ``surprise_counts``)."""
     if not honest["fp32"] or not honest["bf16"]:
         raise SystemExit("the large honest pools are not made yet: run with --pools-only first")
     F, H = stacked(honest["fp32"]), stacked(honest["bf16"])
@@ -287,16 +367,12 @@ def honest_counts(args, honest: dict, extra: CompletionScores, cache: Path) -> d
     key = f"honest-{P}x{D}+{X}-{Pb}x{k}-r{args.resamplings}-fpr{args.fpr}"
     path = cache / f"{key}.json"
     if path.exists():
-        return json.loads(path.read_text())
+        return with_surprise(args, json.loads(path.read_text()), honest["tilted"], extra_tilted, key, cache)
     theirs = [np.asarray(a) for ch in honest["bf16_logprobs"] for a in ch[0]]
     ours = [np.asarray(b) for ch in honest["bf16_logprobs"] for b in ch[1]]
     m, g, fpr = args.samples, D // (args.samples + 1), args.fpr
     common = min(P, Pb)  # bf16 units with fp32 draws of their prompt (rank)
-    flat_f = CompletionScores(*(np.concatenate([getattr(F, f).ravel(), getattr(extra, f).ravel()])
-                                for f in ("logprob", "expected", "variance", "tokens")))
-    flat_h = H[np.unravel_index(np.arange(Pb * k), (Pb, k))]
-    sizes = {"fp32": {"surprise": len(flat_f.tokens), "rank": P * g + X},
-             "bf16": {"surprise": Pb * k, "rank": common * k, "logprobs": len(theirs)}}
+    sizes = {"fp32": {"rank": P * g + X}, "bf16": {"rank": common * k, "logprobs": len(theirs)}}
 
     def rank_sets(rng, picks, bf16: bool):
         """Rank quantiles and tokens of each picked unit, every prompt's draws shuffled afresh for each set
@@ -321,9 +397,6 @@ def honest_counts(args, honest: dict, extra: CompletionScores, cache: Path) -> d
         return out
 
     def rejected(row: str, mode: str, rng, picks) -> int:
-        if mode == "surprise":
-            flat = flat_f if row == "fp32" else flat_h
-            return sum(not surprise_verdict(flat[pick], fpr).consistent for pick in picks)
         if mode == "logprobs":
             tokens = H.tokens.reshape(-1).astype(int)
             return sum(not logprob_verdict([theirs[i] for i in pick], [ours[i] for i in pick], tokens[pick],
@@ -350,6 +423,21 @@ def honest_counts(args, honest: dict, extra: CompletionScores, cache: Path) -> d
     out["pools"] = {"fp32 prompts": P, "fp32 draws per prompt": D, "extra fp32 groups": X, "bf16 prompts": Pb,
                     "bf16 per prompt": k}
     write_atomic(path, json.dumps(out))
+    return with_surprise(args, out, honest["tilted"], extra_tilted, key, cache)
+
+
+def with_surprise(args, out: dict, tilted: dict, extra: CompletionScores, key: str, cache: Path) -> dict:
+    """``out`` with the surprise rows of the large honest pools: every fp32 completion (the pool's draws,
+    then the 120-unit pool's groups) and every bf16 completion, in the order the other modes index them."""
+    F, H = stacked(tilted["fp32"]), stacked(tilted["bf16"])
+    flat = {"fp32": CompletionScores(*(np.concatenate([getattr(F, f).ravel(), getattr(extra, f).ravel()])
+                                       for f in FIELDS), np.concatenate([F.cgf.reshape(-1, len(TILTS)),
+                                                                         extra.cgf.reshape(-1, len(TILTS))]), TILTS),
+            "bf16": CompletionScores(*(getattr(H, f).ravel() for f in FIELDS), H.cgf.reshape(-1, len(TILTS)), TILTS)}
+    for row, s in flat.items():
+        c = surprise_counts(args, s, f"surprise-{key}-{row}", cache, seed=3)
+        out[row] = {"surprise": {"resampled": c["surprise"], "disjoint": c["disjoint"], "units": len(s.tokens)},
+                    **{mode: cells for mode, cells in out[row].items() if mode != "surprise"}}
     return out
 
 
@@ -378,7 +466,11 @@ def table(args, data: dict, cache: Path) -> None:
         draws = data["draw_scores"]
         extra = CompletionScores(*(np.column_stack([np.asarray(a, dtype=np.float64), np.reshape(b, (U, m))])
                                    for a, b in zip(old, (draws.logprob, draws.expected, draws.variance, draws.tokens))))
-        honest = honest_counts(args, data["honest"], extra, cache)
+        one, more = data["tilted"]["honest fp32"], data["tilted draws"]
+        extra_tilted = CompletionScores(*(np.column_stack([getattr(one, f), getattr(more, f).reshape(U, m)])
+                                          for f in FIELDS),
+                                        np.concatenate([one.cgf[:, None], more.cgf.reshape(U, m, -1)], axis=1), TILTS)
+        honest = honest_counts(args, data["honest"], extra, extra_tilted, cache)
     if set(results) != set(VARIANTS):
         print("counts cached for " + ", ".join(results) + "; the table needs every variant")
         return
@@ -443,6 +535,12 @@ def main() -> None:
     ap.add_argument("--mmd-resamplings", type=int, default=100)
     ap.add_argument("--met-resamplings", type=int, default=10)
     ap.add_argument("--met-python", default="", help="python of an environment with model-equality-testing")
+    ap.add_argument("--met-batch", type=int, default=10, help="MET cases per start of its environment")
+    ap.add_argument("--permutations-only", type=int, default=0, metavar="STEP",
+                    help="only extend the mmd / MET counts, every variant in turn by STEP groups (MET: STEP // 4), "
+                         "up to --mmd-resamplings / --met-resamplings (a long run that can be stopped)")
+    ap.add_argument("--tilted", action="store_true", help="with --pools-only: also rescore every pool with the "
+                    "surprise test's tilts (in --variants order, then the draws and the large honest pools)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels to generate / count "
                     "(the table is written once every variant's counts are cached)")
     ap.add_argument("--fpr", type=float, default=0.01)
@@ -458,6 +556,7 @@ def main() -> None:
     args = ap.parse_args()
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.honest_parts = [v.strip() for v in args.honest_parts.split(",") if v.strip()]
+    args.rescore = args.tilted or not (args.pools_only or args.permutations_only)
     if unknown := set(args.variants) - set(VARIANTS):
         ap.error(f"--variants: unknown {sorted(unknown)}; choose among {list(VARIANTS)}")
     torch.set_num_threads(args.threads)
@@ -466,6 +565,13 @@ def main() -> None:
                                                            f"-m{args.samples}")
     cache.mkdir(parents=True, exist_ok=True)
     data = pools(args, backend, cache)
+    if args.permutations_only:
+        step = args.permutations_only
+        for target in range(step, max(args.mmd_resamplings, 4 * args.met_resamplings) + step, step):
+            for label in args.variants:
+                permutation_counts(args, data, label, cache, min(target, args.mmd_resamplings),
+                                   min(target // 4, args.met_resamplings))
+        return
     data["honest"] = honest_pool(args, backend, cache)
     if args.pools_only:
         return

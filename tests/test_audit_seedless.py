@@ -108,7 +108,7 @@ def test_rank_audit_over_streams_keeps_the_honest_provider_and_reports(servers, 
     """Rank mode end to end (streamed responses, reference draws, Holm over two providers, reports).
     Whether it flags the cheat at this size is a matter of power (RESULTS.md section 9), not asserted."""
     spec = AuditSpec(mode="rank", temperature=1.0, max_tokens=8, samples=3, seed=3, stream=True)
-    result = run_audit(_endpoints(servers, backend.model_id), prompts[:4], spec, LocalReference(backend), tmp_path)
+    result = run_audit(_endpoints(servers, backend.model_id), prompts[:5], spec, LocalReference(backend), tmp_path)
     verdicts = {a.endpoint.name: a.verdict for a in result.providers}
     assert verdicts["honest"].consistent, verdicts["honest"].text
     assert all(v.p_adjusted is not None for v in verdicts.values())  # Holm over the two providers
@@ -135,12 +135,15 @@ def test_rank_audit_judges_every_completion_of_each_prompt(servers, prompts, bac
 
 
 def test_surprise_audit_judges_every_completion_without_reference_draws(servers, prompts, backend, tmp_path):
+    """Its test martingale (exact at every size) passes the honest server and flags the one whose sampled
+    traffic comes from 4-bit weights, in 5 prompts x n = 2 completions of 8 tokens (Holm over the two)."""
     spec = AuditSpec(mode="surprise", temperature=1.0, max_tokens=8, seed=3, extra_body={"n": 2})
-    result = run_audit(_endpoints({"honest": servers["honest"]}, backend.model_id), prompts[:4], spec,
-                       LocalReference(backend), tmp_path)
-    (audit,) = result.providers
-    assert audit.verdict.consistent and audit.verdict.units == 8, audit.verdict.text
-    assert audit.verdict.statistic_name == "surprise z" and all("surprise_z" in r for r in audit.prompts)
+    result = run_audit(_endpoints(servers, backend.model_id), prompts[:5], spec, LocalReference(backend), tmp_path)
+    honest, cheat = result.providers
+    assert honest.verdict.consistent and honest.verdict.units == 10, honest.verdict.text
+    assert honest.verdict.statistic_name == "surprise z" and all("surprise_z" in r for r in honest.prompts)
+    assert "test martingale" in honest.verdict.method
+    assert not cheat.verdict.consistent and cheat.verdict.statistic < 0, cheat.verdict.text
     assert not (tmp_path / "reference").exists()  # no draws
 
 

@@ -13,16 +13,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from scipy.stats import kstest
+from scipy.stats import norm
 
 import verinfer.auditing.draws as draws_module
 from verinfer.auditing.draws import CompletionScores, completion_scores, occurrences, reference_draws
-from verinfer.auditing.mmd import completions_per_prompt, mmd_verdict
-from verinfer.auditing.rank import rank_p_values, rank_verdict, uniformity_p
-from verinfer.auditing.surprise import surprise_p, surprise_verdict, surprise_z
+from verinfer.auditing.mmd import completions_per_prompt, hamming_gram, mmd_verdict, swap_form
+from verinfer.auditing.rank import rank_looks, rank_p_values, rank_verdict, uniformity_p
+from verinfer.auditing.surprise import TILTS, surprise_p, surprise_verdict
 from verinfer.sampling.params import SamplingParams
 from verinfer.simulate.generate import Request, decode_batch
 from verinfer.stats.evaluation import wilson_interval
+from verinfer.stats.verdict import sequential
 
 CLAIMED = SamplingParams(profile="torch-exponential", temperature=1.0)
 PROBS = np.array([0.5, 0.25, 0.15, 0.1])
@@ -99,6 +100,26 @@ def test_mmd_refuses_one_completion_per_prompt():
         mmd_verdict(one, one, 8)
 
 
+def test_mmd_swap_form_is_the_unbiased_mmd_under_within_pair_swaps():
+    """The permutation null's quadratic form equals the unbiased MMD^2 computed from its definition
+    for random within-pair swaps (``mmd.swap_form``)."""
+    rng = np.random.default_rng(3)
+    n = 7
+    xs, ys = rng.integers(0, 3, (n, 6)), rng.integers(0, 3, (n, 6))
+    groups = rng.integers(0, 3, n)
+
+    def direct(x, y):
+        k = hamming_gram(x, y, groups)
+        within = lambda m: (m.sum() - np.trace(m)) / (n * (n - 1))  # noqa: E731
+        return within(k[:n, :n]) + within(k[n:, n:]) - 2 * k[:n, n:].mean()
+
+    const, w = swap_form(hamming_gram(xs, ys, groups))
+    for _ in range(20):
+        s = rng.choice([-1.0, 1.0], n)
+        x, y = np.where(s[:, None] > 0, xs, ys), np.where(s[:, None] > 0, ys, xs)
+        assert const + s @ w @ s / 2 == pytest.approx(direct(x, y), abs=1e-12)
+
+
 @pytest.mark.parametrize("samples", [2, 4, 16])
 def test_mmd_budgets_plan_at_least_two_prompts_of_two(samples):
     for budget in range(4, 201):
@@ -118,32 +139,41 @@ def _chain(rng, positions: int, vocab: int = 50):
     return logits - np.logaddexp.reduce(logits, axis=1, keepdims=True)
 
 
+def _position_terms(rows: np.ndarray, y: np.ndarray, tilts=TILTS):
+    """(log p of y, E log p, Var log p, cgf of the centred log p at ``tilts``) per row, as
+    ``completion_scores`` computes them (temperature 1, no filter)."""
+    p = np.exp(rows)
+    m = (p * rows).sum(1)
+    d = rows - m[:, None]
+    psi = np.log((p[:, None, :] * np.exp(np.asarray(tilts)[None, :, None] * d[:, None, :])).sum(-1))
+    return rows[np.arange(len(rows)), y], m, (p * d ** 2).sum(1), psi
+
+
 def _scores(rng, logp, sample_logq, completions: int, length: int) -> CompletionScores:
     """Completions of ``length`` positions, each position a fresh random distribution ``logp``; tokens
     drawn from ``sample_logq(logp)``; scored as ``completion_scores`` does."""
-    lp, mean, var = [], [], []
+    lp, mean, var, cgf = [], [], [], []
     for _ in range(completions):
         rows = logp[rng.integers(0, len(logp), size=length)]
         q = np.exp(sample_logq(rows))
         y = np.array([rng.choice(rows.shape[1], p=qi / qi.sum()) for qi in q])
-        p = np.exp(rows)
-        m = (p * rows).sum(1)
-        lp.append(rows[np.arange(length), y].sum())
-        mean.append(m.sum())
-        var.append((p * (rows - m[:, None]) ** 2).sum(1).sum())
-    return CompletionScores(np.array(lp), np.array(mean), np.array(var), np.full(completions, length))
+        terms = _position_terms(rows, y)
+        for out, t in zip((lp, mean, var, cgf), terms):
+            out.append(t.sum(0))
+    return CompletionScores(np.array(lp), np.array(mean), np.array(var), np.full(completions, length),
+                            np.array(cgf), TILTS)
 
 
-def test_surprise_z_is_standard_normal_under_the_null_and_sees_a_temperature():
+def test_surprise_sees_a_wrong_temperature_either_way():
     rng = np.random.default_rng(4)
     logp = _chain(rng, 400)
-    same = lambda rows: rows  # noqa: E731
-    z = np.array([surprise_z(_scores(rng, logp, same, 10, 16)) for _ in range(400)])
-    assert kstest(z, "norm").pvalue > 1e-3  # 160 tokens per test already close to N(0, 1)
-    hotter = lambda rows: rows / 1.3  # noqa: E731
-    assert surprise_p(_scores(rng, logp, hotter, 25, 16)) < 1e-3
-    v = surprise_verdict(_scores(rng, logp, hotter, 25, 16))
-    assert not v.consistent and v.statistic < 0 and v.tokens_needed <= v.tokens
+    hotter, colder = (lambda rows: rows / 1.3), (lambda rows: rows / 0.8)  # noqa: E731
+    for sample, sign in ((hotter, -1), (colder, 1)):
+        v = surprise_verdict(_scores(rng, logp, sample, 25, 16))
+        assert not v.consistent and v.p_value < 1e-3 and np.sign(v.statistic) == sign
+        assert v.tokens_needed is not None and v.tokens_needed < v.tokens
+    honest = surprise_verdict(_scores(rng, logp, lambda rows: rows, 25, 16))
+    assert honest.consistent and surprise_p(_scores(rng, logp, lambda rows: rows, 25, 16)) > 0.01
 
 
 def _stopping_model(seed: int, vocab: int, rows: int = 64) -> np.ndarray:
@@ -154,22 +184,60 @@ def _stopping_model(seed: int, vocab: int, rows: int = 64) -> np.ndarray:
     return x - np.logaddexp.reduce(x, axis=1, keepdims=True)
 
 
-def _complete(table, prompts, rng, length: int) -> CompletionScores:
+def _complete(table, prompts, rng, length: int, tilts=()) -> CompletionScores:
     """One completion per prompt (its first 'previous token'), the stop token included and ending it,
-    scored as ``completion_scores`` does."""
+    scored as ``completion_scores`` does (with ``tilts``: the surprise test's cgf too)."""
     n, prev, alive = len(prompts), np.asarray(prompts), np.ones(len(prompts), bool)
     lp, mean, var, tokens = (np.zeros(n) for _ in range(4))
+    cgf = np.zeros((n, len(tilts)))
     for t in range(length):
         rows = table[(prev * 7 + t) % len(table)]
         y = np.argmax(rows - np.log(rng.exponential(size=rows.shape)), axis=1)  # exponential race: exact
-        m = (np.exp(rows) * rows).sum(1)
-        lp += np.where(alive, rows[np.arange(n), y], 0)
-        mean += np.where(alive, m, 0)
-        var += np.where(alive, (np.exp(rows) * (rows - m[:, None]) ** 2).sum(1), 0)
+        for total, term in zip((lp, mean, var, cgf), _position_terms(rows, y, tilts)):
+            total += np.where(alive if term.ndim == 1 else alive[:, None], term, 0)
         tokens += alive
         alive &= y != 0
         prev = y
-    return CompletionScores(lp, mean, var, tokens.astype(int))
+    return CompletionScores(lp, mean, var, tokens.astype(int), cgf if tilts else None, tuple(tilts))
+
+
+@pytest.fixture(scope="module")
+def short_honest():
+    """4,000 honest audits of 4 completions of at most 4 tokens from a model with a stop token and
+    heavy-tailed logits (3.7 tokens per completion): where a normal approximation fails."""
+    table, rng, B, sims = _stopping_model(0, 6), np.random.default_rng(1), 4, 4000
+    return _complete(table, rng.integers(0, 1000, size=sims * B), rng, 4, TILTS), B, sims
+
+
+def test_surprise_holds_its_level_on_short_completions_that_stop(short_honest):
+    """The surprise verdict at 1% on honest audits of short, stopping completions: the rejection rate's
+    95% Wilson interval must cover 1% or lie below it, at every size (issue #29). The normal z-test it
+    replaced (two-sided, doubling looks, Bonferroni), on the same audits, rejects about 2%: the
+    simulation sees an asymptotic level that does not hold."""
+    s, B, sims = short_honest
+    audits = [s[i * B:(i + 1) * B] for i in range(sims)]
+    rejected = sum(not surprise_verdict(a, 0.01).consistent for a in audits)
+    ci = wilson_interval(rejected, sims)
+    assert ci.low <= 0.01, (rejected, sims, ci)
+
+    def normal_p(a):
+        return 2 * norm.sf(abs(a.centred.sum()) / np.sqrt(a.variance.sum())) if a.variance.sum() > 0 else 1.0
+
+    z_rejected = sum(sequential(lambda k, a=a: normal_p(a[:k]), rank_looks(B), 0.01)[0] < 0.01 for a in audits)
+    assert wilson_interval(z_rejected, sims).low > 0.01, z_rejected
+
+
+def test_surprise_martingale_has_mean_one_under_the_null(short_honest):
+    """The cumulant generating function summed over each audit's stopping completions makes
+    exp(lambda S - C) a martingale of mean 1 at every tilt (checked where its variance is moderate,
+    |lambda| <= 0.2, to 5 standard errors; a tilt sign or a term per position gone wrong moves it)."""
+    s, B, sims = short_honest
+    lam = np.asarray(TILTS)
+    S = s.centred.reshape(sims, B).sum(1)
+    C = s.cgf.reshape(sims, B, -1).sum(1)
+    martingale = np.exp(S[:, None] * lam - C)[:, np.abs(lam) <= 0.2]
+    mean, se = martingale.mean(0), martingale.std(0, ddof=1) / np.sqrt(sims)
+    assert (np.abs(mean - 1) < 5 * se).all(), (mean, se)
 
 
 def test_rank_test_holds_its_level_on_an_honest_model_with_stops_and_ties():
@@ -217,13 +285,19 @@ def test_shared_prompt_prefill_draws_the_same_tokens(backend, prompts):
 
 def test_completion_scores_centre_on_the_sampling_distributions_entropy(backend, prompts):
     outputs = [[28, 253, 1165], [355, 30]]
-    s = completion_scores(backend, prompts, outputs, CLAIMED.with_(temperature=0.8))
-    logits = backend.logits(backend.hidden(torch.as_tensor([prompts[0] + outputs[0]]), None)[0][0]).float()
+    s = completion_scores(backend, prompts, outputs, CLAIMED.with_(temperature=0.8), tilts=TILTS)
+    logits = backend.logits(backend.hidden(torch.as_tensor([prompts[0] + outputs[0]]), None)[0][0]).double()
     logp = torch.log_softmax(logits[len(prompts[0]) - 1: -1] / 0.8, dim=-1)
-    entropy = -(logp.exp() * logp).sum(-1).sum()
+    mean = (logp.exp() * logp).sum(-1)
     taken = logp[torch.arange(3), torch.as_tensor(outputs[0])].sum()
-    assert s.expected[0] == pytest.approx(-float(entropy), rel=1e-4)
+    assert s.expected[0] == pytest.approx(float(mean.sum()), rel=1e-4)
     assert s.logprob[0] == pytest.approx(float(taken), rel=1e-4)
     assert list(s.tokens) == [3, 2] and (s.variance > 0).all()
+    # the surprise test's cumulant generating function: at T 0.8, tilt lambda is the log-normalizer of
+    # sampling at temperature 0.8 / (1 + lambda) relative to 0.8, minus lambda times the mean
+    lam = torch.as_tensor(TILTS, dtype=torch.float64)
+    psi = (torch.logsumexp((1 + lam[:, None, None]) * logp[None], dim=-1) - lam[:, None] * mean[None]).sum(-1)
+    assert s.cgf.shape == (2, len(TILTS)) and s.tilts == TILTS
+    np.testing.assert_allclose(s.cgf[0], psi.numpy(), rtol=1e-4, atol=1e-5)
     top = completion_scores(backend, prompts, outputs, CLAIMED.with_(temperature=0.8, top_k=5))
     assert (top.expected > s.expected).all()  # sampling among the top 5 expects likelier tokens

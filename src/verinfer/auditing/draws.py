@@ -19,6 +19,9 @@ filter, so every sequence has a finite score) and, from the same logits, the sum
 and variance under the claimed sampling distribution (temperature, then top-k / top-p / min-p).
 The log-probability minus its expectation (``centred``) is a martingale under the null: the
 entropy each completion's path happens to cross is removed, leaving the signal (issue #29 item 2).
+Given ``tilts`` (the surprise test's), the same pass also sums, per completion, each position's
+cumulant generating function of the centred log-probability, ``log E_q[exp(lambda * (log p - E_q log p))]``,
+which makes the surprise test's martingale exact (``verinfer.auditing.surprise``).
 """
 
 from __future__ import annotations
@@ -103,6 +106,8 @@ class CompletionScores:
     expected: np.ndarray
     variance: np.ndarray
     tokens: np.ndarray
+    cgf: np.ndarray | None = None  # [completions, len(tilts)]: summed cumulant generating function at each tilt
+    tilts: tuple[float, ...] = ()
 
     @property
     def centred(self) -> np.ndarray:
@@ -110,18 +115,22 @@ class CompletionScores:
         return self.logprob - self.expected
 
     def __getitem__(self, index) -> CompletionScores:
-        return CompletionScores(self.logprob[index], self.expected[index], self.variance[index], self.tokens[index])
+        cgf = None if self.cgf is None else self.cgf[index]
+        return CompletionScores(self.logprob[index], self.expected[index], self.variance[index], self.tokens[index],
+                                cgf, self.tilts)
 
 
 @torch.inference_mode()
 def completion_scores(backend, prompt_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
-                      params: SamplingParams, token_budget: int = 4096) -> CompletionScores:
-    """Score ``outputs`` (after ``prompt_ids``) with one prefill of ``backend`` under ``params``."""
+                      params: SamplingParams, token_budget: int = 4096,
+                      tilts: Sequence[float] = ()) -> CompletionScores:
+    """Score ``outputs`` (after ``prompt_ids``) with one prefill of ``backend`` under ``params``; with
+    ``tilts``, also each completion's summed cumulant generating function at them (``cgf``)."""
     if not params.temperature > 0:
         raise ValueError(f"completion scores need a temperature > 0, got {params.temperature}")
     sequences = [list(p) + list(o) for p, o in zip(prompt_ids, outputs)]
     starts = [len(p) for p in prompt_ids]
-    sums = np.zeros((3, len(sequences)))
+    sums, cgf = np.zeros((3, len(sequences))), np.zeros((len(sequences), len(tilts)))
     filtered = params.top_k > 0 or params.top_p < 1 or params.min_p > 0
     for block in backend.prefill(sequences, starts, token_budget=token_budget):
         x = block.logits.float() / params.temperature
@@ -142,7 +151,13 @@ def completion_scores(backend, prompt_ids: Sequence[Sequence[int]], outputs: Seq
         items = block.items.numpy()
         for row, values in enumerate((lp, mean, var)):
             np.add.at(sums[row], items, values.double().numpy())
-    return CompletionScores(sums[0], sums[1], sums[2], np.array([len(o) for o in outputs]))
+        if tilts:  # log sum_y q(y) exp(lambda (log p(y) - mean)) / sum_y q(y), |lambda| < 1: no overflow; summed
+            centred = logp - mean[:, None]  # in float64 and normalized, so rounding stays near 1e-7 per position
+            sums_q = [torch.add(logq, centred, alpha=lam).exp_().sum(-1, dtype=torch.float64) for lam in (0.0, *tilts)]
+            psi = torch.stack(sums_q[1:], dim=-1).log() - sums_q[0].log()[:, None]
+            np.add.at(cgf, items, psi.numpy())
+    return CompletionScores(sums[0], sums[1], sums[2], np.array([len(o) for o in outputs]),
+                            cgf if tilts else None, tuple(tilts))
 
 
 def retokenize(tokenizer, outputs: Sequence[Sequence[int]]) -> list[list[int]]:

@@ -4,10 +4,11 @@
 A provider that ignores seeds cannot be replayed token by token, but its completions are still
 draws from its sampling distribution, which an honest provider shares with the reference. Every
 completion is scored by the reference's log-probability minus its expectation under the claimed
-temperature, top-k, top-p (``draws.completion_scores``: one prefill). ``surprise`` compares that
-sum with its own predictable variance, no draws (``verinfer.auditing.surprise``); ``rank`` ranks
-it among m reference draws of the completion's own and tests the ranks for uniformity (RUT with a
-centred score, ``verinfer.auditing.rank``); ``mmd`` runs Model Equality Testing's kernel
+temperature, top-k, top-p (``draws.completion_scores``: one prefill). ``surprise`` judges that
+sum by a test martingale built from the reference's distribution at each position, no draws
+(``verinfer.auditing.surprise``: exact at every size); ``rank`` ranks it among m reference draws
+of the completion's own and tests the ranks for uniformity (RUT with a centred score,
+``verinfer.auditing.rank``); ``mmd`` runs Model Equality Testing's kernel
 two-sample test on n completions per prompt from each side (``verinfer.auditing.mmd``). RESULTS.md
 section 21 measures their power side by side.
 
@@ -32,7 +33,7 @@ from verinfer.auditing.rank import rank_p_values, rank_score, rank_verdict, spli
 from verinfer.auditing.remote_reference import remote_completion_scores, remote_draws, remote_values
 from verinfer.auditing.responses import Claim
 from verinfer.auditing.store import ResponseStore
-from verinfer.auditing.surprise import surprise_verdict, surprise_z
+from verinfer.auditing.surprise import TILTS, surprise_verdict, surprise_z
 from verinfer.stats.verdict import Verdict
 
 
@@ -47,7 +48,7 @@ def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fp
     """The verdict on ``claims`` (each prompt's completions, choice order kept) as ``spec.mode`` asks.
 
     ``rank`` judges every completion (all ``n`` of each prompt), each against its own ``samples``
-    reference draws; ``surprise`` judges every completion against the reference's own moments (no
+    reference draws; ``surprise`` judges every completion against the reference's own distribution (no
     draws); ``mmd`` compares each prompt's n completions with n reference draws. With
     ``remote`` (an ``ApiReference``) the draws and scores come from that API instead of ``backend``
     (``verinfer.auditing.remote_reference``)."""
@@ -72,9 +73,10 @@ def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fp
         ref = [same_form(cs[0], d) for cs, d in zip(groups, draws)]
         return SampledJudgement(mmd_verdict(outputs, ref, spec.max_tokens, fpr, seed=spec.seed), rows)
     judged = [c for cs in groups for c in cs]  # every completion (each with draws of its own for rank)
-    if spec.mode == "surprise":  # no draws: the reference's own moments at each position
-        scores = (completion_scores if remote is None else remote_completion_scores)(
-            remote or backend, [c.prompt_token_ids for c in judged], [c.output_token_ids for c in judged], params)
+    if spec.mode == "surprise":  # no draws: the reference's own distribution at each position (a reference
+        # API, which returns only its top logprobs, is refused before any request: ``auditing.run``)
+        scores = completion_scores(backend, [c.prompt_token_ids for c in judged], [c.output_token_ids for c in judged],
+                                   params, tilts=TILTS)
         at = np.cumsum([0] + [len(cs) for cs in groups])
         for row, a, b in zip(rows, at[:-1], at[1:]):
             row["surprise_z"] = surprise_z(scores[a:b])
