@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from verinfer.auditing.draws import CompletionScores, completion_scores, reference_draws
+from verinfer.auditing.draws import CompletionScores, completion_scores, occurrences, reference_draws
 from verinfer.auditing.logprobs import logprob_verdict, provider_values, reference_values, returned_logprobs
 from verinfer.auditing.mmd import completions_per_prompt, mmd_verdict
 from verinfer.auditing.rank import rank_p_values, rank_verdict, split
@@ -159,11 +159,16 @@ def tilted(backend, path: Path, prompt_ids: list, outputs: list, logprob) -> Com
     return CompletionScores(d["logprob"], d["expected"], d["variance"], d["tokens"], d["cgf"], TILTS)
 
 
-def stored_draws(path: Path, ids: list[str], m: int, seed: int) -> list[list[list[int]]]:
-    """The draws ``reference_draws`` stored for each prompt id (``m`` per prompt, drawn with ``seed``)."""
-    found = {r["request"]["prompt_id"]: r["response"] for r in ResponseStore(path).records()
-             if r["request"].get("m") == m and r["request"].get("seed") == seed}
-    return [found[i] for i in ids]
+def stored_draws(path: Path, requests: list, chunk: list, m: int, seed: int) -> list[list[list[int]]]:
+    """The draws ``reference_draws`` returned for each request of ``chunk`` (``m`` per prompt, drawn with
+    ``seed``), read back from its store without the drawing model: records are keyed by prompt content
+    and occurrence within the call, so a prompt whose content an earlier chunk asked got that one's draws."""
+    content = {r.id: tuple(r.prompt_token_ids) for r in requests}
+    found: dict[tuple, list] = {}
+    for r in ResponseStore(path).records():
+        if r["request"].get("m") == m and r["request"].get("seed") == seed:
+            found.setdefault(content[r["request"]["prompt_id"]], []).append(r["response"])
+    return [found[tuple(r.prompt_token_ids)][k] for r, k in zip(chunk, occurrences([r.prompt_token_ids for r in chunk]))]
 
 
 def honest_pool(args, backend, cache: Path) -> dict:
@@ -171,7 +176,8 @@ def honest_pool(args, backend, cache: Path) -> dict:
     run can stop and resume): ``--honest-draws`` fp32 draws per prompt (shared prefill; by
     exchangeability any one of m + 1 of them plays the provider, the others the reference) and
     ``--honest-bf16`` bf16 completions per prompt (the honest bf16 provider, judged against the same
-    prompt's fp32 draws), every one scored by the fp32 reference; bf16's returned top-5 logprobs too."""
+    prompt's fp32 draws), every one scored by the fp32 reference; bf16's returned top-5 logprobs too.
+    Chunks are made by ``--pools-only`` runs only; the table uses those present."""
     prompts = load_prompts("chitchat", args.honest_prompts, seed=29)
     L, D, k = args.max_tokens, args.honest_draws, args.honest_bf16
     base = build_requests(backend, prompts, CLAIMED.with_(seed=60_000))
@@ -186,7 +192,7 @@ def honest_pool(args, backend, cache: Path) -> dict:
         parts = {"fp32": (backend, D, 2029), "bf16": (None, k, 4029)}
         for part in args.honest_parts:
             f = root / f"{part}-{lo // 40:03d}.npz"
-            if not f.exists():
+            if not f.exists() and args.pools_only and not args.tilted:  # else: the chunks made so far
                 t0 = time.time()
                 if part == "bf16" and bf16 is None:
                     bf16 = get_variant("bf16").build(backend)
@@ -216,7 +222,7 @@ def honest_pool(args, backend, cache: Path) -> dict:
             for c in range(len(out[part])):
                 chunk = base[40 * c: 40 * (c + 1)]
                 ids = [list(r.prompt_token_ids) for r in chunk]
-                draws = stored_draws(root / f"{part}-draws.jsonl", [r.id for r in chunk], n, seed)
+                draws = stored_draws(root / f"{part}-draws.jsonl", base, chunk, n, seed)
                 s = tilted(backend, root / f"tilted-{part}-{c:03d}.npz", [p for p in ids for _ in range(n)],
                            [o for d in draws for o in d], out[part][c].logprob)
                 chunks.append(CompletionScores(*(getattr(s, f).reshape(len(chunk), n, -1)[..., 0] for f in FIELDS),
