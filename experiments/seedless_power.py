@@ -134,8 +134,6 @@ def pools(args, backend, cache: Path) -> dict:
         for label in args.variants:
             out["tilted"][label] = tilted(backend, cache / f"tilted-{stem(VARIANTS[label])}.npz", prompt_ids,
                                           out["variants"][label]["outputs"], out["variants"][label]["scores"][0])
-        out["tilted draws"] = tilted(backend, cache / "tilted-draws.npz", [p for p in prompt_ids for _ in range(m)],
-                                     [o for d in draws for o in d], np.load(cache / "draw_scores.npz")["logprob"])
     d = np.load(cache / "draw_scores.npz")
     out["draw_scores"] = CompletionScores(d["logprob"], d["expected"], d["variance"], d["tokens"])
     return out
@@ -434,14 +432,15 @@ def honest_counts(args, honest: dict, extra: CompletionScores, extra_tilted: Com
 
 def with_surprise(args, out: dict, tilted: dict, extra: CompletionScores, key: str, cache: Path) -> dict:
     """``out`` with the surprise rows of the large honest pools: every fp32 completion (the pool's draws,
-    then the 120-unit pool's groups) and every bf16 completion, in the order the other modes index them."""
+    then the 120-unit pool's groups, or only their provider completions without ``--surprise-draws``) and
+    every bf16 completion, in the order the other modes index them."""
     F, H = stacked(tilted["fp32"]), stacked(tilted["bf16"])
     flat = {"fp32": CompletionScores(*(np.concatenate([getattr(F, f).ravel(), getattr(extra, f).ravel()])
                                        for f in FIELDS), np.concatenate([F.cgf.reshape(-1, len(TILTS)),
                                                                          extra.cgf.reshape(-1, len(TILTS))]), TILTS),
             "bf16": CompletionScores(*(getattr(H, f).ravel() for f in FIELDS), H.cgf.reshape(-1, len(TILTS)), TILTS)}
     for row, s in flat.items():
-        c = surprise_counts(args, s, f"surprise-{key}-{row}", cache, seed=3)
+        c = surprise_counts(args, s, f"surprise-{key}-{row}{len(s.tokens)}", cache, seed=3)
         out[row] = {"surprise": {"resampled": c["surprise"], "disjoint": c["disjoint"], "units": len(s.tokens)},
                     **{mode: cells for mode, cells in out[row].items() if mode != "surprise"}}
     return out
@@ -472,10 +471,15 @@ def table(args, data: dict, cache: Path) -> None:
         draws = data["draw_scores"]
         extra = CompletionScores(*(np.column_stack([np.asarray(a, dtype=np.float64), np.reshape(b, (U, m))])
                                    for a, b in zip(old, (draws.logprob, draws.expected, draws.variance, draws.tokens))))
-        one, more = data["tilted"]["honest fp32"], data["tilted draws"]
-        extra_tilted = CompletionScores(*(np.column_stack([getattr(one, f), getattr(more, f).reshape(U, m)])
-                                          for f in FIELDS),
-                                        np.concatenate([one.cgf[:, None], more.cgf.reshape(U, m, -1)], axis=1), TILTS)
+        one = data["tilted"]["honest fp32"]
+        if args.surprise_draws:  # the groups' reference draws too: every fp32 sample of the 120-unit pool
+            more = data["tilted draws"]
+            extra_tilted = CompletionScores(*(np.column_stack([getattr(one, f), getattr(more, f).reshape(U, m)])
+                                              for f in FIELDS),
+                                            np.concatenate([one.cgf[:, None], more.cgf.reshape(U, m, -1)], axis=1),
+                                            TILTS)
+        else:
+            extra_tilted = CompletionScores(*(getattr(one, f)[:, None] for f in FIELDS), one.cgf[:, None], TILTS)
         honest = honest_counts(args, data["honest"], extra, extra_tilted, cache)
     if set(results) != set(VARIANTS):
         print("counts cached for " + ", ".join(results) + "; the table needs every variant")
@@ -545,6 +549,8 @@ def main() -> None:
     ap.add_argument("--permutations-only", type=int, default=0, metavar="STEP",
                     help="only extend the mmd / MET counts, every variant in turn by STEP groups (MET: STEP // 4), "
                          "up to --mmd-resamplings / --met-resamplings (a long run that can be stopped)")
+    ap.add_argument("--surprise-draws", action=argparse.BooleanOptionalAction, default=True,
+                    help="surprise's honest fp32 pool includes the 120-unit pool's reference draws (rescored last)")
     ap.add_argument("--tilted", action="store_true", help="with --pools-only: also rescore every pool with the "
                     "surprise test's tilts (in --variants order, then the draws and the large honest pools)")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated labels to generate / count "
@@ -579,6 +585,11 @@ def main() -> None:
                                    min(target // 4, args.met_resamplings))
         return
     data["honest"] = honest_pool(args, backend, cache)
+    if args.rescore and args.surprise_draws:  # last: the largest rescoring, and the one the table can do without
+        m = args.samples
+        data["tilted draws"] = tilted(backend, cache / "tilted-draws.npz",
+                                      [p for p in data["prompt_ids"] for _ in range(m)],
+                                      [o for d in data["draws"] for o in d], data["draw_scores"].logprob)
     if args.pools_only:
         return
     table(args, data, cache)
