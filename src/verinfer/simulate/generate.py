@@ -5,7 +5,7 @@ Sampling goes through ``verinfer.sampling.sampler.sample``, the same code the ve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -15,7 +15,8 @@ from transformers import DynamicCache
 from verinfer.models.backend import Backend
 from verinfer.prompts import Prompt, render
 from verinfer.sampling.params import SamplingParams
-from verinfer.sampling.profiles import Profile, RowKeys, get_profile
+from verinfer.sampling.profiles import PROFILES, Profile, RowKeys, get_profile
+from verinfer.sampling.profiles.transformers import TransformersProfile
 from verinfer.sampling.sampler import sample
 from verinfer.trace import Trace
 from verinfer.commits.trace_commits import CommitSpec, build_commits
@@ -174,19 +175,22 @@ def generate(
     profiles: dict[str, Profile] = {}
     order = sorted(range(len(requests)), key=lambda i: len(requests[i].prompt_token_ids))
     results: dict[int, Decoded] = {}
+    sent: dict[int, Request] = {}  # each request as sampled: with its place in the batch where a profile needs it
     for lo in range(0, len(order), batch_size):
         chunk = order[lo: lo + batch_size]
-        decoded = decode_batch(backend, [requests[i] for i in chunk], max_new_tokens, stop_ids, profiles, token_hook,
+        batch = [replace(requests[i], params=placed(requests[i].params, len(chunk), row, backend.vocab_size))
+                 for row, i in enumerate(chunk)]
+        decoded = decode_batch(backend, batch, max_new_tokens, stop_ids, profiles, token_hook,
                                capture=commits is not None)
-        for i, res in zip(chunk, decoded):
-            results[i] = res
+        for i, req, res in zip(chunk, batch, decoded):
+            results[i], sent[i] = res, req
             for profile in profiles.values():
-                profile.forget(requests[i].id)
+                profile.forget(req.id)
         if on_batch:
             on_batch(len(chunk))
     traces = []
-    for i, req in enumerate(requests):
-        out, reason = results[i].tokens, results[i].finish_reason
+    for i in range(len(requests)):
+        req, out, reason = sent[i], results[i].tokens, results[i].finish_reason
         fingerprints = (build_commits(results[i].rows, len(req.prompt_token_ids), commits, backend.model_id)
                         if commits is not None else None)
         traces.append(Trace.of_output(
@@ -194,6 +198,20 @@ def generate(
             provider=provider, meta={"finish_reason": reason, "dtype": backend.dtype_name},
             messages=list(req.messages) if req.messages else None, fingerprints=fingerprints))
     return traces
+
+
+def placed(params: SamplingParams, batch_size: int, row: int, vocab: int) -> SamplingParams:
+    """``params`` of a request sampled at row ``row`` of a ``batch_size``-row batch of ``vocab``-wide logits.
+
+    The ``transformers`` profile records that place (``sampling.stream``): after ``torch.manual_seed(seed)``
+    one generator draws the whole ``[batch, vocab]`` block at each step and a row reads its own row of it
+    (``sampling/profiles/transformers.py``), so a trace replays only with the batch it was sampled in. Each
+    trace is what that call, seeded with the trace's seed, samples at its row (the other rows' prompts do
+    not change its noise). Other profiles draw per request and keep no place: their params are unchanged.
+    """
+    if PROFILES.get(params.profile) is not TransformersProfile:
+        return params
+    return params.with_(stream={"batch_size": batch_size, "row": row, "vocab": vocab})
 
 
 def build_requests(backend: Backend, prompts: Sequence[Prompt], params: SamplingParams,

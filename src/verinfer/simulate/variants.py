@@ -187,7 +187,7 @@ class Variant:
             t.prompt_token_ids = list(req.prompt_token_ids)  # the claim: what the client sent
             if not req.params.speculative:
                 t.spec_modes = None  # the claim is plain decoding: a provider hiding speculation records none
-            t.sampling = req.params
+            t.sampling = req.params.with_(stream=t.sampling.stream)  # the claim, where generate sampled it
             t.model = reference.model_id
             meta = {**(t.meta or {}), "dtype": reference.dtype_name, "variant": self.name}
             if self.settings:
