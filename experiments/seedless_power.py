@@ -213,9 +213,11 @@ def honest_pool(args, backend, cache: Path) -> dict:
         for f in sorted(root.glob(f"{part}-[0-9]*.npz")):
             d = np.load(f)
             out[part].append(CompletionScores(d["logprob"], d["expected"], d["variance"], d["tokens"]))
-    if args.rescore:  # the same completions rescored with the surprise test's tilts
+    if args.rescore:  # the same completions rescored with the surprise test's tilts (--honest-parts)
         out["tilted"] = {}
         for part, (n, seed) in {"bf16": (k, 4029), "fp32": (D, 2029)}.items():
+            if part not in args.honest_parts:
+                continue
             chunks = []
             for c in range(len(out[part])):
                 chunk = base[40 * c: 40 * (c + 1)]
@@ -433,12 +435,18 @@ def honest_counts(args, honest: dict, extra: CompletionScores, extra_tilted: Com
 def with_surprise(args, out: dict, tilted: dict, extra: CompletionScores, key: str, cache: Path) -> dict:
     """``out`` with the surprise rows of the large honest pools: every fp32 completion (the pool's draws,
     then the 120-unit pool's groups, or only their provider completions without ``--surprise-draws``) and
-    every bf16 completion, in the order the other modes index them."""
-    F, H = stacked(tilted["fp32"]), stacked(tilted["bf16"])
-    flat = {"fp32": CompletionScores(*(np.concatenate([getattr(F, f).ravel(), getattr(extra, f).ravel()])
-                                       for f in FIELDS), np.concatenate([F.cgf.reshape(-1, len(TILTS)),
-                                                                         extra.cgf.reshape(-1, len(TILTS))]), TILTS),
-            "bf16": CompletionScores(*(getattr(H, f).ravel() for f in FIELDS), H.cgf.reshape(-1, len(TILTS)), TILTS)}
+    every bf16 completion, in the order the other modes index them; only the pools ``--honest-parts`` names."""
+    flat = {}
+    if "fp32" in tilted:
+        F = stacked(tilted["fp32"])
+        flat["fp32"] = CompletionScores(*(np.concatenate([getattr(F, f).ravel(), getattr(extra, f).ravel()])
+                                          for f in FIELDS), np.concatenate([F.cgf.reshape(-1, len(TILTS)),
+                                                                            extra.cgf.reshape(-1, len(TILTS))]), TILTS)
+    if "bf16" in tilted:
+        H = stacked(tilted["bf16"])
+        flat["bf16"] = CompletionScores(*(getattr(H, f).ravel() for f in FIELDS), H.cgf.reshape(-1, len(TILTS)), TILTS)
+    for row in ("fp32", "bf16"):  # a pool not rescored (--honest-parts) has no surprise row
+        out[row].pop("surprise", None)
     for row, s in flat.items():
         c = surprise_counts(args, s, f"surprise-{key}-{row}{len(s.tokens)}", cache, seed=3)
         out[row] = {"surprise": {"resampled": c["surprise"], "disjoint": c["disjoint"], "units": len(s.tokens)},
@@ -472,7 +480,8 @@ def table(args, data: dict, cache: Path) -> None:
         extra = CompletionScores(*(np.column_stack([np.asarray(a, dtype=np.float64), np.reshape(b, (U, m))])
                                    for a, b in zip(old, (draws.logprob, draws.expected, draws.variance, draws.tokens))))
         one = data["tilted"]["honest fp32"]
-        if args.surprise_draws:  # the groups' reference draws too: every fp32 sample of the 120-unit pool
+        if args.surprise_draws and "fp32" in args.honest_parts:  # the groups' reference draws too: every fp32
+            # sample of the 120-unit pool
             more = data["tilted draws"]
             extra_tilted = CompletionScores(*(np.column_stack([getattr(one, f), getattr(more, f).reshape(U, m)])
                                               for f in FIELDS),
@@ -563,7 +572,8 @@ def main() -> None:
     ap.add_argument("--honest-prompts", type=int, default=400, help="prompts of the large honest pools")
     ap.add_argument("--honest-draws", type=int, default=14, help="fp32 draws per prompt of the honest pool")
     ap.add_argument("--honest-bf16", type=int, default=2, help="bf16 completions per prompt of the honest pool")
-    ap.add_argument("--honest-parts", default="fp32,bf16", help="which honest pools to generate (fp32, bf16)")
+    ap.add_argument("--honest-parts", default="fp32,bf16", help="which honest pools to generate (fp32, bf16) and, "
+                    "for surprise, rescore and judge")
     ap.add_argument("--out", type=Path, default=Path("experiments/results/seedless_power.md"))
     args = ap.parse_args()
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -585,7 +595,7 @@ def main() -> None:
                                    min(target // 4, args.met_resamplings))
         return
     data["honest"] = honest_pool(args, backend, cache)
-    if args.rescore and args.surprise_draws:  # last: the largest rescoring, and the one the table can do without
+    if args.rescore and args.surprise_draws and "fp32" in args.honest_parts:  # last: the largest rescoring
         m = args.samples
         data["tilted draws"] = tilted(backend, cache / "tilted-draws.npz",
                                       [p for p in data["prompt_ids"] for _ in range(m)],
