@@ -137,14 +137,23 @@ def test_a_wider_top_k_is_caught_beyond_the_claimed_boundary(calibrations):
     assert h.consistent and h.detectors["beyond"]["p"] >= h.alpha, h.text
 
 
+MIN_P_CLAIM = CLAIM.with_(top_k=-1, top_p=1.0, min_p=0.05)
+
+
+@pytest.fixture(scope="module")
+def min_p_calibration():
+    """Pooled honest null of the min-p claim: an exact provider and a noisy one, 3,000 tokens each."""
+    honest = [columns(3000, 1, claim=MIN_P_CLAIM, served=MIN_P_CLAIM),
+              columns(3000, 2, noise=NOISE, claim=MIN_P_CLAIM, served=MIN_P_CLAIM)]
+    pooled = {k: np.concatenate([c[k] for c in honest]) for k in honest[0]}
+    return fit_calibrator(pooled, (50,), groups={"exact": honest[0], "noisy": honest[1]})
+
+
 @pytest.mark.parametrize("served, direction", [(0.06, "narrower"), (0.04, "wider"), (0.05, None)])
-def test_a_min_p_a_fifth_off_is_caught(served, direction):
+def test_a_min_p_a_fifth_off_is_caught(min_p_calibration, served, direction):
     """min-p 0.06 / 0.04 served (by an exact provider) for a claimed 0.05, against a pooled exact + noisy
     min-p calibration; an honest noisy provider of the claim passes."""
-    claim = CLAIM.with_(top_k=-1, top_p=1.0, min_p=0.05)
-    honest = [columns(3000, 1, claim=claim, served=claim), columns(3000, 2, noise=NOISE, claim=claim, served=claim)]
-    pooled = {k: np.concatenate([c[k] for c in honest]) for k in honest[0]}
-    cal = fit_calibrator(pooled, (50,), groups={"exact": honest[0], "noisy": honest[1]})
+    claim, cal = MIN_P_CLAIM, min_p_calibration
     noise = NOISE if direction is None else 0.0
     v = calibrated_verdict(columns(2000, 23, served=claim.with_(min_p=served), noise=noise, claim=claim), cal, 50)
     assert v.consistent is (direction is None), v.text
