@@ -26,10 +26,6 @@ from verinfer.serve import ServeConfig, serve_in_thread
 
 SHORT = [Prompt(f"q{i}", (("user", text),)) for i, text in enumerate(
     ("Name a colour.", "Say hello.", "Pick a number.", "Name an animal.", "Give me a word.", "Name a city."))]
-# The rank test against the smaller model: 6 prompts x 8 tokens left it marginal (once p = 0.044 in CI, the
-# providers drawing unseeded), so it gets twice the prompts and twice the tokens.
-RANKED = SHORT + [Prompt(f"q{i + len(SHORT)}", (("user", text),)) for i, text in enumerate(
-    ("Name a fruit.", "Say goodbye.", "Name a month.", "Name a tool.", "Give me a verb.", "Name a river."))]
 
 
 def _rows(backend, prompt, output):
@@ -66,7 +62,7 @@ def servers(backend):
         # Providers sample without seeds here: the cheap sampler keeps the test fast.
         urls = {name: stack.enter_context(serve_in_thread(backend, ServeConfig(sampler="torch-exponential",
                                                                                misconfig=mis, max_batch=16)))
-                for name, mis in {"honest": (), "w4": ("w4",), "layers-20": ("layers-20",), "reference": ()}.items()}
+                for name, mis in {"honest": (), "w4": ("w4",), "layers-8": ("layers-8",), "reference": ()}.items()}
         yield urls
     torch.set_num_threads(threads)
 
@@ -76,12 +72,13 @@ def _api(backend, url: str, out) -> ApiReference:
     return ApiReference(ProviderClient(Endpoint("reference", url, backend.model_id, None), store), backend.tokenizer)
 
 
-@pytest.mark.parametrize("mode, other", [("rank", "layers-20"), ("logprobs", "w4")])
+@pytest.mark.parametrize("mode, other", [("rank", "layers-8"), ("logprobs", "w4")])
 def test_seedless_audit_against_a_reference_api(servers, backend, tmp_path, mode, other):
-    """The other provider: a smaller model of the family for rank (12 short prompts x 16 tokens: the
-    smaller model at p of about 1e-4 in three runs, where 6 x 8 once reached only 0.044; 4-bit weights
-    need far more queries for rank, RESULTS.md section 21), 4-bit weights for logprobs."""
-    prompts, tokens = (RANKED, 16) if mode == "rank" else (SHORT, 8)
+    """The other provider: the family's first 8 of 30 layers for rank (what this checks is the reference
+    API in the rank test's place; the first 20 layers needed 12 prompts x 16 tokens, where 6 x 8 once
+    reached only p = 0.044, and 4-bit weights need far more queries for rank: RESULTS.md section 21),
+    4-bit weights for logprobs."""
+    prompts, tokens = SHORT, 8
     spec = AuditSpec(mode=mode, max_tokens=tokens, samples=4, seed=3)
     endpoints = [Endpoint(n, servers[n], backend.model_id, None) for n in ("honest", other)]
     result = run_audit(endpoints, prompts, spec, _api(backend, servers["reference"], tmp_path), tmp_path)
