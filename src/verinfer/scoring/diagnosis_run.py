@@ -25,8 +25,8 @@ from verinfer.models.fp8_kv import Fp8KVBackend
 from verinfer.sampling.profiles import Profile, get_profile
 from verinfer.sampling.sampler import replay
 from verinfer.scoring.diagnosis import (
-    ALPHA, CLAIM, EPS, SIGMA, Candidate, Diagnosis, Tally, bug_loglik, candidate_grid, effective_margin, penalized,
-    rank, token_loglik,
+    ALPHA, CLAIM, EPS, HONEST_OFF_BOUNDARY, SIGMA, BugTally, Candidate, Diagnosis, Tally, candidate_grid,
+    effective_margin, off_boundary, penalized, rank, token_loglik,
 )
 from verinfer.scoring.scores import signature
 from verinfer.scoring.traces import check_traces
@@ -70,15 +70,16 @@ def resolve_bands(spec: str | Sequence[str] | None) -> list[str]:
 
 def _score(logits, items, steps, traces, profiles, sigma, eps):
     """Replay one block under one candidate (all its traces share one profile): exact matches, raw
-    logit ranks of the claims, effective margins and log-likelihoods. The sampler's own ``replay``,
-    without the verifier's other score columns, which a diagnosis does not read."""
+    logit ranks of the claims, its picks, effective margins and log-likelihoods. The sampler's own ``replay``, without the verifier's other score columns, which a
+    diagnosis does not read."""
     name = traces[items[0]].sampling.profile
     profile = profiles.setdefault(name, get_profile(name))
     claimed = torch.tensor([traces[i].output_token_ids[k] for i, k in zip(items, steps)], dtype=torch.long,
                            device=logits.device)
     out = replay(logits, [traces[i].sampling for i in items], profile, _keys(traces, items, steps), claimed=claimed)
     margin = effective_margin(out.margin.cpu().numpy(), out.filter_distance.cpu().numpy())
-    cols = {"exact_match": (out.token == claimed).cpu().numpy(), "logit_rank": out.logit_rank.cpu().numpy()}
+    cols = {"exact_match": (out.token == claimed).cpu().numpy(), "logit_rank": out.logit_rank.cpu().numpy(),
+            "pick": out.token}
     return cols, margin, token_loglik(margin, sigma, eps)
 
 
@@ -121,8 +122,8 @@ def decode_replay(band: Backend, traces: Sequence[Trace], on_block) -> None:
 
 
 def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Sequence[Candidate],
-                    sigma: float = SIGMA, eps: float = EPS,
-                    alpha: float = ALPHA, token_budget: int = 4096, row_block: int = 512,
+                    sigma: float = SIGMA, eps: float = EPS, alpha: float = ALPHA,
+                    honest_rate: float = HONEST_OFF_BOUNDARY, token_budget: int = 4096, row_block: int = 512,
                     on_rows: Callable[[int], None] | None = None) -> Diagnosis:
     """Tally every candidate over the traces and rank them (``diagnosis.rank``).
 
@@ -137,7 +138,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     bands = [c for c in candidates if c.band is not None]
     as_traces = {c: [replace(t, sampling=p) for t, p in zip(traces, c.params(claimed))]
                  for c in sampler if not c.penalty}
-    tallies = {c: Tally() for c in [CLAIM, *candidates]}
+    tallies = {c: BugTally() if c.bug else Tally() for c in [CLAIM, *candidates]}
     profile_sets: dict[Candidate, dict[str, Profile]] = {c: {} for c in [CLAIM, *sampler, *bands]}
     offsets = np.concatenate([[0], np.cumsum([len(t.output_token_ids) for t in traces])])
     claim_ll = np.zeros(int(offsets[-1])) if bands else None
@@ -150,10 +151,10 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
         tallies[CLAIM].add(cols["exact_match"], m0, ll0, ll0, eps)
         if claim_ll is not None:
             claim_ll[offsets[items] + steps] = ll0
+        if bugs:
+            only_bug = off_boundary(ll0, (cols["pick"] == block.logits.argmax(-1)).cpu().numpy(), eps)
         for c in bugs:
-            bug_only = (ll0 <= np.log(eps) + 1e-12) & (cols["logit_rank"] < c.bug[0])
-            tallies[c].add(cols["exact_match"], m0, bug_loglik(m0, cols["logit_rank"], *c.bug, sigma, eps), ll0, eps,
-                           bug_only)
+            tallies[c].add_bug(c.bug, cols["exact_match"], m0, ll0, cols["logit_rank"], only_bug, eps)
         histories = None
         for c in sampler:
             if c.penalty:
@@ -184,9 +185,9 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
             continue
         for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
             score_band(block.items.numpy(), block.steps.numpy(), block.logits)
-    settings = {"sigma": sigma, "eps": eps, "traces": len(traces), "tokens": int(offsets[-1]),
-                "bands": [c.band for c in bands]}
-    return rank(tallies, alpha, settings)
+    settings = {"sigma": sigma, "eps": eps, "honest_off_boundary": honest_rate, "traces": len(traces),
+                "tokens": int(offsets[-1]), "bands": [c.band for c in bands]}
+    return rank(tallies, alpha, settings, honest_rate)
 
 
 def prepare(traces: str | Path | Sequence[Trace], out: str | Path | None = None, sigma: float | None = None,
