@@ -4,9 +4,8 @@ import json
 
 import numpy as np
 import pytest
-from sklearn.exceptions import NotFittedError
 
-from verinfer.stats.calibration import Calibrator, conservative_quantile, min_batches, parse_rule
+from verinfer.stats.calibration import Calibrator, NotFittedError, conservative_quantile, min_batches, parse_rule
 from verinfer.stats.evaluation import held_out_fpr
 from verinfer.stats.pooling import finite_percentile
 

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
-from sklearn.exceptions import NotFittedError
 
 from verinfer.stats.pooling import (
     as_exact_match,
@@ -98,6 +97,11 @@ def conservative_quantile(stats: np.ndarray, fpr: float) -> float:
         raise ValueError(f"{m} honest batches cannot bound fpr={fpr}; need {min_batches(fpr)}")
     return float(np.partition(stats, k - 1)[k - 1])
 
+
+
+class NotFittedError(ValueError, AttributeError):
+    """A Calibrator used before ``fit``; the same bases as scikit-learn's error of that name (not
+    imported: scikit-learn costs every command's start-up about a second, for one exception)."""
 
 class Calibrator:
     """Per-detector thresholds at a target false-positive rate, fitted on honest scores only.

@@ -8,7 +8,6 @@ from typing import NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 from scipy import stats
-from sklearn.metrics import roc_auc_score
 
 from verinfer.stats.calibration import Calibrator
 from verinfer.stats.pooling import as_scores
@@ -50,6 +49,8 @@ def auc_at_fpr(honest_stats: ArrayLike, bad_stats: ArrayLike, max_fpr: float = 0
     ceiling = finite.max() + 1.0 if finite.size else 0.0
     labels = np.concatenate([np.zeros(honest.size), np.ones(bad.size)])
     ranked = np.where(np.isinf(values), ceiling, values)
+    from sklearn.metrics import roc_auc_score  # here: scikit-learn costs every command's start-up a second
+
     return float(roc_auc_score(labels, ranked, max_fpr=max_fpr))
 
 
