@@ -221,7 +221,7 @@ def garbage_app():
 def _cli(*args):
     env = {k: v for k, v in os.environ.items() if k in ("HOME", "PATH", "VERINFER_CACHE", "PYTHONPATH")}
     return subprocess.run([sys.executable, "-m", "verinfer.cli", "audit", "run", *args], capture_output=True,
-                          text=True, timeout=600, env={**env, "HF_HUB_OFFLINE": "1"})
+                          text=True, timeout=600, env={**env, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
 
 
 @pytest.mark.parametrize("mode, fragments", [

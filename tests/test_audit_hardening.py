@@ -301,7 +301,7 @@ def proxy(backend):
 
 def cli(*args, key: str | None = KEY):
     env = {k: v for k, v in os.environ.items() if k in ("HOME", "PATH", "VERINFER_CACHE", "PYTHONPATH")}
-    env.update(HF_HUB_OFFLINE="1", COLUMNS="200", **({"VERINFER_HARDENING_KEY": key} if key else {}))
+    env.update(HF_HUB_OFFLINE="1", COLUMNS="200", OMP_NUM_THREADS="1", **({"VERINFER_HARDENING_KEY": key} if key else {}))
     return subprocess.run([sys.executable, "-m", "verinfer.cli", "audit", "run", *args], capture_output=True,
                           text=True, timeout=600, env=env)
 

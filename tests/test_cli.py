@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 
@@ -12,11 +13,12 @@ from verinfer.trace import Trace, read_traces, write_traces
 
 
 def run(*args, cwd=None):
-    proc = subprocess.run([sys.executable, "-m", "verinfer.cli", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=1200, env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
-                                                     **{k: v for k, v in __import__("os").environ.items()
-                                                        if k in ("HOME", "VERINFER_CACHE", "PYTHONPATH")}})
-    return proc
+    """The real entry point in a fresh process, with one torch thread (as an xdist worker has: a
+    child with the default policy took both cores beside the other worker's tests)."""
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
+           **{k: v for k, v in os.environ.items() if k in ("HOME", "VERINFER_CACHE", "PYTHONPATH")}}
+    return subprocess.run([sys.executable, "-m", "verinfer.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=1200, env=env)
 
 
 def good(i=0, **kw):

@@ -126,7 +126,7 @@ def _start_error(backend, config: ServeConfig) -> str:
 
 
 def test_a_malformed_value_fails_at_start_with_one_line_error(backend):
-    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            **{k: v for k, v in os.environ.items() if k in ("HOME", "VERINFER_CACHE", "PYTHONPATH")}}
     proc = subprocess.run([sys.executable, "-m", "verinfer.cli", "serve", "--speculative", "layers:24", "--port", "0"],
                           capture_output=True, text=True, timeout=300, env=env)
