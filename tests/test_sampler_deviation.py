@@ -232,18 +232,6 @@ def test_the_whole_rule_keeps_its_false_positive_rate_with_side_detectors():
     assert rejected / trials <= fpr + 3 * np.sqrt(fpr * (1 - fpr) / trials)
 
 
-def test_side_groups_take_margins_from_the_pooled_columns_they_slice(calibrations):
-    """Groups given as bare ``depth_shift`` arrays (as callers passed them before ``beyond``) count beyond
-    the claimed filters when they are the pooled columns' consecutive slices, and not otherwise."""
-    honest = [columns(600, 1), columns(600, 2, noise=NOISE)]
-    pooled = {k: np.concatenate([c[k] for c in honest]) for k in honest[0]}
-    as_columns = fit_calibrator(pooled, (10,), groups={"a": honest[0], "b": honest[1]}).sides
-    as_arrays = fit_calibrator(pooled, (10,), groups={"a": honest[0]["depth_shift"], "b": honest[1]["depth_shift"]}).sides
-    assert as_arrays == as_columns and as_columns[1]["negative"] > 0
-    shuffled = fit_calibrator(pooled, (10,), groups={"b": honest[1]["depth_shift"], "a": honest[0]["depth_shift"]}).sides
-    assert [sorted(g) for g in shuffled] == [["group", "negative", "positive", "tokens"]] * 2
-
-
 def test_a_margin_only_calibration_has_no_shape_detectors(calibrations):
     shape, margin_only = calibrations
     cols = columns(200, 4)

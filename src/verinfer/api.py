@@ -299,7 +299,7 @@ def calibrate(honest: VerifyResult | str | Path | Sequence[VerifyResult | str | 
                 "profiles": sorted({s.get("profile", "?") for s in (sig or {}).get("sampling", [])}) or None}
     # Each source is one honest provider's side counts (verinfer.stats.sides): the verdict takes the least
     # favourable group, where one pooled mixture of precisions that lean to different sides would not.
-    groups = ({f"{i}: {where}": c["depth_shift"] for i, (c, (_, where)) in enumerate(zip(columns, signatures))}
+    groups = ({f"{i}: {where}": c for i, (c, (_, where)) in enumerate(zip(columns, signatures))}
               if "depth_shift" in merged else None)
     calibrator = fit_calibrator(merged, tuple(batch_sizes), fpr, merged_commits, sig, shape=shape,
                                 resample=resample, coverage=coverage, groups=groups)

@@ -98,12 +98,12 @@ def summarize(columns: dict[str, np.ndarray], calibrator: Calibrator | None = No
 def fit_calibrator(columns: dict[str, np.ndarray], batch_sizes: tuple[int, ...], fpr: float = 0.01,
                    commit_scores: dict[str, np.ndarray] | None = None, signature: dict | None = None,
                    shape: bool = True, resample: int | None = None, coverage: dict | None = None,
-                   groups: Mapping[str, Mapping[str, np.ndarray] | np.ndarray] | None = None) -> Calibrator:
+                   groups: Mapping[str, Mapping[str, np.ndarray]] | None = None) -> Calibrator:
     """Fit the margin / cross-entropy / exact-match detectors on honest per-token scores, the
     sampler-shape null (each honest group's mismatch side counts, ``verinfer.stats.sides``) when the
     scores carry ``depth_shift`` and ``shape`` is on, plus the commit detectors (fingerprint_l2 per
     fingerprint, toploc per chunk) when honest commit scores are given. ``groups`` (label -> that
-    honest provider's score columns, or its ``depth_shift`` alone: one per precision; ``side_groups``)
+    honest provider's score columns, ``depth_shift`` and ``margin``: one per precision)
     keeps the providers apart, so the verdict can take the least favourable; without it the pooled
     scores are one group. ``coverage`` records
     the honest precisions and engines the scores came from (``Calibrator.coverage``)."""
@@ -111,32 +111,10 @@ def fit_calibrator(columns: dict[str, np.ndarray], batch_sizes: tuple[int, ...],
               "exact_match": np.asarray(columns["exact_match"], dtype=np.float64)}
     calibrator = Calibrator(batch_sizes=batch_sizes, fpr=fpr, resample=resample).fit({**honest, **(commit_scores or {})})
     if shape and columns.get("depth_shift") is not None:
-        calibrator.sides = fit_side_null(side_groups(columns, groups))
+        calibrator.sides = fit_side_null({"pooled": columns} if groups is None else groups)
     calibrator.signature = signature
     calibrator.coverage = coverage
     return calibrator
-
-
-def side_groups(columns: Mapping[str, np.ndarray],
-                groups: Mapping[str, Mapping[str, np.ndarray] | np.ndarray] | None) -> dict[str, Mapping]:
-    """label -> score columns of each honest group of the side-count null (``verinfer.stats.sides``).
-
-    A group given as a bare ``depth_shift`` array (as callers passed groups before the ``beyond``
-    count needed margins too) takes its margins from ``columns`` when the groups are ``columns``'
-    consecutive slices in order, as ``api.calibrate`` pools its sources; otherwise it has no
-    ``beyond`` count and the verdict judges the two sides only."""
-    if groups is None:
-        return {"pooled": columns}
-    shift, out, start = np.asarray(columns["depth_shift"]), {}, 0
-    for label, g in groups.items():
-        if isinstance(g, Mapping):
-            out[label] = g
-            continue
-        g = np.asarray(g)
-        part, start = slice(start, start + g.size), start + g.size
-        aligned = "margin" in columns and np.array_equal(shift[part], g)
-        out[label] = {"depth_shift": g, **({"margin": np.asarray(columns["margin"])[part]} if aligned else {})}
-    return out
 
 
 def summarize_commits(checks: list) -> dict:
