@@ -256,9 +256,10 @@ def test_rank_test_holds_its_level_on_an_honest_model_with_stops_and_ties():
     ci = wilson_interval(rejected, sims)
     assert ci.low <= 0.01, (rejected, sims, ci)
     below = ((ref < provider.centred[:, None]).sum(1) + 0.5) / (m + 1)  # ties not broken: counted above
+    control = sims // 3  # a ~10% rate needs fewer audits to show its interval above 1%
     rejected_below = sum(not rank_verdict(below[i * B:(i + 1) * B], provider.tokens[i * B:(i + 1) * B], m).consistent
-                         for i in range(sims))
-    assert wilson_interval(rejected_below, sims).low > 0.01  # the simulation sees a miscalibrated rank
+                         for i in range(control))
+    assert wilson_interval(rejected_below, control).low > 0.01  # the simulation sees a miscalibrated rank
 
 
 # --------------------------------------------------------------------------------------------------
