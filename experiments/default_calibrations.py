@@ -12,6 +12,11 @@ beside the traces) and writes the pooled fp32 + bf16 calibration at 1% FPR, each
 precision one group of the sampler-shape null, recording both precisions, the profile and the
 tokens as its coverage. Batch sizes are those of ``BATCH_SIZES`` that the honest tokens fill
 with the disjoint-batch guarantee (``min_batches``). ``--generate-only`` fills the cache.
+
+``--held-out N`` then judges, per profile, traces that fit nothing: honest fp32 and bf16 traces of N
+held-out prompts (``sampler_deviation.py``'s, from ``TEST_OFFSET``, in its cached chunks; vllm's are
+that experiment's own) under the shipped default that ``verify`` picks, and the fp32 traces
+claiming the next request's seed (a wrong seed), as ``verify`` would (scores cached too).
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sampler_deviation import CLAIM, POOL, TEST_OFFSET, traces_for  # noqa: E402
+from sampler_deviation import CLAIM, POOL, TEST_OFFSET, held_out, traces_for  # noqa: E402
 
 from verinfer.files import write_atomic  # noqa: E402
 from verinfer.machine import describe  # noqa: E402
@@ -38,13 +44,14 @@ from verinfer.models.load import cache_root  # noqa: E402
 from verinfer.prompts import load_prompts  # noqa: E402
 from verinfer.scoring.scores import read_scores  # noqa: E402
 from verinfer.scoring.traces import COMPACT, score_traces, signature  # noqa: E402
-from verinfer.stats.calibration import min_batches  # noqa: E402
-from verinfer.stats.shipped import DATA_DIR, calibration_filename  # noqa: E402
-from verinfer.stats.summary import fit_calibrator  # noqa: E402
+from verinfer.stats.calibration import Calibrator, min_batches  # noqa: E402
+from verinfer.stats.shipped import DATA_DIR, calibration_filename, find_calibration  # noqa: E402
+from verinfer.stats.summary import fit_calibrator, summarize  # noqa: E402
+from verinfer.trace import Trace  # noqa: E402
 
 # The profiles ``verinfer generate`` samples with seeds (greedy has no sampling null of its own;
-# transformers traces need each request's batch row and width, ``sampling.stream``, which generate does not set).
-PROFILES = ("vllm", "vllm-v1", "vllm-v1-cuda", "vllm-cpu", "sglang", "llama.cpp")
+# transformers traces record each request's batch row and width, ``sampling.stream``, as generate batched them).
+PROFILES = ("vllm", "vllm-v1", "vllm-v1-cuda", "vllm-cpu", "sglang", "llama.cpp", "transformers")
 PRECISIONS = {"honest": "float32", "bf16": "bfloat16"}  # simulator variant -> the provider's precision
 # The verdict judges with the largest that fits the tokens, and one flagged batch never rejects (verdict.py):
 # larger sizes would leave a few hundred tokens a single batch.
@@ -79,17 +86,48 @@ def honest_chunk(backend: Backend, profile: str, start: int, size: int, max_toke
         began = time.perf_counter()
         traces = traces_for(backend, variant, chosen, split, max_tokens, cache, claim)
         made = time.perf_counter() - began
-        path = cache / f"{split}-m{max_tokens}-{variant}.scores.parquet"
-        scores = read_scores(path) if path.exists() else {}
-        if any(k not in scores for k in COMPACT):  # absent, or written before a column was added
-            scores = score_traces(backend, traces, path).columns
-        cols[precision] = {k: np.asarray(scores[k]) for k in COMPACT}
+        cols[precision] = scored(backend, traces, cache / f"{split}-m{max_tokens}-{variant}.scores.parquet")
         sig = signature(traces, backend.model_id, backend.dtype_name)
         if made > 5:
             tokens = sum(len(t.output_token_ids) for t in traces)
             print(f"{split} {precision}: {len(traces)} traces, {tokens} tokens in {made:.0f} s "
                   f"({tokens / made:.1f} tokens/s wall)", flush=True)
     return cols, sig
+
+
+def scored(backend: Backend, traces: list[Trace], path: Path) -> dict[str, np.ndarray]:
+    """The verdict's score columns of ``traces``, cached at ``path`` (rescored when a column is missing)."""
+    scores = read_scores(path) if path.exists() else {}
+    if any(k not in scores for k in COMPACT):  # absent, or written before a column was added
+        scores = score_traces(backend, traces, path).columns
+    return {k: np.asarray(scores[k]) for k in COMPACT}
+
+
+def judge_held_out(backend: Backend, profile: str, n: int, max_tokens: int, cache: Path) -> list[str]:
+    """Table rows: honest fp32 and bf16 traces of ``n`` held-out prompts, and the fp32 ones claiming the
+    next request's seed, each judged under the shipped default calibration ``verify`` picks for them."""
+    prompts = load_prompts("chitchat", POOL, seed=28)[TEST_OFFSET:TEST_OFFSET + n]
+    tag = "" if profile == "vllm" else f"{profile}-"  # vllm: sampler_deviation.py's own held-out traces
+    rows = []
+    for variant, precision in PRECISIONS.items():
+        traces = held_out(backend, variant, prompts, max_tokens, cache, CLAIM.with_(profile=profile), tag)
+        sets = {f"honest {precision}": (traces, variant)}
+        if variant == "honest":
+            sets["fp32 claiming seed + 1"] = ([replace(t, sampling=t.sampling.with_(seed=t.sampling.seed + 1))
+                                               for t in traces], f"{variant}-seed+1")
+        for label, (ts, name) in sets.items():
+            cols = scored(backend, ts, cache / f"{tag}held{n}-m{max_tokens}-{name}.scores.parquet")
+            path = find_calibration(signature(ts, backend.model_id, backend.dtype_name))
+            if path is None:
+                raise SystemExit(f"{profile}: no shipped calibration fits its held-out traces; build it first")
+            summary = summarize(cols, Calibrator.load(path))
+            v = summary.verdict
+            flagged = ", ".join(f"{d} {e['flagged']}" if "flagged" in e else f"{d} {e['on_side']}/{e['mismatches']}"
+                                for d, e in v.detectors.items())
+            rows.append(f"| {profile} | {label} | {summary.traces} | {summary.tokens:,} | {summary.exact_match_rate:.1%} "
+                        f"| **{v.label}** | {v.p_value:.3g} | {v.units} x {v.batch_size} | {flagged} | {v.decided_by} |")
+            print(rows[-1], flush=True)
+    return rows
 
 
 def build(profile: str, pools: dict[str, dict], sig: dict, command: str) -> tuple[Path, str]:
@@ -105,7 +143,7 @@ def build(profile: str, pools: dict[str, dict], sig: dict, command: str) -> tupl
                 "traces": {p: int(np.unique(c["trace_id"]).size) for p, c in pools.items()},
                 "built_by": command}
     calibrator = fit_calibrator(pooled, sizes, FPR, signature=sig, coverage=coverage,
-                                groups={p: c["depth_shift"] for p, c in pools.items()})
+                                groups=pools)
     path = DATA_DIR / calibration_filename(sig["model"], sig["sampling"][0])
     write_atomic(path, json.dumps(calibrator.to_dict(), indent=1))
     exact = ", ".join(f"{p} {np.mean(c['exact_match']):.2%}" for p, c in pools.items())
@@ -124,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chunk", default="vllm=200,*=25", help="prompts generated (and cached) together, per profile")
     ap.add_argument("--max-tokens", type=int, default=80)
     ap.add_argument("--generate-only", action="store_true", help="fill the trace and score cache and stop")
+    ap.add_argument("--held-out", type=int, default=0, help="then judge honest fp32 / bf16 and wrong-seed traces "
+                    f"of this many held-out prompts per profile under the shipped defaults (<= {POOL - TEST_OFFSET})")
+    ap.add_argument("--held-out-max-tokens", type=int, default=40, help="tokens per held-out completion")
     ap.add_argument("--out", type=Path, default=None, help="also write the coverage table here (markdown)")
     args = ap.parse_args(argv)
     profiles = args.profiles.split(",")
@@ -148,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         pools = {precision: {k: np.concatenate([cols[precision][k] for cols, _ in parts[p]]) for k in COMPACT}
                  for precision in PRECISIONS.values()}
         rows.append(build(p, pools, parts[p][0][1], command)[1])
+    held = [row for p in profiles for row in judge_held_out(backend, p, args.held_out, args.held_out_max_tokens, cache)
+            ] if args.held_out else []
     if args.out:
         write_atomic(args.out, "\n".join([
             f"# Shipped default calibrations ({dt.date.today()})", "",
@@ -158,7 +201,16 @@ def main(argv: list[str] | None = None) -> int:
             "tokens per chitchat prompt, verified by the fp32 reference; pooled calibration at 1% FPR on disjoint "
             "batches. Tokens (traces) per precision; exact match = share of tokens the verifier reproduces.", "",
             "| profile | fp32 tokens (traces) | bf16 tokens (traces) | exact match | batch sizes | file |",
-            "|---|---|---|---|---|---|", *rows, ""]))
+            "|---|---|---|---|---|---|", *rows, "", *([
+                "## Held out: honest and wrong-seed traces under the shipped defaults", "",
+                f"Traces of {args.held_out} held-out chitchat prompts (prompts {TEST_OFFSET} on of the pool; none fitted a "
+                f"shipped file), up to {args.held_out_max_tokens} tokens each, generated like the calibration "
+                "traces (other request seeds), judged under the shipped default of their profile that `verify` "
+                "picks, by the one verdict rule at 1% FPR; the wrong seed: the honest fp32 traces, each "
+                "claiming the next request's seed. Detectors: flagged batches (margin) or mismatches on that "
+                "side (narrower, wider, beyond: claims the claimed filters remove).", "",
+                "| profile | traces | n | tokens | exact match | verdict | p | batches | detectors | decided by |",
+                "|---|---|---|---|---|---|---|---|---|---|", *held, ""] if held else [])]))
     return 0
 
 

@@ -7,14 +7,16 @@ import pytest
 from verinfer import api
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import params_problems, profile_names
+from verinfer.simulate.generate import placed
 from verinfer.stats.calibration import Calibrator, min_batches
 from verinfer.stats.shipped import DATA_DIR, calibration_filename, find_calibration, no_default
 
 # generate's default sampling (cli/main.py generate, api.generate)
 DEFAULT = dict(temperature=1.0, top_k=50, top_p=0.95, min_p=0.0)
 # every profile generate accepts with a seed and its default sampling (greedy has no sampling null)
+# (with the place in its batch that generate records for a transformers request)
 SEEDED = [p for p in profile_names()
-          if p != "greedy" and not params_problems(SamplingParams(profile=p, seed=1, **DEFAULT))]
+          if p != "greedy" and not params_problems(placed(SamplingParams(profile=p, seed=1, **DEFAULT), 1, 0, 1))]
 
 
 def claim(profile: str, **changes) -> dict:
@@ -23,8 +25,8 @@ def claim(profile: str, **changes) -> dict:
 
 
 def test_the_seeded_profiles_are_the_engines_generate_samples_with():
-    assert {"vllm", "vllm-v1", "vllm-cpu", "sglang", "llama.cpp"} <= set(SEEDED)
-    assert "greedy" not in SEEDED and "transformers" not in SEEDED  # transformers needs sampling.stream per trace
+    assert {"vllm", "vllm-v1", "vllm-cpu", "sglang", "llama.cpp", "transformers"} <= set(SEEDED)
+    assert "greedy" not in SEEDED
 
 
 @pytest.mark.parametrize("profile", SEEDED)
@@ -77,18 +79,49 @@ def prompts():
     return load_prompts("chitchat", 8, seed=2812)
 
 
-@pytest.mark.parametrize("profile", SEEDED)
-def test_honest_traces_are_consistent_under_the_default_and_a_wrong_seed_is_not(backend, prompts, profile):
-    traces = api.generate(prompts, n=len(prompts), profile=profile, seed=52_000, max_tokens=50, batch_size=8,
-                          backend=backend)
-    honest = api.verify(traces, backend=backend).summary
-    assert honest.calibration == f"{calibration_filename('smollm2-135m', claim(profile)['sampling'][0])} (shipped default)"
-    assert honest.tokens > 200 and honest.verdict is not None, honest.note
-    assert honest.consistent is True, honest.verdict.text
-    for t in traces:  # each request claims the seed of another one
-        t.sampling = t.sampling.with_(seed=t.sampling.seed + 1)
-    wrong = api.verify(traces, backend=backend).summary
-    assert wrong.calibration == honest.calibration and wrong.consistent is False, wrong.verdict.text
+def check_transformers_places(traces: list, backend, tmp_path) -> None:
+    """generate records each transformers request's place in its batch (``sampling.stream``: the
+    generate call's rows, its row, the logits' width), the place survives a trace file, and it matters:
+    the same traces claiming the next row of their batch are not replayed (the caller checked that
+    the recorded places replay every token)."""
+    from verinfer.trace import read_traces, write_traces
+
+    write_traces(traces, tmp_path / "hf.jsonl")
+    back = read_traces(tmp_path / "hf.jsonl")
+    places = [(t.sampling.stream["batch_size"], t.sampling.stream["row"]) for t in back]
+    assert all(b in (16, 8) and 0 <= r < b for b, r in places) and len({r for _, r in places}) > 1, places
+    assert {t.sampling.stream["vocab"] for t in back} == {backend.vocab_size}
+    moved = back[:3]
+    for t in moved:  # each claims the next row of its batch: another row of the generator's draws
+        s = t.sampling.stream
+        t.sampling = t.sampling.with_(stream={**s, "row": (s["row"] + 1) % s["batch_size"]})
+    summary = api.verify(moved, backend=backend, default_calibration=False).summary
+    assert summary.tokens >= 30 and summary.exact_match_rate < 0.9, summary.exact_match_rate
+
+
+def test_honest_traces_of_every_profile_are_consistent_under_its_default_and_a_wrong_seed_is_not(backend, prompts,
+                                                                                                 tmp_path):
+    # One generate call for every profile's requests (8 prompts each, 56 in batches of 16 by prompt length:
+    # each decode step serves all profiles at once), then each profile's traces judged as verify judges them.
+    from verinfer.simulate.generate import build_requests, generate
+
+    requests = [r for p in SEEDED for r in build_requests(
+        backend, prompts, SamplingParams(profile=p, seed=52_000, **DEFAULT), id_prefix=f"{p}/")]
+    made = generate(backend, requests, max_new_tokens=50, batch_size=16)
+    for profile in SEEDED:
+        traces = [t for t in made if t.id.startswith(f"{profile}/")]
+        honest = api.verify(traces, backend=backend).summary
+        name = calibration_filename("smollm2-135m", claim(profile)["sampling"][0])
+        assert honest.calibration == f"{name} (shipped default)", profile
+        assert honest.tokens > 200 and honest.verdict is not None, (profile, honest.note)
+        assert honest.exact_match_rate == 1.0, profile  # fp32 generate -> verify replays every token
+        assert honest.consistent is True, (profile, honest.verdict.text)
+        if profile == "transformers":
+            check_transformers_places(traces, backend, tmp_path)
+        for t in traces:  # each request claims the seed of another one
+            t.sampling = t.sampling.with_(seed=t.sampling.seed + 1)
+        wrong = api.verify(traces, backend=backend).summary
+        assert wrong.calibration == honest.calibration and wrong.consistent is False, (profile, wrong.verdict.text)
 
 
 def test_honest_bf16_traces_are_consistent_under_the_default(backend, prompts):
@@ -98,9 +131,12 @@ def test_honest_bf16_traces_are_consistent_under_the_default(backend, prompts):
 
 
 def test_verify_says_in_one_line_when_no_shipped_calibration_fits(backend, prompts):
-    traces = api.generate(prompts[:2], n=2, temperature=0.7, seed=54_000, max_tokens=8, batch_size=2, backend=backend)
+    # api.generate takes the transformers profile (it records each request's place in its batch)
+    traces = api.generate(prompts[:2], n=2, profile="transformers", temperature=0.7, seed=54_000, max_tokens=8,
+                          batch_size=2, backend=backend)
+    assert [t.sampling.stream["batch_size"] for t in traces] == [2, 2]
     summary = api.verify(traces, backend=backend).summary
     assert summary.verdict is None and summary.calibration is None
-    assert summary.note == no_default(claim("vllm", temperature=0.7)) and "--temperature 0.7" in summary.note
+    assert summary.note == no_default(claim("transformers", temperature=0.7)) and "--temperature 0.7" in summary.note
     off = api.verify(traces, backend=backend, default_calibration=False).summary
     assert off.note.startswith("uncalibrated: pass a calibration file")
