@@ -3,6 +3,7 @@ logits), then end to end on the bundled model, and bad input."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
 
@@ -283,6 +284,7 @@ def model():
     return load_model()
 
 
+@functools.cache  # one generation per variant, shared by the tests (the honest one by three); traces are not mutated
 def _traces(model, variant: str, n: int = 6, tokens: int = 48):
     from verinfer.prompts import load_prompts
     from verinfer.simulate.generate import build_requests

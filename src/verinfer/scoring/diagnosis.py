@@ -355,7 +355,10 @@ class Diagnosis:
 
     def _runner_up(self) -> str:
         other = next((r for r in self.ranked if r.candidate != CLAIM), None)
-        return "none" if other is None else f"{other.candidate.label}, exact {other.exact:.1%}, p {other.p:.2g}"
+        if other is None:
+            return "none"
+        bug = "" if other.rate is None else f", {other.events} tokens only a bug explains ({other.expected:.2g} expected)"
+        return f"{other.candidate.label}, exact {other.exact:.1%}{bug}, p {other.p:.2g}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"conclusion": self.text, "claim_rejected": self.claim_rejected, "explained": self.explained,
