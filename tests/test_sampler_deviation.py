@@ -19,7 +19,7 @@ from verinfer.sampling.sampler import replay
 from verinfer.scoring.sampler_shape import DEPTH_CAP, depth, depth_shift
 from verinfer.stats.summary import fit_calibrator
 from verinfer.stats.sides import detectors, fisher_greater, oriented, side_counts, side_p_value
-from verinfer.stats.verdict import calibrated_verdict, flag_verdict, minimum_evidence
+from verinfer.stats.verdict import calibrated_verdict, can_reject, default_batch_size, flag_verdict, minimum_evidence
 
 V = 2000
 CLAIM = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=1)
@@ -255,3 +255,14 @@ def test_verdict_states_minimum_evidence_and_unjudged_tokens(calibrations):
     v = calibrated_verdict(columns(127, 3), shape, 10)
     assert v.unjudged_tokens == 7 and "the last 7 tokens (less than a batch) were not judged" in v.text
     assert v.tokens == 120
+
+
+def test_the_default_batch_size_is_the_largest_that_can_reject(calibrations):
+    """Without a batch size, the largest calibrated one whose whole batches could reject: 150 tokens
+    are one batch of 100 (which no count of flags can reject) but three of 50."""
+    shape, _ = calibrations  # batches of 10 and 50, four detectors
+    assert not can_reject(1, 0.01, 0.01, 4) and can_reject(2, 0.01, 0.01, 4)
+    assert default_batch_size(shape, 150) == 50 and default_batch_size(shape, 99) == 10
+    assert default_batch_size(shape, 5) == 10  # nothing fits: the smallest (verify then says too few tokens)
+    cold = columns(99, 5, served=CLAIM.with_(temperature=0.5))
+    assert not calibrated_verdict(cold, shape).consistent  # one batch of 50 never could; nine of 10 do

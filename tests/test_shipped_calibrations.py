@@ -107,13 +107,13 @@ def test_honest_traces_of_every_profile_are_consistent_under_its_default_and_a_w
 
     requests = [r for p in SEEDED for r in build_requests(
         backend, prompts, SamplingParams(profile=p, seed=52_000, **DEFAULT), id_prefix=f"{p}/")]
-    made = generate(backend, requests, max_new_tokens=50, batch_size=16)
+    made = generate(backend, requests, max_new_tokens=24, batch_size=16)
     for profile in SEEDED:
         traces = [t for t in made if t.id.startswith(f"{profile}/")]
         honest = api.verify(traces, backend=backend).summary
         name = calibration_filename("smollm2-135m", claim(profile)["sampling"][0])
         assert honest.calibration == f"{name} (shipped default)", profile
-        assert honest.tokens > 200 and honest.verdict is not None, (profile, honest.note)
+        assert honest.tokens > 100 and honest.verdict is not None, (profile, honest.note)  # batches that can reject
         assert honest.exact_match_rate == 1.0, profile  # fp32 generate -> verify replays every token
         assert honest.consistent is True, (profile, honest.verdict.text)
         if profile == "transformers":

@@ -81,7 +81,7 @@ def summarize(columns: dict[str, np.ndarray], calibrator: Calibrator | None = No
     if calibrator is None:
         return summary
     margin = np.asarray(columns["margin"], dtype=np.float64)
-    size = batch_size or default_batch_size(calibrator, margin.size)
+    size = batch_size or default_batch_size(calibrator, margin.size, alpha)
     if size > margin.size:
         summary.note = f"too few tokens: {margin.size} < the smallest calibrated batch ({size})"
     else:
@@ -89,7 +89,7 @@ def summarize(columns: dict[str, np.ndarray], calibrator: Calibrator | None = No
     for metric, values in (commit_scores or {}).items():
         if metric not in calibrator.percentile_values_:
             continue
-        csize = batch_size if batch_size in calibrator.batch_sizes else default_batch_size(calibrator, values.size)
+        csize = batch_size if batch_size in calibrator.batch_sizes else default_batch_size(calibrator, values.size, alpha)
         if csize <= values.size:
             summary.commit_verdicts[metric] = calibrated_verdict(values, calibrator, csize, metric, COMMIT_RULE, alpha)
     return summary

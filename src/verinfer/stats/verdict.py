@@ -170,9 +170,24 @@ def sequential(p_at: Callable[[int], float], looks: Sequence[int], alpha: float)
 # Calibrated flags
 
 
-def default_batch_size(calibrator: Calibrator, n: int) -> int:
-    """The largest calibrated batch size that fits in ``n`` scores (else the smallest)."""
-    return min(calibrator.batch_sizes, key=lambda s: (s > n, -s))
+def default_batch_size(calibrator: Calibrator, n: int, alpha: float | None = None) -> int:
+    """The largest calibrated batch size whose whole batches in ``n`` scores could reject (``can_reject``:
+    one batch of 100 never can, where ten of 10 can), else the largest that fits, else the smallest."""
+    alpha = calibrator.fpr if alpha is None else alpha
+    detectors = 1 + len(side_detectors(getattr(calibrator, "sides", None)))
+    return min(calibrator.batch_sizes,
+               key=lambda s: (s > n, s > n or not can_reject(n // s, calibrator.fpr, alpha, detectors),
+                              s if s > n else -s))
+
+
+@functools.lru_cache(maxsize=256)
+def can_reject(batches: int, fpr: float, alpha: float, detectors: int = 1) -> bool:
+    """Whether ``batches`` batches, every one flagged, reach the rule's level at some look (the binomial
+    p of k flags in k batches below ``alpha / (looks * detectors)``)."""
+    if batches < 1:
+        return False
+    looks = np.asarray(look_sizes(batches))
+    return bool((_binom_p(looks, looks, fpr) < alpha / (looks.size * detectors)).any())
 
 
 def _binom_p(k, n, fpr: float):
@@ -304,7 +319,7 @@ def calibrated_verdict(scores: np.ndarray | Mapping[str, np.ndarray], calibrator
         if metric is None or rule is None:
             metric, rule = token_detector(calibrator)
         values = np.asarray(scores, dtype=np.float64)
-    size = batch_size or default_batch_size(calibrator, values.size)
+    size = batch_size or default_batch_size(calibrator, values.size, alpha)
     if size not in calibrator.batch_sizes:
         raise ValueError(f"batch size {size} is not calibrated (calibrated: {', '.join(map(str, calibrator.batch_sizes))})")
     if size > values.size:
