@@ -131,7 +131,8 @@ def batch_size(default: int = 8, help: str = "requests decoded together"):
     return typer.Option(default, "--batch-size", help=help)
 
 
-def verdict_batch(help: str = "tokens per verdict batch (a calibrated size)"):
+def verdict_batch(help: str = "tokens per verdict batch (a calibrated size; default: the largest whose whole batches "
+                  "could reject)"):
     return typer.Option(None, "--verdict-batch", help=help)
 
 
