@@ -70,8 +70,9 @@ BUG_RATE_MAX = 0.05  # the most tokens a "rare" sampler bug changes
 HONEST_RANKS = 64  # the claim's model of an honest off-boundary token's logit rank: uniform over the top 64
 # 99% upper confidence bound (Clopper-Pearson) on the rate of honest tokens that only a bug explains
 # (``off_boundary``): 9 of 32,733 honest bf16 tokens of SmolLM2-135M on the shipped calibrations'
-# prompts (vllm, vllm-v1, vllm-v1-cuda, vllm-cpu, llama.cpp; top-k 50, top-p 0.95), 0 of 8,341 held
-# out (top-k 50 / top-p 0.95 and min-p 0.05 claims); ``experiments/diagnose_confusion.py --honest-bound``.
+# prompts (vllm, vllm-v1, vllm-v1-cuda, vllm-cpu, llama.cpp; top-k 50, top-p 0.95); with the
+# transformers traces added since, 10 of 38,606 (bound 5.2e-4); 0 of 9,414 held out (top-k 50 / top-p
+# 0.95 and min-p 0.05 claims). ``experiments/diagnose_confusion.py --honest-bound``, RESULTS 20.
 HONEST_OFF_BOUNDARY = 5.8e-4
 
 
