@@ -165,7 +165,9 @@ def test_mmd_audit_asks_for_n_completions_and_resumes(servers, prompts, backend,
 
 
 def test_logprobs_audit_flags_the_greedy_only_cheat_without_token_ids(servers, prompts, backend, tmp_path):
-    spec = AuditSpec(mode="logprobs", temperature=1.0, max_tokens=10, token_ids=False, seed=3)
+    # The servers sample these unseeded requests from their process's random state, so which tokens (and how
+    # many of their strings map back to one id) depended on the tests before; a seed in the request body fixes it.
+    spec = AuditSpec(mode="logprobs", temperature=1.0, max_tokens=10, token_ids=False, seed=3, extra_body={"seed": 3})
     result = run_audit(_endpoints(servers, backend.model_id), prompts[:6], spec, LocalReference(backend), tmp_path)
     verdicts = {a.endpoint.name: a for a in result.providers}
     honest, cheat = verdicts["honest"], verdicts["cheat"]
