@@ -111,13 +111,15 @@ CASES: list[tuple[str, Variant, str]] = [
 ]
 
 
-def provider_traces(variant: Variant, name: str, ref, requests, max_tokens: int, cache: Path | None):
-    """The provider's traces, decoded once per (case, size) when ``cache`` is given."""
+def provider_traces(variant: Variant, name: str, ref, requests, max_tokens: int, cache: Path | None,
+                    decode_batch: int | None = None):
+    """The provider's traces, decoded once per (case, size) when ``cache`` is given, in batches of
+    ``decode_batch`` requests (default all: the fp8-KV providers fit their scales on the whole batch)."""
     path = None if cache is None else cache / f"{re.sub(r'[^a-z0-9]+', '-', name.lower()).strip('-')}-" \
         f"{len(requests)}x{max_tokens}.jsonl"
     if path is not None and path.is_file():
         return read_traces(path)
-    traces = variant.generate(ref, requests, max_new_tokens=max_tokens, batch_size=len(requests))
+    traces = variant.generate(ref, requests, max_new_tokens=max_tokens, batch_size=decode_batch or len(requests))
     if path is not None:
         write_traces(traces, path)
     return traces
@@ -178,6 +180,11 @@ def main() -> None:
                     help="sampler: the providers that run the claimed model (diagnosed without model variants); "
                     "model: the bf16 / w8 / w4 / fp8-kv providers (with --variants)")
     ap.add_argument("--cache", type=Path, default=None, help="directory keeping each provider's traces")
+    ap.add_argument("--max-prompt-tokens", type=int, default=None,
+                    help="leave out prompts longer than this (rendered tokens); default none")
+    ap.add_argument("--decode-batch", type=int, default=None,
+                    help="requests a provider decodes together (default all; a sampler case's tokens do not "
+                         "depend on it, and hundreds of requests in one batch exhaust the memory)")
     ap.add_argument("--bugs-only", action="store_true",
                     help="diagnose with the claim and the sampler-bug candidates only (read from the claim's replay: "
                     "their counts and p-values are those of the full grid, p Bonferroni-corrected over the full grid); "
@@ -203,6 +210,8 @@ def main() -> None:
     bands = [b for b in resolve_bands(args.variants) if not b.startswith("attn-")]  # attention kernels: fp32 noise
     ref = Backend.load()
     requests = build_requests(ref, load_prompts("chitchat", args.prompts), CLAIM)
+    if args.max_prompt_tokens:  # the chitchat set holds one prompt of 15,002 tokens
+        requests = [r for r in requests if len(r.prompt_token_ids) <= args.max_prompt_tokens]
     rows, hits, total, conclusions = [], 0, 0, []
     started = time.time()
     for name, variant, expected in CASES:
@@ -211,7 +220,7 @@ def main() -> None:
         model_case = variant.transform is not None  # the provider runs another model (bf16 included)
         if args.cases != "all" and (args.cases == "model") != model_case:
             continue
-        traces = provider_traces(variant, name, ref, requests, args.max_tokens, args.cache)
+        traces = provider_traces(variant, name, ref, requests, args.max_tokens, args.cache, args.decode_batch)
         t0 = time.time()
         scale = 1.0
         if args.bugs_only:  # the claim and the bug candidates; Bonferroni over the full grid (``alpha`` scaled)
