@@ -41,15 +41,20 @@ from scipy.stats import hypergeom
 SIDE_DETECTORS = ("narrower", "wider", "beyond")
 
 
-def side_counts(shift: ArrayLike, margin: ArrayLike | None = None) -> dict[str, int]:
-    """Mismatches with ``depth_shift`` > 0 (``positive``: the claim shallower than the verifier's token),
-    < 0 (``negative``: deeper) and, given the margins, those of the deep side whose claim the claimed
-    filters remove (``beyond``: an infinite margin)."""
+def side_kinds(shift: ArrayLike, margin: ArrayLike | None = None) -> dict[str, np.ndarray]:
+    """Per token, whether it is a mismatch with ``depth_shift`` > 0 (``positive``: the claim shallower
+    than the verifier's token), < 0 (``negative``: deeper) and, given the margins, one of the deep side
+    whose claim the claimed filters remove (``beyond``: an infinite margin)."""
     s = np.asarray(shift, dtype=np.float64)
-    out = {"positive": int(np.count_nonzero(s > 0)), "negative": int(np.count_nonzero(s < 0))}
+    out = {"positive": s > 0, "negative": s < 0}
     if margin is not None:
-        out["beyond"] = int(np.count_nonzero((s < 0) & np.isinf(np.asarray(margin, dtype=np.float64))))
+        out["beyond"] = (s < 0) & np.isinf(np.asarray(margin, dtype=np.float64))
     return out
+
+
+def side_counts(shift: ArrayLike, margin: ArrayLike | None = None) -> dict[str, int]:
+    """How many tokens of each ``side_kinds`` kind."""
+    return {kind: int(np.count_nonzero(mask)) for kind, mask in side_kinds(shift, margin).items()}
 
 
 def fit_side_null(groups: Mapping[str, Mapping[str, ArrayLike]]) -> list[dict]:
@@ -113,4 +118,4 @@ def honest_share(null: Sequence[Mapping], detector: str) -> float | None:
 
 
 __all__ = ["SIDE_DETECTORS", "detectors", "fisher_greater", "fit_side_null", "honest_share", "judged_groups", "oriented",
-           "side_counts", "side_p_value"]
+           "side_counts", "side_kinds", "side_p_value"]

@@ -57,6 +57,7 @@ from verinfer.stats.sides import (
     judged_groups,
     oriented,
     side_counts,
+    side_kinds,
     side_p_value,
 )
 
@@ -242,9 +243,7 @@ def flag_verdict(flags: np.ndarray, fpr: float, batch_size: int, alpha: float | 
         null, shift = sides[1], np.asarray(sides[0]["depth_shift"], dtype=np.float64)[: n * batch_size]
         margin = sides[0].get("margin")
         margin = None if margin is None else np.asarray(margin, dtype=np.float64)[: n * batch_size]
-        kinds = {"positive": shift > 0, "negative": shift < 0}
-        if margin is not None:
-            kinds["beyond"] = (shift < 0) & np.isinf(margin)
+        kinds = side_kinds(shift, margin)
         upto = {c: np.concatenate([[0], np.cumsum(v)])[at * batch_size] for c, v in kinds.items()}
         shapes = tuple(d for d in side_detectors(null) if d != "beyond" or margin is not None)
         ps.update({side: side_p_value(upto, null, side) for side in shapes})
