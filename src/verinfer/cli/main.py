@@ -28,6 +28,20 @@ console = _console()
 err = _console(stderr=True)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from verinfer import __version__
+
+        console.print(f"verinfer {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                       help="print verinfer's version and exit")) -> None:
+    """verinfer: verify that LLM outputs came from the claimed model and sampler."""
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=err, transient=True, disable=not err.is_terminal)
