@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -32,10 +34,23 @@ def _shards(directory: Path, traces) -> list[Path]:
     return sharded.find_shards(directory)
 
 
+def _differences(a: dict, b: dict) -> list[str]:
+    """Score columns that are not equal bit for bit (NaN equal to NaN), each with where it first differs."""
+    if a.keys() != b.keys():
+        return [f"columns {sorted(a.keys() ^ b.keys())} in one file only"]
+    out = []
+    for k in a:
+        if not np.array_equal(a[k], b[k], equal_nan=a[k].dtype.kind == "f"):
+            at = np.flatnonzero(a[k] != b[k]) if a[k].shape == b[k].shape else []
+            first = int(at[0]) if len(at) else None
+            out.append(f"{k}: {len(at)} of {len(a[k])} differ" + (f", first at {first}: {a[k][first]!r} vs "
+                                                                  f"{b[k][first]!r}" if first is not None else ""))
+    return out
+
+
 def _same(a: dict, b: dict) -> bool:
     """Score columns equal bit for bit (NaN where both are NaN)."""
-    return a.keys() == b.keys() and all(
-        np.array_equal(a[k], b[k], equal_nan=a[k].dtype.kind == "f") for k in a)
+    return not _differences(a, b)
 
 
 def test_find_shards_takes_a_directory_a_glob_or_a_file(tmp_path, traces):
@@ -120,15 +135,23 @@ def _dies_once(marker: Path) -> type:
 
 
 def test_ray_workers_score_bit_identically_and_survive_a_killed_worker(ray_cluster, tmp_path, traces, backend):
+    """Against a local run in a fresh process, as a user's ``verinfer verify DIR`` runs: this worker's
+    own history (twice in whole-suite runs, never alone) gave other bits than fresh Ray workers."""
     shards = _shards(tmp_path / "d", traces)
-    local = sharded.run_local(shards, tmp_path / "local", backend)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-m", "verinfer.cli", "verify", str(tmp_path / "d"), "--out-dir",
+                    str(tmp_path / "local")], env=env, check=True, capture_output=True, timeout=600)
+    local = sharded.run_local(shards, tmp_path / "local", backend)  # resumes: every shard is done
+    assert local.verified == [] and len(local.resumed) == len(shards)
+    local = replace(local, verified=local.resumed)
     marker = tmp_path / "killed"
     result = sharded.run_ray(shards, tmp_path / "ray", backend.model_id, workers=2, verifier=_dies_once(marker))
     assert marker.read_text() == "killed"  # a worker really died mid-run
     assert sorted(result.verified) == sorted(local.verified) and not result.errors
     for shard in shards:
-        assert _same(read_scores(sharded.ShardFiles.of(tmp_path / "ray", shard).scores),
-                     read_scores(sharded.ShardFiles.of(tmp_path / "local", shard).scores))
+        differ = _differences(read_scores(sharded.ShardFiles.of(tmp_path / "ray", shard).scores),
+                              read_scores(sharded.ShardFiles.of(tmp_path / "local", shard).scores))
+        assert not differ, f"{shard.name}: {differ}"
     merged = sharded.merge(tmp_path / "ray", shards)
     assert merged.tokens == sharded.merge(tmp_path / "local", shards).tokens  # each shard scored once
 
