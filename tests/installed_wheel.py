@@ -27,6 +27,7 @@ import sqlite3
 import subprocess
 import sys
 import time
+import urllib.request
 import zipfile
 from importlib import metadata
 from pathlib import Path
@@ -47,24 +48,28 @@ def missing_from_wheel(wheel: Path, repo: Path) -> list[str]:
     return [p for p in tracked if p.removeprefix("src/") not in carried]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _run(args: list[str], cwd: Path, env: dict, ok: tuple[int, ...] = (0,)) -> str:
+def run_status(args: list[str], cwd: Path, env: dict, ok: tuple[int, ...] = (0,)) -> tuple[int, str]:
+    """Exit status and output (stdout, then stderr) of ``args``; ``Failed`` when the status is not in ``ok``."""
     proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=GUARD_S)
     if proc.returncode not in ok:
-        raise Failed(f"`{' '.join(args)}` exited {proc.returncode}: {(proc.stderr or proc.stdout)[-2000:]}")
-    return proc.stdout + proc.stderr
+        raise Failed(f"`{' '.join(map(str, args))}` exited {proc.returncode}: {(proc.stderr or proc.stdout)[-2000:]}")
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _run(args: list[str], cwd: Path, env: dict, ok: tuple[int, ...] = (0,)) -> str:
+    return run_status(args, cwd, env, ok)[1]
 
 
 @contextlib.contextmanager
-def _server(args: list[str], port: int, ready: str, cwd: Path, env: dict):
-    """``args`` running in the background until ``ready`` answers 200 on ``port``; SIGTERM at the end."""
-    import httpx
-
+def server(args: list[str], port: int, ready: str, cwd: Path, env: dict):
+    """``args`` running in the background until ``ready`` answers 200 on ``port``; SIGTERM at the end.
+    Standard library only (``.ci/extras_matrix.py`` runs it outside any venv)."""
     log = cwd / f"{Path(args[0]).name}-{args[1]}-{port}.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(args, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
@@ -73,8 +78,8 @@ def _server(args: list[str], port: int, ready: str, cwd: Path, env: dict):
         while True:
             if proc.poll() is not None:
                 raise Failed(f"`{' '.join(args)}` exited {proc.returncode}: {log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"http://127.0.0.1:{port}{ready}", timeout=10).status_code == 200:
+            with contextlib.suppress(OSError):  # refused, or an HTTP error status
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}{ready}", timeout=10):
                     break
             if time.monotonic() > deadline:
                 raise Failed(f"`{' '.join(args)}` did not answer {ready} on port {port}: {log.read_text()[-2000:]}")
@@ -176,9 +181,9 @@ def check_production(verinfer: str, cwd: Path, env: dict) -> str:
     import httpx
 
     traffic, db = cwd / "traffic", cwd / "history.db"
-    engine, gateway, dashboard = _free_port(), _free_port(), _free_port()
-    with _server([verinfer, "serve", "--port", str(engine)], engine, "/v1/models", cwd, env):
-        with _server([verinfer, "gateway", "--upstream", f"http://127.0.0.1:{engine}", "--port", str(gateway),
+    engine, gateway, dashboard = free_port(), free_port(), free_port()
+    with server([verinfer, "serve", "--port", str(engine)], engine, "/v1/models", cwd, env):
+        with server([verinfer, "gateway", "--upstream", f"http://127.0.0.1:{engine}", "--port", str(gateway),
                       "--traces", str(traffic), "--model", "smollm2-135m", "--provider", "wheel"],
                      gateway, "/gateway/health", cwd, env):
             for i, prompt in enumerate(["Name three colours.", "What is 2 + 2?", "Say hello in French.",
@@ -198,7 +203,7 @@ def check_production(verinfer: str, cwd: Path, env: dict) -> str:
         raise Failed(f"the monitor recorded {windows}, not the 4 traces of provider 'wheel'")
     if any(w[3] != "CONSISTENT" or "bands-smollm2-135m-greedy.json" not in (w[4] or "") for w in windows):
         raise Failed(f"greedy honest traffic was not judged CONSISTENT by the shipped greedy bands: {windows}")
-    with _server([verinfer, "dashboard", "--db", f"sqlite:///{db}", "--port", str(dashboard)], dashboard, "/health",
+    with server([verinfer, "dashboard", "--db", f"sqlite:///{db}", "--port", str(dashboard)], dashboard, "/health",
                  cwd, env):
         base = f"http://127.0.0.1:{dashboard}"
         page, window = httpx.get(base + "/", timeout=60), httpx.get(f"{base}/window/{windows[0][0]}", timeout=60)

