@@ -436,38 +436,54 @@ def _start(engine: str, traces: Path, port: int, log: Path, *extra: str) -> subp
 
 
 def _records(directory: Path) -> int:
-    return sum(len(read_traces(p)) for p in find_shards(directory))
+    return sum(len(read_traces(p)) for p in directory.glob("*.parquet"))
 
 
-def test_kill_9_keeps_finished_shards_and_sigterm_writes_the_open_one(tmp_path):
+def _wal_lines(directory: Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in directory.glob("*.wal"))
+
+
+def test_kill_9_loses_nothing_parsed_and_sigterm_writes_the_open_shard(tmp_path):
+    """kill -9 after five answers (two shards of two and one record in the open shard's write-ahead file):
+    the next gateway seals the write-ahead file into the shard it was to become, logs the count, and the
+    five records are all there, once; SIGTERM writes the open shard itself."""
     with asgi_in_thread(fake_engine()) as engine:
-        for how, expect_shards, expect_records in ((signal.SIGKILL, 2, 4), (signal.SIGTERM, 3, 5)):
+        for how in (signal.SIGKILL, signal.SIGTERM):
             traces, port = tmp_path / how.name, free_port()
             proc = _start(engine, traces, port, tmp_path / f"{how.name}.log")
             try:
                 for _ in range(5):
                     assert httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT,
                                       timeout=30).status_code == 200
-                deadline = time.monotonic() + 30
-                while len(list(traces.glob("*.parquet"))) < 2 and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                deadline = time.monotonic() + 30  # the writer flushes within SYNC_SECONDS of parsing
+                while _records(traces) + _wal_lines(traces) < 5 and time.monotonic() < deadline:
+                    time.sleep(0.02)
                 os.kill(proc.pid, how)
                 assert proc.wait(60) is not None
             finally:
                 if proc.poll() is None:
                     proc.kill()
-            shards = find_shards(traces)
-            assert len(shards) == expect_shards and _records(traces) == expect_records, how
-            # a killed writer's half-written file (a dead pid in its name) goes when the next gateway starts
-            stale, live = traces / "traces-20260101T000000Z-999999999-000001.parquet.tmp", \
-                traces / f"traces-20260101T000000Z-{os.getpid()}-000001.parquet.tmp"
+            assert len(find_shards(traces)) == 2 + (how == signal.SIGTERM) and _records(traces) == 4 + (how == signal.SIGTERM)
+            orphans = list(traces.glob("*.parquet.wal"))
+            assert len(orphans) == (how == signal.SIGKILL) and _wal_lines(traces) == (how == signal.SIGKILL)
+            # a killed writer's temporary file (a dead pid in its name) goes when the next gateway starts
+            stale, live = traces / ".traces-20260101T000000Z-999999999-000001.parquet.999999999.tmp", \
+                traces / f".traces-20260101T000000Z-{os.getpid()}-000001.parquet.{os.getpid()}.tmp"
             stale.write_bytes(b"PAR1"), live.write_bytes(b"PAR1")
-            _gateway(engine, traces, Recording("fake"), None).recorder.close()  # its recorder cleans up at start
+            logs: list = []
+            g = _gateway(engine, traces, Recording("fake"), lambda level, event, **f: logs.append((event, f)))
+            g.recorder.close()  # its recorder seals and cleans up at start
             assert not stale.exists() and live.exists()
             live.unlink()
-            assert not [p for p in traces.iterdir() if p.is_file() and p.suffix not in (".parquet",)]
+            assert _records(traces) == 5 and len({t.id for p in find_shards(traces) for t in read_traces(p)}) == 5
+            assert not [p for p in traces.iterdir() if p.is_file() and p.suffix != ".parquet"]
+            sealed = [f for e, f in logs if e == "wal_sealed"]
+            assert g.counters.recovered == len(sealed) == (how == signal.SIGKILL)
+            if sealed:
+                assert sealed[0]["records"] == 1 and sealed[0]["path"] == str(orphans[0]).removesuffix(".wal")
             log = [json.loads(line) for line in (tmp_path / f"{how.name}.log").read_text().splitlines()
                    if line.startswith("{")]
-            assert log[0]["event"] == "listening" and sum(e["event"] == "shard_written" for e in log) == expect_shards
+            assert log[0]["event"] == "listening"
+            assert sum(e["event"] == "shard_written" for e in log) == 2 + (how == signal.SIGTERM)
             if how == signal.SIGTERM:
                 assert log[-1]["event"] == "gateway_stopped" and log[-1]["recorded"] == 5

@@ -2,8 +2,9 @@
 default names that keep the whole stem, and I/O errors that name the file.
 
 A result file is written under a temporary name in the same directory, flushed and fsync'd,
-then renamed over the destination (``os.replace`` is atomic on POSIX), so a crash or a full disk
-leaves the previous file intact and never a truncated one.
+then renamed over the destination (``os.replace`` is atomic on POSIX) and the directory fsync'd
+(so the rename itself survives a power loss), so a crash or a full disk leaves the previous file
+intact and never a truncated one.
 """
 
 from __future__ import annotations
@@ -20,9 +21,19 @@ class OutputError(ValueError):
     """An output path that would destroy an input, or an output that cannot be written."""
 
 
+def fsync_directory(directory: str | Path) -> None:
+    """Make a rename or a new file in ``directory`` durable (POSIX: fsync the directory itself)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically.
+def atomic_path(path: str | Path, durable: bool = True) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically
+    (``durable``: the file and the rename fsync'd first and after).
 
     On any error the temporary file is removed, the destination is untouched, and an ``OSError``
     is re-raised as an ``OutputError`` naming the destination.
@@ -32,10 +43,12 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         yield tmp
-        if tmp.exists():
+        if durable and tmp.exists():
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
         os.replace(tmp, path)
+        if durable:
+            fsync_directory(path.parent)
     except OSError as exc:
         raise OutputError(f"{path}: cannot write ({exc.strerror or exc})") from None
     finally:
@@ -98,17 +111,28 @@ def remove_stale_temporaries(path: str | Path) -> list[Path]:
     """Delete the temporary files ``atomic_path`` left beside ``path`` when its writer was killed
     (its pid no longer runs on this machine); a live writer's temporary is left alone."""
     path = Path(path)
+    return _remove_dead(path.parent.glob(f".{glob.escape(path.name)}.*.tmp"))
+
+
+def remove_stale_temporaries_in(directory: str | Path) -> list[Path]:
+    """``remove_stale_temporaries`` for every file of ``directory`` (a writer of many names, like the
+    gateway's recorder)."""
+    return _remove_dead(Path(directory).glob(".*.*.tmp"))
+
+
+def _remove_dead(temporaries: Iterable[Path]) -> list[Path]:
     removed = []
-    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
-        pid = tmp.name[len(path.name) + 2: -len(".tmp")]
-        if pid.isdigit() and not _running(int(pid)):
+    for tmp in temporaries:
+        pid = tmp.name[:-len(".tmp")].rsplit(".", 1)[-1]
+        if pid.isdigit() and not running(int(pid)):
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
                 removed.append(tmp)
     return removed
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs on this machine (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

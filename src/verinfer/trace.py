@@ -32,6 +32,7 @@ from typing import Any, Iterable, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from verinfer.files import atomic_path
 from verinfer.jsonl import read_jsonl
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import params_problems
@@ -202,12 +203,17 @@ def _read_parquet(path: Path) -> Iterator[Trace]:
         yield Trace.from_dict({k: v for k, v in record.items() if v is not None}, f"{path}: row {row}")
 
 
-def write_traces(traces: Iterable[Trace], path: str | Path) -> Path:
-    """Write traces as JSONL or Parquet (by suffix), atomically: a crash never leaves half a file."""
+def write_traces(traces: Iterable[Trace], path: str | Path, durable: bool = True) -> Path:
+    """Write traces as JSONL or Parquet (by suffix), atomically (``files.atomic_path``: a crash never
+    leaves half a file; ``durable``: nor loses a finished one to a power cut)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
     records = [t.to_dict() for t in traces]
+    with atomic_path(path, durable) as tmp:
+        _write_records(records, path, tmp)
+    return path
+
+
+def _write_records(records: list[dict[str, Any]], path: Path, tmp: Path) -> None:
     if _is_parquet(path):
         columns = {name: [] for name in ("schema", "id", "model", "prompt_token_ids", "output_token_ids",
                                          "sampling", *_OPTIONAL)}
@@ -227,5 +233,3 @@ def write_traces(traces: Iterable[Trace], path: str | Path) -> Path:
         with open(tmp, "w", encoding="utf-8") as fh:
             for r in records:
                 fh.write(json.dumps(r, ensure_ascii=False) + "\n")
-    tmp.replace(path)
-    return path

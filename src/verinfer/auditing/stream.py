@@ -20,8 +20,9 @@ class StreamError(ValueError):
     """A stream that cannot be read as OpenAI-style server-sent events; the message says why."""
 
 
-def events(text: str) -> list[dict[str, Any]]:
-    """The JSON chunks of an event stream, up to ``data: [DONE]`` (required)."""
+def events(text: str, complete: bool = True) -> list[dict[str, Any]]:
+    """The JSON chunks of an event stream, up to ``data: [DONE]`` (required unless ``complete`` is
+    False: the chunks of a stream known to be cut off, whose last partial event is left out)."""
     chunks, done = [], False
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -31,11 +32,17 @@ def events(text: str) -> list[dict[str, Any]]:
         if data == "[DONE]":
             done = True
             break
-        chunk = json_object(data, f"event on line {n} ({data[:80]!r})", StreamError)
+        try:
+            chunk = json_object(data, f"event on line {n} ({data[:80]!r})", StreamError)
+        except StreamError:
+            if complete:
+                raise
+            break  # the cut fell inside this event
+
         if "error" in chunk and not chunk.get("choices"):
             raise StreamError(f"the stream reported an error: {str(chunk['error'])[:200]}")
         chunks.append(chunk)
-    if not done:
+    if not done and complete:
         raise StreamError("the stream ended without 'data: [DONE]' (cut off?)")
     if not chunks:
         raise StreamError("the stream has no data events")

@@ -81,6 +81,11 @@ def gateway(
     timeout: float = typer.Option(600.0, help="seconds per network operation with the engine (connect, each "
                                   "read or write): a non-streamed completion sends nothing until it is done"),
     access_log: bool = typer.Option(False, "--access-log", help="one JSON log line per request"),
+    fsync: str = typer.Option("second", help="when the open shard's write-ahead file reaches the disk: always "
+                                             "(every flush), second (at most once a second) or never (the OS "
+                                             "decides; shards are then not fsync'd either)"),
+    max_body_mb: float = typer.Option(64.0, help="largest generation request (413 beyond) and largest answer "
+                                                 "recorded (counted unrecordable beyond); other bodies stream through"),
 ):
     """Proxy an OpenAI-compatible engine unchanged for clients and record every exchange as traces
     (Parquet shards that `verinfer verify DIR` reads)."""
@@ -105,7 +110,8 @@ def gateway(
     config = GatewayConfig(upstream, traces, Recording(name, profile, model_id, tokenizer, stops, store),
                            assign_seeds=assign_seeds, token_ids=token_ids, defaults=opt.json_object("--request-defaults", request_defaults) or {},
                            shard_records=shard_records, shard_seconds=shard_seconds, queue_size=queue_size,
-                           on_full=on_full, timeout_s=timeout, access_log=access_log)
+                           on_full=on_full, timeout_s=timeout, access_log=access_log,
+                           max_body_mb=max_body_mb, fsync=fsync)
     if config.problems():
         raise ValueError(config.problems()[0])
     _writable(traces)

@@ -26,7 +26,8 @@ kept as the engine returned it, as ``verinfer audit`` does (``verinfer verify`` 
 token); re-tokenized text has none. Choice j of an ``n > 1`` request claims ``seed + j``: vLLM
 seeds its children that way (REFERENCE.md sections 1.2 and 8); for other profiles such choices are
 unverifiable. Choices the verifier cannot replay (sampled without a seed, penalties, logit bias,
-structured output, an empty output) become traces marked ``meta.unverifiable`` with the reason,
+structured output, an empty output, a stream the engine cut off before ``[DONE]``) become traces
+marked ``meta.unverifiable`` with the reason,
 kept apart by the recorder; an exchange that yields no trace at all raises ``Unrecordable``.
 """
 
@@ -166,6 +167,7 @@ class Exchange:
     requested_at: float  # epoch seconds
     responded_at: float
     seed_assigned: bool = False
+    cut: str | None = None  # why the engine's stream ended before ``[DONE]`` (None: complete)
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,7 @@ def iso(epoch: float) -> str:
 def _response(ex: Exchange) -> dict[str, Any]:
     try:
         text = ex.response.decode("utf-8")
-        response = assemble(events(text)) if ex.stream else json.loads(text)
+        response = assemble(events(text, complete=ex.cut is None)) if ex.stream else json.loads(text)
     except StreamError as exc:
         raise Unrecordable(f"the event stream cannot be read: {exc}") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -319,7 +321,8 @@ def record(ex: Exchange, rec: Recording) -> Recorded:
         if claim.drift:
             meta["drift"] = claim.drift
         problems = params_problems(trace.sampling)
-        why = reason or (f"sampling: {problems[0]}" if problems else None) or \
+        cut = f"the engine's stream was cut off ({ex.cut}): the output is incomplete" if ex.cut else None
+        why = cut or reason or (f"sampling: {problems[0]}" if problems else None) or \
             (None if claim.output_token_ids else "empty output: nothing to verify")
         if why:
             meta["unverifiable"] = why

@@ -7,7 +7,11 @@ never recorded. Generation requests (``POST /v1/chat/completions`` and ``/v1/com
 changed only as ``verinfer.production.exchange.prepare`` says (a seed for sampled requests without
 one, with ``assign_seeds``; ``return_token_ids``, whose ids are cut from the answer unless the client
 asked for them) and handed, once answered with 200, to the recorder
-(``verinfer.production.recorder``), which parses and writes them on its own thread.
+(``verinfer.production.recorder``), which parses and writes them on its own thread. A stream is
+read from the engine by a task of its own (``Gateway._pump``) to its end, whether or not the client
+is still there, so every answered stream is recorded or counted; one the engine cuts off ends the
+client's stream with an error event (OpenAI's shape) and is recorded as unverifiable. Generation
+request bodies are read up to ``--max-body-mb`` (413 beyond); other bodies stream through.
 
 An engine that refuses the added ``return_token_ids`` (a 4xx whose body names it) gets the request
 again without it, once, and the gateway stops asking that engine for ids (then the recorder
@@ -39,7 +43,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from verinfer.production.exchange import (ENDPOINTS, SEED_RANGE, EventSplitter, Exchange, Prepared, Recording,
                                           iso, prepare, strip_ids, without_ids_request, writes_nulls)
-from verinfer.production.recorder import POLICIES, Counters, Recorder
+from verinfer.production.recorder import FSYNC, POLICIES, Counters, Recorder
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
               "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
@@ -61,6 +65,8 @@ class GatewayConfig:
     on_full: str = "drop"
     timeout_s: float = 600.0  # per upstream request (connect, read, write, pool)
     access_log: bool = False
+    max_body_mb: float = 64.0  # a generation request larger is refused (413); a larger answer is not recorded
+    fsync: str = "second"  # the recorder's policy (recorder.FSYNC)
 
     def problems(self) -> list[str]:
         out = []
@@ -76,7 +82,15 @@ class GatewayConfig:
             out.append(f"--queue-size must be at least 1, got {self.queue_size}")
         if not self.timeout_s > 0:
             out.append(f"--timeout must be > 0, got {self.timeout_s}")
+        if not self.max_body_mb > 0:
+            out.append(f"--max-body-mb must be > 0, got {self.max_body_mb}")
+        if self.fsync not in FSYNC:
+            out.append(f"--fsync must be one of {', '.join(FSYNC)}, got {self.fsync!r}")
         return out
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
 
     @property
     def base(self) -> str:
@@ -104,6 +118,18 @@ def json_log(stream=None) -> Callable[..., None]:
     return log
 
 
+def _ends_done(seen: bytearray) -> bool:
+    """Whether an event stream ends with ``data: [DONE]`` (its last event, before trailing blank lines)."""
+    return seen[-64:].rstrip().endswith(b"[DONE]")
+
+
+def _error_event(message: str) -> bytes:
+    """An error in OpenAI's stream shape (its client raises ``APIError`` on it); the blank line first
+    ends an event the cut may have left open."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_broke_off"}}
+    return b"\n\ndata: " + json.dumps(body).encode() + b"\n\n"
+
+
 def _error(status: int, message: str, code: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
                         status_code=status)
@@ -124,7 +150,8 @@ class Gateway:
         self.http: httpx.AsyncClient | None = None
         kw = {"write": write} if write is not None else {}
         self.recorder = Recorder(config.traces, config.recording, self.log, self.counters, config.shard_records,
-                                 config.shard_seconds, config.queue_size, config.on_full, **kw)
+                                 config.shard_seconds, config.queue_size, config.on_full, fsync=config.fsync, **kw)
+        self.pumps: set[asyncio.Task] = set()  # streams being read to their end (``_pump``)
 
     async def start(self) -> None:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.timeout_s), transport=self.transport,
@@ -134,6 +161,9 @@ class Gateway:
                  store_text=self.config.recording.store_text, model=self.config.recording.model)
 
     async def stop(self) -> None:
+        if self.pumps:  # streams still being read: let them finish (within the upstream timeout) and record
+            self.log("info", "draining_streams", streams=len(self.pumps))
+            await asyncio.wait(set(self.pumps), timeout=self.config.timeout_s)
         if self.http is not None:
             await self.http.aclose()
         await asyncio.to_thread(self.recorder.close)
@@ -155,7 +185,8 @@ class Gateway:
     def _back(resp: httpx.Response) -> dict[str, str]:
         return {k: v for k, v in resp.headers.items() if k.lower() not in NOT_FORWARDED_BACK}
 
-    async def _send(self, method: str, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response | None:
+    async def _send(self, method: str, url: str, body: bytes | AsyncIterator[bytes],
+                    headers: dict[str, str]) -> httpx.Response | None:
         try:
             return await self.http.send(self.http.build_request(method, url, content=body, headers=headers),
                                         stream=True)
@@ -174,15 +205,37 @@ class Gateway:
         except (httpx.HTTPError, ValueError) as exc:  # unknown for now: removed, asked again next time
             self.log("warning", "upstream_style_unknown", error=f"{type(exc).__name__}: {exc}")
 
+    async def _body(self, request: Request) -> bytes | None:
+        """A generation request's body (parsed and changed, so read whole), None beyond ``--max-body-mb``."""
+        cap, declared = self.config.max_body_bytes, request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > cap:
+            return None
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cap:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def handle(self, request: Request, path: str) -> Response:
         self.counters.add(requests=1)
         started = time.monotonic()
-        raw = await request.body()
         url = f"{self.config.base}/{path}" + (f"?{request.url.query}" if request.url.query else "")
         headers = self._headers(request)
         kind = ENDPOINTS.get(path.removeprefix("v1/")) if request.method == "POST" and path.startswith("v1/") else None
         prepared = None
-        if kind is not None:
+        raw: bytes | AsyncIterator[bytes] = b""
+        if kind is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
+            raw = request.stream()  # passed through as it arrives, never held whole
+            if "content-length" in request.headers:
+                headers["content-length"] = request.headers["content-length"]
+        elif kind is not None:
+            raw = await self._body(request)
+            if raw is None:
+                return self._done(request, path, 413, started, _error(
+                    413, f"the request body is larger than the gateway's --max-body-mb "
+                         f"({self.config.max_body_mb:g} MiB)", "request_too_large"))
             seed = secrets.randbelow(SEED_RANGE) if self.config.assign_seeds else None
             prepared = prepare(raw, self.ask_ids, seed, self.config.defaults)
             if prepared is not None and prepared.ids_added and self.null_ids is None:
@@ -221,7 +274,11 @@ class Gateway:
             return _error(502, f"the upstream engine {self.config.base} broke off its answer", "upstream_unreachable")
         finally:
             await resp.aclose()
-        if record:
+        if record and len(body) > self.config.max_body_bytes:
+            self.counters.add(exchanges=1, unrecordable=1)
+            self.log("warning", "unrecordable", reason=f"the answer is larger than --max-body-mb "
+                                                       f"({self.config.max_body_mb:g} MiB)")
+        elif record:
             await self._submit(Exchange(uuid.uuid4().hex, kind, prepared.request, body, False, requested_at,
                                         time.time(), prepared.seed_assigned))
             if prepared.ids_added:
@@ -229,35 +286,76 @@ class Gateway:
         return self._done(request, path, resp.status_code, started,
                           Response(body, status_code=resp.status_code, headers=self._back(resp)))
 
-    async def _stream(self, resp: httpx.Response, prepared: Prepared, kind: str,
-                      requested_at: float) -> AsyncIterator[bytes]:
-        """Forward the engine's events as they arrive (whole events when ids are cut out), keep a copy."""
+    def _stream(self, resp: httpx.Response, prepared: Prepared, kind: str,
+                 requested_at: float) -> AsyncIterator[bytes]:
+        """The client's side of a stream: what ``_pump`` forwards. The pump is a task of its own, so a
+        client that leaves (Starlette cancels this generator) does not stop the engine's answer from
+        being read to its end and recorded (REFERENCE.md section 9: the ``openai`` client closes at
+        ``finish_reason``, often before the engine closes the stream)."""
+        out: asyncio.Queue[bytes | None] = asyncio.Queue()
+        listening = [True]
+        task = asyncio.create_task(self._pump(resp, prepared, kind, requested_at, out, listening))
+        self.pumps.add(task)
+        task.add_done_callback(self.pumps.discard)
+
+        async def forward() -> AsyncIterator[bytes]:
+            finished = False
+            try:
+                while (piece := await out.get()) is not None:
+                    yield piece
+                finished = True
+            finally:
+                if not finished:
+                    listening[0] = False
+                    self.counters.add(clients_left=1)
+        return forward()
+
+    async def _pump(self, resp: httpx.Response, prepared: Prepared, kind: str, requested_at: float,
+                    out: asyncio.Queue, listening: list[bool]) -> None:
+        """Read the engine's stream to its end (bounded by ``--timeout`` per read and ``--max-body-mb``),
+        pass its events on (whole events when ids are cut out), keep a copy and record it. A stream that
+        ends without ``[DONE]`` (the engine died) ends the client's with an error event in OpenAI's
+        shape, and its choices are recorded as unverifiable with the reason."""
         seen = bytearray()
         splitter = EventSplitter() if prepared.ids_added else None
-        null = bool(self.null_ids)
-        complete = False
+        null, cut, kept = bool(self.null_ids), None, True
         try:
             async for piece in resp.aiter_bytes():
-                seen += piece
+                if kept and len(seen) + len(piece) <= self.config.max_body_bytes:
+                    seen += piece
+                elif kept:
+                    kept = False
+                    seen = bytearray()
+                if not listening[0]:
+                    continue
                 if splitter is None:
-                    yield piece
-                else:
-                    out = splitter.feed(piece)
-                    if out:
-                        yield strip_ids(out, null)
-            if splitter is not None:
-                rest = splitter.flush()
-                if rest:
-                    yield strip_ids(rest, null)
-            complete = True
+                    out.put_nowait(piece)
+                elif (whole := splitter.feed(piece)):
+                    out.put_nowait(strip_ids(whole, null))
+            if splitter is not None and listening[0] and (rest := splitter.flush()):
+                out.put_nowait(strip_ids(rest, null))
+            if kept and not _ends_done(seen):
+                cut = "the engine closed the stream without 'data: [DONE]'"
         except httpx.HTTPError as exc:
-            self.counters.add(upstream_unreachable=1)
-            self.log("error", "upstream_broke_off", upstream=self.config.base, error=f"{type(exc).__name__}: {exc}")
+            cut = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        except asyncio.CancelledError:
+            cut = "the gateway shut down before the engine finished"
+            raise
         finally:
             await resp.aclose()
-            if complete:  # a stream the client left or the engine cut has no [DONE]: nothing to record
+            if cut:
+                self.counters.add(streams_cut=1)
+                self.log("error", "stream_cut", upstream=self.config.base, error=cut,
+                         detail="the client got an error event; the choices are recorded as unverifiable")
+                out.put_nowait(_error_event(f"the upstream engine {self.config.base} broke off its answer: {cut}"))
+            out.put_nowait(None)
+            if not kept:
+                self.counters.add(exchanges=1, unrecordable=1)
+                self.log("warning", "unrecordable", reason=f"the stream is larger than --max-body-mb "
+                                                           f"({self.config.max_body_bytes / 2**20:g} MiB)")
+            else:
                 await self._submit(Exchange(uuid.uuid4().hex, kind, prepared.request, bytes(seen), True,
-                                            requested_at, time.time(), prepared.seed_assigned))
+                                            requested_at, time.time(), prepared.seed_assigned, cut))
 
     async def _submit(self, ex: Exchange) -> None:
         if self.config.on_full == "block":

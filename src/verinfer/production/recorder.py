@@ -1,5 +1,6 @@
 """The gateway's recorder: exchanges go through a bounded queue to one writer thread that turns them
-into traces (``verinfer.production.exchange.record``) and writes rotating Parquet shards.
+into traces (``verinfer.production.exchange.record``), appends them to the open shard's write-ahead
+file and writes rotating Parquet shards.
 
 Recording never slows or fails a client's request: the request path only ``submit``s an exchange
 (``put_nowait``); parsing, tokenizing and writing happen on the writer thread. When the queue is
@@ -11,21 +12,33 @@ Shards: ``traces-<UTC time>-<pid>-<sequence>.parquet`` in the trace directory, r
 by ``verinfer verify DIR`` and ``--ray`` (``verinfer.sharded``), and the unverifiable choices
 (``meta.unverifiable`` says why) in ``unverifiable/`` below it, which ``verify DIR`` does not read.
 A shard is closed after ``shard_records`` traces or ``shard_seconds`` after its first trace,
-whichever comes first, and written by ``verinfer.trace.write_traces`` (a temporary file renamed into
-place), so a crash or kill -9 loses at most the open shard's records and never leaves a partial
-shard; names carry the time, the process id and a sequence number and an existing file is never
-replaced. A half-written ``.parquet.tmp`` left by a killed gateway (its process gone) is deleted when
-the next one starts. ``close`` (graceful shutdown) drains the queue and writes the open shard.
+whichever comes first.
+
+Durability follows PostgreSQL's write-ahead log (DESIGN.md): each trace is appended as a JSON line to
+the open shard's write-ahead file (``<shard name>.wal``) as soon as it is parsed, and the file is
+flushed to the OS as soon as the queue is empty and at least every ``SYNC_SECONDS``; ``fsync``
+decides how often it also reaches the disk (``always``: every flush; ``second``, the default: at
+most once a second; ``never``: the OS decides). Closing a shard writes it by
+``verinfer.trace.write_traces`` (a temporary file fsync'd and renamed, the directory fsync'd; with
+``never``, not fsync'd), then deletes the write-ahead file. So a kill -9 loses only what was still
+queued or parsed in the last fraction of a second, and a power cut at most the last second. A
+recorder that starts seals every write-ahead file a dead process left into the shard it was to
+become (``records_recovered``, logged with the count), and deletes a dead writer's temporary files.
+Several recorders (``--workers``) share a directory: names carry the process id, and sealing
+claims a file by renaming it first, so two never seal the same one.
 
 A shard that cannot be written (a full disk, a directory made read-only) stops recording with one
-log line naming the directory and the error; its records and every later exchange count as
-``dropped`` and proxying goes on. ``Counters`` holds every number ``/gateway/health`` reports, in one
-object a Prometheus ``/metrics`` endpoint can read.
+log line naming the directory and the error; its records, kept in its write-ahead file for the next
+start to seal, and every later exchange count as ``dropped``, and proxying goes on. ``Counters``
+holds every number ``/gateway/health`` reports, in one object a Prometheus ``/metrics`` endpoint
+can read.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import os
 import queue
 import threading
@@ -33,13 +46,18 @@ import time
 from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TextIO
 
+from verinfer.files import remove_stale_temporaries_in, running
 from verinfer.production.exchange import Exchange, Recording, Unrecordable, record
-from verinfer.trace import Trace, write_traces
+from verinfer.trace import Trace, TraceError, write_traces
 
 POLICIES = ("drop", "block")
+FSYNC = ("always", "second", "never")
 UNVERIFIABLE_DIR = "unverifiable"
+WAL = ".wal"  # a shard's write-ahead file: its final name plus this
+SEALING = ".sealing"  # <wal>.<pid>.sealing: a write-ahead file claimed by the process that seals it
+SYNC_SECONDS = 0.2  # the longest a parsed trace waits in the process before reaching the OS
 
 
 @dataclass
@@ -49,12 +67,15 @@ class Counters:
     requests: int = 0  # requests proxied
     upstream_errors: int = 0  # answered by the engine with a status >= 400 (passed through)
     upstream_unreachable: int = 0  # the engine could not be reached (502 to the client)
+    streams_cut: int = 0  # streams the engine ended before [DONE] (an error event to the client; unverifiable)
+    clients_left: int = 0  # streams whose client left before the end (read to the end and recorded all the same)
     ids_refused: int = 0  # the engine refused return_token_ids (retried without; remembered)
     exchanges: int = 0  # generation exchanges handed to the recorder
     recorded: int = 0  # verifiable traces in finished shards
     unverifiable: int = 0  # traces written to unverifiable/ shards
     unrecordable: int = 0  # exchanges that yielded no trace (logged with the reason)
     dropped: int = 0  # exchanges or traces lost: full queue, or recording stopped
+    recovered: int = 0  # traces sealed at start from the write-ahead files of a gateway that died
     shards_written: int = 0
     write_errors: int = 0
     queue_depth: int = 0  # gauge: exchanges waiting for the writer
@@ -70,49 +91,132 @@ class Counters:
             return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "lock"}
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
 def shard_name(seq: int, now: float | None = None) -> str:
     stamp = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     return f"traces-{stamp}-{os.getpid()}-{seq:06d}.parquet"
 
 
-class ShardWriter:
-    """Buffers traces and writes them as shards into one directory (never over an existing file)."""
+def _owner(path: Path) -> int | None:
+    """The process that owns a write-ahead file: its writer (``traces-<time>-<pid>-<seq>.parquet.wal``)
+    or the sealer that claimed it (``...wal.<pid>.sealing``)."""
+    if path.name.endswith(SEALING):
+        pid = path.name[:-len(SEALING)].rsplit(".", 1)[-1]
+    else:
+        parts = path.name.split("-")
+        pid = parts[2] if len(parts) >= 4 else ""
+    return int(pid) if pid.isdigit() else None
 
-    def __init__(self, directory: Path, write: Callable[[list[Trace], Path], object] = write_traces):
-        self.directory, self.write, self.seq = Path(directory), write, 0
+
+def read_wal(path: Path) -> tuple[list[Trace], int]:
+    """The traces of a write-ahead file and how many lines were unreadable (a crash can tear the last)."""
+    traces, bad = [], 0
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                traces.append(Trace.from_dict(json.loads(line), f"{path}: line {n}"))
+            except (ValueError, TypeError, TraceError):
+                bad += 1
+    return traces, bad
+
+
+class ShardWriter:
+    """The open shard of one directory: its traces in memory and, line by line, in its write-ahead
+    file; ``flush`` closes it into a shard (never over an existing file)."""
+
+    def __init__(self, directory: Path, write: Callable[[list[Trace], Path], object] = write_traces,
+                 fsync: str = "second"):
+        self.directory, self.write, self.fsync, self.seq = Path(directory), write, fsync, 0
         self.buffer: list[Trace] = []
         self.opened: float | None = None  # monotonic time of the open shard's first trace
+        self.path: Path | None = None  # the open shard's final name
+        self.wal: TextIO | None = None
+        self.dirty = False  # written to the write-ahead file's buffer, not yet flushed to the OS
+        self.synced = 0.0  # monotonic time of the last fsync
+
+    def _open(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        while True:
+            self.seq += 1
+            path = self.directory / shard_name(self.seq)
+            if not path.exists() and not path.with_name(path.name + WAL).exists():
+                break
+        self.wal = open(path.with_name(path.name + WAL), "x", encoding="utf-8")
+        self.path, self.opened = path, time.monotonic()
 
     def add(self, traces: list[Trace]) -> None:
-        if traces and self.opened is None:
-            self.opened = time.monotonic()
+        """Append to the open shard (opened on its first trace) and its write-ahead file (OSError propagates)."""
+        if not traces:
+            return
+        if self.wal is None:
+            self._open()
+        self.wal.write("".join(json.dumps(t.to_dict(), ensure_ascii=False) + "\n" for t in traces))
         self.buffer += traces
+        self.dirty = True
+
+    def sync(self) -> None:
+        """Hand what was appended to the OS, and to the disk as the fsync policy says."""
+        if self.wal is None or not self.dirty:
+            return
+        self.wal.flush()
+        self.dirty = False
+        now = time.monotonic()
+        if self.fsync == "always" or (self.fsync == "second" and now - self.synced >= 1.0):
+            os.fsync(self.wal.fileno())
+            self.synced = now
 
     def due(self, records: int, seconds: float) -> bool:
         return bool(self.buffer) and (len(self.buffer) >= records or time.monotonic() - self.opened >= seconds)
 
     def flush(self) -> tuple[Path, int] | None:
-        """Write the open shard (OSError propagates, the buffer kept for the caller to count)."""
+        """Write the open shard, then delete its write-ahead file (an error propagates; the caller
+        ``abandon``s the shard, whose write-ahead file keeps its records for the next start)."""
         if not self.buffer:
             return None
-        while True:
-            self.seq += 1
-            path = self.directory / shard_name(self.seq)
-            if not path.exists():
-                break
-        self.write(self.buffer, path)
-        n, self.buffer, self.opened = len(self.buffer), [], None
+        self.wal.flush()
+        self.write(self.buffer, self.path)
+        self.wal.close()
+        Path(self.wal.name).unlink()
+        path, n = self.path, len(self.buffer)
+        self.buffer, self.opened, self.path, self.wal, self.dirty = [], None, None, None, False
         return path, n
+
+    def abandon(self) -> Path | None:
+        """Stop writing the open shard, leaving its write-ahead file for the next start to seal."""
+        wal = Path(self.wal.name) if self.wal is not None else None
+        if self.wal is not None:
+            with contextlib.suppress(OSError):
+                self.wal.close()
+        self.buffer, self.opened, self.path, self.wal, self.dirty = [], None, None, None, False
+        return wal
+
+
+def seal_orphans(directory: Path, write: Callable[[list[Trace], Path], object], log: Callable[..., None]) -> int:
+    """Seal every write-ahead file in ``directory`` whose process is gone into the shard it was to
+    become; returns the traces recovered. A file is claimed by renaming it first (several recorders
+    may start at once); a shard already in place (a crash between its rename and the deletion of its
+    write-ahead file) is not written twice."""
+    recovered = 0
+    for path in sorted([*directory.glob(f"traces-*.parquet{WAL}"), *directory.glob(f"traces-*{WAL}.*{SEALING}")]):
+        owner = _owner(path)
+        if owner is None or owner == os.getpid() or running(owner):
+            continue
+        wal_name = path.name if path.name.endswith(WAL) else path.name[:path.name.index(WAL) + len(WAL)]
+        claimed = path.with_name(f"{wal_name}.{os.getpid()}{SEALING}")
+        try:
+            os.rename(path, claimed)
+        except FileNotFoundError:  # another recorder claimed it first
+            continue
+        shard = path.with_name(wal_name[:-len(WAL)])
+        traces, bad = read_wal(claimed)
+        if traces and not shard.exists():
+            write(traces, shard)
+            recovered += len(traces)
+        claimed.unlink()
+        log("warning" if traces else "info", "wal_sealed", path=str(shard), records=len(traces), unreadable_lines=bad,
+            detail="a gateway that died left these answered exchanges in its write-ahead file")
+    return recovered
 
 
 class Recorder:
@@ -120,9 +224,12 @@ class Recorder:
 
     def __init__(self, directory: Path, recording: Recording, log: Callable[..., None], counters: Counters,
                  shard_records: int = 1000, shard_seconds: float = 60.0, queue_size: int = 10000,
-                 on_full: str = "drop", write: Callable[[list[Trace], Path], object] = write_traces):
+                 on_full: str = "drop", write: Callable[[list[Trace], Path], object] | None = None,
+                 fsync: str = "second"):
         if on_full not in POLICIES:
             raise ValueError(f"on_full must be one of {', '.join(POLICIES)}, got {on_full!r}")
+        if fsync not in FSYNC:
+            raise ValueError(f"fsync must be one of {', '.join(FSYNC)}, got {fsync!r}")
         for name, value in (("shard_records", shard_records), ("queue_size", queue_size)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -130,26 +237,20 @@ class Recorder:
             raise ValueError(f"shard_seconds must be > 0, got {shard_seconds}")
         self.directory, self.recording, self.log, self.counters = Path(directory), recording, log, counters
         self.directory.mkdir(parents=True, exist_ok=True)  # an impossible directory fails here, before any request
-        self._remove_stale()
+        write = write or functools.partial(write_traces, durable=fsync != "never")
+        for d in (self.directory, self.directory / UNVERIFIABLE_DIR):
+            if d.is_dir():
+                for tmp in remove_stale_temporaries_in(d):
+                    self.log("info", "stale_tmp_removed", path=str(tmp))
+                counters.add(recovered=(n := seal_orphans(d, write, self.log)), shards_written=int(n > 0))
         self.shard_records, self.shard_seconds, self.on_full = shard_records, shard_seconds, on_full
         self.queue: queue.Queue[Exchange | None] = queue.Queue(queue_size)
-        self.shards = ShardWriter(self.directory, write)
-        self.aside = ShardWriter(self.directory / UNVERIFIABLE_DIR, write)
+        self.shards = ShardWriter(self.directory, write, fsync)
+        self.aside = ShardWriter(self.directory / UNVERIFIABLE_DIR, write, fsync)
         self.stopped: str | None = None  # why recording stopped (a write error), else None
         self.full = False  # inside a full-queue spell (logged once per spell)
         self.thread = threading.Thread(target=self._run, name="verinfer-gateway-recorder", daemon=True)
         self.thread.start()
-
-    def _remove_stale(self) -> None:
-        """Delete the half-written shards (``*.parquet.tmp``) a killed gateway left: their process is gone."""
-        for tmp in [*self.directory.glob("traces-*.parquet.tmp"),
-                    *(self.directory / UNVERIFIABLE_DIR).glob("traces-*.parquet.tmp")]:
-            parts = tmp.name.split("-")
-            if len(parts) < 4 or not parts[2].isdigit() or _alive(int(parts[2])):
-                continue
-            with contextlib.suppress(OSError):
-                tmp.unlink()
-                self.log("info", "stale_tmp_removed", path=str(tmp))
 
     def submit(self, ex: Exchange) -> None:
         """Hand an exchange over without waiting (policy ``drop``) or until there is room (``block``;
@@ -181,9 +282,10 @@ class Recorder:
         self.thread.join(timeout)
 
     def _run(self) -> None:
+        synced = time.monotonic()
         while True:
             try:
-                ex = self.queue.get(timeout=min(1.0, self.shard_seconds / 4))
+                ex = self.queue.get(timeout=min(SYNC_SECONDS, self.shard_seconds / 4))
             except queue.Empty:
                 ex = False
             self.counters.queue_depth = self.queue.qsize()
@@ -192,6 +294,9 @@ class Recorder:
                 return
             if ex is not False:
                 self._take(ex)
+            if self.queue.empty() or time.monotonic() - synced >= SYNC_SECONDS:
+                self._each(ShardWriter.sync)
+                synced = time.monotonic()
             self._flush(force=False)
 
     def _take(self, ex: Exchange) -> None:
@@ -208,22 +313,40 @@ class Recorder:
         if self.stopped:
             self.counters.add(dropped=len(recorded.traces) + len(recorded.unverifiable))
             return
-        self.shards.add(recorded.traces)
-        self.aside.add(recorded.unverifiable)
+        for writer, traces in ((self.shards, recorded.traces), (self.aside, recorded.unverifiable)):
+            try:
+                writer.add(traces)
+            except Exception as exc:  # OSError (ENOSPC, EACCES) on the write-ahead file
+                self._stop(writer, exc, len(traces))
+
+    def _each(self, step: Callable[[ShardWriter], object]) -> None:
+        for writer in (self.shards, self.aside):
+            if self.stopped:
+                return
+            try:
+                step(writer)
+            except Exception as exc:
+                self._stop(writer, exc, 0)
+
+    def _stop(self, writer: ShardWriter, exc: Exception, unbuffered: int) -> None:
+        """Recording stops at a write error: what the shard held stays in its write-ahead file."""
+        pending = len(writer.buffer) + unbuffered
+        self.stopped = f"{writer.directory}: {type(exc).__name__}: {exc}"
+        self.counters.add(write_errors=1, dropped=pending)
+        wal = writer.abandon()
+        self.log("error", "recording_stopped", directory=str(writer.directory), error=str(exc), lost_records=pending,
+                 write_ahead_file=str(wal) if wal else None,
+                 detail="proxying continues; fix the directory and restart the gateway (it seals the "
+                        "write-ahead file's records into a shard)")
 
     def _flush(self, force: bool) -> None:
         for writer, counter in ((self.shards, "recorded"), (self.aside, "unverifiable")):
             if self.stopped or not (force or writer.due(self.shard_records, self.shard_seconds)):
                 continue
-            pending = len(writer.buffer)
             try:
                 done = writer.flush()
             except Exception as exc:  # OSError (ENOSPC, EACCES), or pyarrow's wrapping of one
-                self.stopped = f"{writer.directory}: {type(exc).__name__}: {exc}"
-                self.counters.add(write_errors=1, dropped=pending)
-                writer.buffer = []
-                self.log("error", "recording_stopped", directory=str(writer.directory), error=str(exc),
-                         lost_records=pending, detail="proxying continues; fix the directory and restart the gateway")
+                self._stop(writer, exc, 0)
                 continue
             if done:
                 self.counters.add(**{counter: done[1], "shards_written": 1})
