@@ -18,7 +18,7 @@ import httpx
 import pytest
 import uvicorn
 
-from verinfer.serve.runner import base_url, bind
+from verinfer.sockets import base_url, bind
 
 
 @contextmanager

@@ -227,7 +227,7 @@ def test_alerts_once_per_change_retried_and_remembered(db, tmp_path):
 
 
 def test_alerts_never_block_the_poll_and_survive_an_unreachable_receiver(db, tmp_path):
-    from verinfer.serve.runner import bind
+    from verinfer.sockets import bind
 
     sock = bind("127.0.0.1", 0)  # a port nobody answers on
     url = f"http://127.0.0.1:{sock.getsockname()[1]}/hook"

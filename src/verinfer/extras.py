@@ -25,11 +25,12 @@ def message(feature: str, extra: str) -> str:
     return f"{feature} needs the {extra!r} extra: pip install -e '.[{extra}]'"
 
 
-def require(extra: str, feature: str) -> list[ModuleType]:
-    """Import the modules of ``extra`` (``EXTRAS``) for ``feature`` (the command or option that needs
-    them, as a user types it), or raise ``MissingExtra`` saying which extra to install."""
+def require(extra: str, feature: str, only: tuple[str, ...] | None = None) -> list[ModuleType]:
+    """Import the modules of ``extra`` (``EXTRAS``; ``only`` those of them ``feature`` uses) for
+    ``feature`` (the command or option that needs them, as a user types it), or raise ``MissingExtra``
+    saying which extra to install."""
     modules = []
-    for name in EXTRAS[extra]:
+    for name in EXTRAS[extra] if only is None else [n for n in EXTRAS[extra] if n in only]:
         try:
             modules.append(importlib.import_module(name))
         except ImportError as exc:

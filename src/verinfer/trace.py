@@ -35,7 +35,6 @@ import pyarrow.parquet as pq
 from verinfer.files import atomic_path
 from verinfer.jsonl import read_jsonl
 from verinfer.sampling.params import SamplingParams
-from verinfer.sampling.profiles import params_problems
 
 SCHEMA = "verinfer.trace/1"
 _JSON_FIELDS = ("sampling", "messages", "fingerprints", "meta")
@@ -125,6 +124,8 @@ class Trace:
             out.append("prompt_token_ids: empty prompt")
         if not self.output_token_ids:
             out.append("output_token_ids: empty output")
+        from verinfer.sampling.profiles import params_problems  # torch and numba: only where traces are checked
+
         out += [f"sampling.{p}" if p.startswith("profile:") else f"sampling: {p}" for p in params_problems(self.sampling)]
         out += [f"spec_modes: {p}" for p in spec_modes_problems(self)]
         if vocab_size is not None:

@@ -22,30 +22,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from verinfer.auditing.client import Call, ProviderClient, ProviderError
 from verinfer.auditing.responses import Claim
-from verinfer.sampling.params import SamplingParams
 from verinfer.scoring.alignment import keep_rows
 from verinfer.scoring.traces import Replays
 from verinfer.trace import Trace
 
 Columns = dict[str, np.ndarray]
-
-
-def claim_traces(claims: Sequence[Claim], provider: str, model_id: str,
-                 params: Callable[[int], SamplingParams]) -> list[Trace]:
-    """Traces claiming the reference model and the audit's sampling parameters, plus the speculative
-    decoding (draft, k and per-token modes) the provider reported, which the verifier replays."""
-    return [Trace.of_output(f"{provider}/{c.prompt_id}", model_id, c.prompt_token_ids, c.output_token_ids,
-                            params(c.index).with_(speculative=c.speculative) if c.speculative else params(c.index),
-                            output_text=c.text, provider=provider,
-                            meta={"token_source": c.source, "finish_reason": c.finish_reason},
-                            spec_modes=c.spec_modes if c.speculative else None)
-            for c in claims]
 
 
 @dataclass

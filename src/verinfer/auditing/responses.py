@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from verinfer.auditing.client import ProviderError
-from verinfer.sampling.params import speculative_problems
+from verinfer.sampling.params import SamplingParams, speculative_problems
+from verinfer.trace import Trace
 
 
 @dataclass
@@ -261,3 +262,15 @@ def summarize_drift(claims: list[Claim]) -> dict[str, Any]:
         if values:
             out[name] = {"checked": len(values), "sequences": sum(v > 0 for v in values), "total": int(sum(values))}
     return out
+
+
+def claim_traces(claims: Sequence[Claim], provider: str, model_id: str,
+                 params: Callable[[int], SamplingParams]) -> list[Trace]:
+    """Traces claiming the reference model and the audit's sampling parameters, plus the speculative
+    decoding (draft, k and per-token modes) the provider reported, which the verifier replays."""
+    return [Trace.of_output(f"{provider}/{c.prompt_id}", model_id, c.prompt_token_ids, c.output_token_ids,
+                            params(c.index).with_(speculative=c.speculative) if c.speculative else params(c.index),
+                            output_text=c.text, provider=provider,
+                            meta={"token_source": c.source, "finish_reason": c.finish_reason},
+                            spec_modes=c.spec_modes if c.speculative else None)
+            for c in claims]

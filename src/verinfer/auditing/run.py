@@ -28,7 +28,7 @@ from verinfer.auditing.auto import component_spec, judge_auto, probe_calls
 from verinfer.auditing.bands import Bands
 from verinfer.auditing.client import Endpoint, ProviderClient, ProviderError, RetryPolicy
 from verinfer.auditing.plan import AuditSpec, generation_calls
-from verinfer.auditing.reference import claim_traces
+from verinfer.auditing.responses import claim_traces
 from verinfer.auditing.responses import Claim, parse_generation, summarize_drift, summarize_served
 from verinfer.auditing.seedless import judge_logprobs, judge_sampled
 from verinfer.auditing.store import ResponseStore

@@ -56,7 +56,7 @@ def dashboard(
 
     from verinfer.production.dashboard import create_app
     from verinfer.production.store import open_store, shown
-    from verinfer.serve.runner import bind
+    from verinfer.sockets import bind
 
     token = _token(host, auth_token_env)
     if alert_url is not None and not alert_url.startswith(("http://", "https://")):

@@ -23,19 +23,25 @@ def _bool(name: str, value: str) -> bool:
     raise ValueError(f"{name} must be true or false, got {value!r}")
 
 
-def _tokenizer(spec: str):
-    """The claimed model's id, tokenizer and stop ids, offline (a GGUF file is converted once)."""
-    from transformers import AutoTokenizer
-
-    from verinfer.auditing.run import stop_ids
-    from verinfer.models.load import ModelNotAvailable, local_dir, resolve
+def _claimed(spec: str):
+    """The claimed model's id now, and a loader of its tokenizer and stop ids (offline; a GGUF file is
+    converted once) that the recorder calls on its own thread, so the gateway listens at once."""
+    from verinfer.models.load import resolve
 
     source = resolve(spec)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(local_dir(source)), local_files_only=True)
-    except OSError as exc:
-        raise ModelNotAvailable(f"the tokenizer of {spec!r} is not available offline: {exc}".splitlines()[0]) from None
-    return source.model_id, tokenizer, frozenset(stop_ids(tokenizer))
+
+    def load():
+        from transformers import AutoTokenizer
+
+        from verinfer.auditing.run import stop_ids
+        from verinfer.models.load import ModelNotAvailable, local_dir
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(local_dir(source)), local_files_only=True)
+        except OSError as exc:
+            raise ModelNotAvailable(f"the tokenizer of {spec!r} is not available offline: {exc}".splitlines()[0]) from None
+        return tokenizer, frozenset(stop_ids(tokenizer))
+    return source.model_id, load
 
 
 def _writable(directory: Path) -> None:
@@ -93,21 +99,21 @@ def gateway(
 
     from verinfer.extras import require
 
-    require("production", "verinfer gateway")
+    require("production", "verinfer gateway", only=("prometheus_client",))  # no database: it starts faster
 
     from verinfer.production.exchange import Recording
     from verinfer.production.gateway import Gateway, GatewayConfig, create_app, json_log
-    from verinfer.sampling.profiles import get_profile
-    from verinfer.serve.runner import bind
+    from verinfer.sampling.profile_names import canonical_profile
+    from verinfer.sockets import bind
 
     if no_token_ids:
         token_ids = not opt.alias(no_token_ids, no_token_ids, "--no-token-ids", "--text-only")
     profile = opt.alias(profile, sampler, "--sampler", "--profile")
-    get_profile(profile)  # an unknown name is refused here, naming the known ones
+    canonical_profile(profile)  # an unknown name is refused here, naming the known ones
     store = _bool("--store-text", store_text)
-    model_id, tokenizer, stops = _tokenizer(model) if model else (None, None, frozenset())
+    model_id, load = _claimed(model) if model else (None, None)
     name = provider or upstream.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
-    config = GatewayConfig(upstream, traces, Recording(name, profile, model_id, tokenizer, stops, store),
+    config = GatewayConfig(upstream, traces, Recording(name, profile, model_id, store_text=store, load=load),
                            assign_seeds=assign_seeds, token_ids=token_ids, defaults=opt.json_object("--request-defaults", request_defaults) or {},
                            shard_records=shard_records, shard_seconds=shard_seconds, queue_size=queue_size,
                            on_full=on_full, timeout_s=timeout, access_log=access_log,

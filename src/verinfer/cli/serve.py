@@ -117,7 +117,7 @@ def _serve(err, model, host, port, profile, dtype, device, max_batch, batch_wait
     from verinfer.models.load import ModelNotAvailable
     from verinfer.serve.app import ServedModel, create_app
     from verinfer.serve.config import ServeConfig, split_names
-    from verinfer.serve.runner import base_url, bind
+    from verinfer.sockets import base_url, bind
 
     config = ServeConfig(sampler=profile, max_batch=max_batch, misconfig=split_names(misconfig),
                          served_model_name=served_model_name, max_tokens_limit=max_tokens_limit,

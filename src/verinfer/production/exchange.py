@@ -18,7 +18,7 @@ The gateway (``verinfer.production.gateway``) changes a request in two ways only
 
 ``record`` turns an exchange into traces, one per choice, with the parsers the audit uses
 (``verinfer.auditing.stream.assemble`` for streams, ``verinfer.auditing.responses.parse_generation``
-for each choice, ``verinfer.auditing.reference.claim_traces`` for the claim): returned ids when the
+for each choice, ``verinfer.auditing.responses.claim_traces`` for the claim): returned ids when the
 engine gives them (``token_source: returned``), else the text re-tokenized with the claimed model's
 tokenizer (``retokenized``; the prompt rendered with its chat template; ``meta.drift`` counts what the
 round trip loses). A trailing stop token is
@@ -29,6 +29,9 @@ unverifiable. Choices the verifier cannot replay (sampled without a seed, penalt
 structured output, an empty output, a stream the engine cut off before ``[DONE]``) become traces
 marked ``meta.unverifiable`` with the reason,
 kept apart by the recorder; an exchange that yields no trace at all raises ``Unrecordable``.
+
+The sampler profiles (torch, numba) are imported where a claim is checked, not with this module, so
+the gateway listens within a second or two; its recorder imports them on its own thread at start.
 """
 
 from __future__ import annotations
@@ -37,15 +40,15 @@ import json
 import re
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from verinfer.auditing.client import ProviderError, has_choices
-from verinfer.auditing.reference import claim_traces
+from verinfer.auditing.responses import claim_traces
 from verinfer.auditing.responses import parse_generation
 from verinfer.auditing.stream import StreamError, assemble, events
 from verinfer.prompts import Prompt, render
 from verinfer.sampling.params import GREEDY_TEMPERATURE, SamplingParams
-from verinfer.sampling.profiles import get_profile, params_problems
+from verinfer.sampling.profile_names import canonical_profile
 from verinfer.trace import Trace
 
 ENDPOINTS = {"chat/completions": "chat", "completions": "completions"}  # path under /v1 -> kind
@@ -180,6 +183,15 @@ class Recording:
     tokenizer: Any = None  # the claimed model's tokenizer (re-tokenization); None: returned ids only
     stop_ids: frozenset[int] = frozenset()
     store_text: bool = True  # False: token ids only (no messages, no text)
+    # (tokenizer, stop_ids) loaded when the recorder starts, on its thread, not before the gateway listens
+    load: Callable[[], tuple[Any, frozenset[int]]] | None = None
+
+    def loaded(self) -> "Recording":
+        """This recording with its tokenizer loaded (itself when there is nothing to load)."""
+        if self.load is None:
+            return self
+        tokenizer, stop_ids = self.load()
+        return replace(self, tokenizer=tokenizer, stop_ids=stop_ids, load=None)
 
 
 @dataclass
@@ -274,7 +286,7 @@ def unverifiable_reason(request: Mapping[str, Any], profile: str, choices: int) 
         return None
     if request.get("seed") is None:
         return "sampled without a seed (start the gateway with --assign-seeds)"
-    canonical = get_profile(profile).name
+    canonical = canonical_profile(profile)
     if choices > 1 and canonical not in CHILD_SEEDS:
         return (f"n={choices} with one seed: how profile {canonical!r} seeds choices after the first is not "
                 f"known (vLLM profiles: seed + j)")
@@ -283,6 +295,8 @@ def unverifiable_reason(request: Mapping[str, Any], profile: str, choices: int) 
 
 def record(ex: Exchange, rec: Recording) -> Recorded:
     """Traces for every choice of ``ex`` (module docstring); Unrecordable when there are none."""
+    from verinfer.sampling.profiles import params_problems  # torch: off the gateway's start (module docstring)
+
     response = _response(ex)
     prompt, prompt_source = _prompt_ids(ex, response, rec)
     # The text goes to the parser only to be re-tokenized: with returned ids (or no tokenizer) it is

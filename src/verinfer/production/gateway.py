@@ -408,7 +408,7 @@ def gateway_in_thread(gateway: Gateway, host: str = "127.0.0.1", port: int = 0) 
     URL ending in ``/v1``. Leaving the block shuts it down as SIGTERM would (the open shard is written)."""
     import uvicorn
 
-    from verinfer.serve.runner import base_url, bind
+    from verinfer.sockets import base_url, bind
 
     sock = bind(host, port)
     server = uvicorn.Server(uvicorn.Config(create_app(gateway), log_level="warning", access_log=False,

@@ -281,7 +281,23 @@ class Recorder:
         self.queue.put(None)
         self.thread.join(timeout)
 
+    def _warm(self) -> None:
+        """Import the sampler profiles and load the claimed tokenizer here, not before the gateway
+        listens: exchanges wait in the queue meanwhile. A tokenizer that cannot be loaded stops recording."""
+        began = time.monotonic()
+        import verinfer.sampling.profiles  # noqa: F401 (torch, numba: seconds on a loaded machine)
+
+        try:
+            self.recording = self.recording.loaded()
+        except Exception as exc:
+            self.stopped = f"the claimed model's tokenizer cannot be loaded: {type(exc).__name__}: {exc}"
+            self.log("error", "recording_stopped", error=self.stopped, detail="proxying continues")
+            return
+        self.log("info", "recorder_ready", seconds=round(time.monotonic() - began, 2),
+                 tokenizer=self.recording.tokenizer is not None, waiting=self.queue.qsize())
+
     def _run(self) -> None:
+        self._warm()
         synced = time.monotonic()
         while True:
             try:

@@ -11,7 +11,6 @@ soon as it is yielded; leaving the block stops uvicorn, drains the model's sched
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -22,26 +21,7 @@ import uvicorn
 from verinfer.models.backend import Backend
 from verinfer.serve.app import ServedModel, create_app
 from verinfer.serve.config import ServeConfig
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket (IPv4 or IPv6 by ``host``); OSError names the address when it is taken."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
-
-
-def base_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+from verinfer.sockets import base_url, bind
 
 
 @contextmanager

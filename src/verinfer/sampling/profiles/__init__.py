@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from verinfer.sampling.params import SamplingParams
-from verinfer.sampling.profile_names import PROFILE_NAMES
+from verinfer.sampling.profile_names import PROFILE_ALIASES, PROFILE_NAMES, canonical_profile
 from verinfer.sampling.profiles.base import Profile, RowKeys
 from verinfer.sampling.profiles.greedy import GreedyProfile
 from verinfer.sampling.profiles.llama_cpp import LlamaCppProfile
@@ -29,6 +29,9 @@ if tuple(c.name for c in _CLASSES) != PROFILE_NAMES:  # the light list the comma
                       f"profiles {tuple(c.name for c in _CLASSES)}")
 
 PROFILES: dict[str, type[Profile]] = {n: c for c in _CLASSES for n in (c.name, *c.aliases)}
+if {a: c.name for c in _CLASSES for a in c.aliases} != PROFILE_ALIASES:
+    raise ImportError(f"verinfer.sampling.profile_names.PROFILE_ALIASES {PROFILE_ALIASES} does not match the "
+                      f"profiles' aliases")
 
 __all__ = ["PROFILES", "Profile", "RowKeys", "get_profile", "params_problems", "profile_names"]
 
@@ -40,10 +43,7 @@ def profile_names() -> list[str]:
 
 def get_profile(name: str) -> Profile:
     """A fresh profile instance by name or alias, or a ValueError listing the known names."""
-    try:
-        return PROFILES[name]()
-    except KeyError:
-        raise ValueError(f"unknown sampler profile {name!r}; known: {', '.join(sorted(PROFILES))}") from None
+    return PROFILES[canonical_profile(name)]()
 
 
 def params_problems(params: SamplingParams) -> list[str]:
