@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # tests.audit_servers: the tests' server starter
 from tests.audit_servers import free_port, serving_process  # noqa: E402
 PROMPT_IDS = list(range(1, 33))
-OUTPUT_IDS = list(range(100, 108))
+OUTPUT_IDS = list(range(100, 132))  # up to 32 tokens: a 32-event stream
 
 
 def fake_engine(port: int) -> None:
@@ -156,6 +156,16 @@ def gateway_argv(upstream: str, port: int, traces: Path) -> list[str]:
             "--traces", str(traces), "--assign-seeds", "--model", "smollm2-135m", "--shard-seconds", "5"]
 
 
+def recorder_ready(gateway: str, seconds: float = 300) -> None:
+    """Wait until the gateway's recorder has loaded the profiles and the tokenizer (seconds of CPU once,
+    after it listens), so that start-up is not counted as the cost of the first requests."""
+    deadline = time.monotonic() + seconds
+    while not httpx.get(f"{gateway}/gateway/health").json().get("recorder_ready"):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the gateway's recorder was not ready after {seconds} s")
+        time.sleep(0.2)
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its descendants (vLLM decodes in a child process)."""
     children: dict[int, list[int]] = {}
@@ -224,6 +234,7 @@ def measure_memory(upstream: str, tmp: Path, args) -> dict:
     gateway = f"http://127.0.0.1:{port}"
     with serving_process(gateway_argv(upstream, port, tmp / "traces-memory"), tmp / "gateway-memory.log",
                          f"{gateway}/gateway/health", ready_s=120) as pid:
+        recorder_ready(gateway)
         asyncio.run(load(gateway, n, args.concurrency, False, args.max_tokens, 10**6))
         time.sleep(6)  # the open shard closes (--shard-seconds 5)
         memory = {"requests_n": n, "rss_after_n_mb": rss_mb(pid)}
@@ -270,6 +281,7 @@ def main() -> None:
                 with serving_process(gateway_argv(upstream, gport, tmp / f"traces-{name}"), tmp / f"gateway-{name}.log",
                                      f"http://127.0.0.1:{gport}/gateway/health", ready_s=120) as gpid:
                     gateway = f"http://127.0.0.1:{gport}"
+                    recorder_ready(gateway)
                     rows += compare(name, upstream, gateway, gpid, epid, args)
                 if name == "fake":
                     memory = measure_memory(upstream, tmp, args)

@@ -109,7 +109,7 @@ def test_every_answered_stream_is_recorded_though_clients_leave_early(tmp_path):
             with ThreadPoolExecutor(8) as pool:
                 done = list(pool.map(lambda i: openai_stream(i) if i % 3 else leaver(i), range(300)))
             assert done.count("length") == 200 and done.count("left") == 100
-            _wait(lambda: not g.pumps)  # the engine's last answers are still being read
+            _wait(lambda: not g.streams)  # the engine's last answers are still being read
         # leaving the block shuts the gateway down: the open shard is written
     c = g.counters
     assert engine.answered == 300
@@ -132,7 +132,7 @@ def test_an_engine_dying_mid_stream_is_an_error_event_and_an_unverifiable_trace(
                         pass
             with httpx.stream("POST", f"{gw}/chat/completions", json={**CHAT, "stream": True}, timeout=30) as r:
                 body = r.read().decode()
-            _wait(lambda: not g.pumps)
+            _wait(lambda: not g.streams)
     events = [e for e in body.split("\n\n") if e.strip()]
     error = json.loads(events[-1].removeprefix("data: "))["error"]
     assert error["type"] == "server_error" and error["code"] == "upstream_broke_off"

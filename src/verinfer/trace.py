@@ -25,7 +25,7 @@ line (or row) and field.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -74,9 +74,11 @@ class Trace:
                    sampling=sampling, provider=provider, meta=meta, **fields)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        """The record as JSON-ready values; shallow (lists and dicts are shared, not copied: the
+        gateway writes one per answered choice, and ``dataclasses.asdict`` copies every token id)."""
+        d = {k: v for k, v in self.__dict__.items() if v is not None or k not in _OPTIONAL}
         d["sampling"] = self.sampling.to_dict()
-        return {k: v for k, v in d.items() if v is not None or k not in _OPTIONAL}
+        return d
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> "Trace":

@@ -36,14 +36,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator
+from urllib.parse import urlsplit
 
-import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from verinfer.production.exchange import (ENDPOINTS, SEED_RANGE, EventSplitter, Exchange, Prepared, Recording,
                                           iso, prepare, strip_ids, without_ids_request, writes_nulls)
 from verinfer.production.recorder import FSYNC, POLICIES, Counters, Recorder
+from verinfer.production.upstream import Response, Upstream, UpstreamError
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
               "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
@@ -130,232 +129,277 @@ def _error_event(message: str) -> bytes:
     return b"\n\ndata: " + json.dumps(body).encode() + b"\n\n"
 
 
-def _error(status: int, message: str, code: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "server_error", "param": None, "code": code}},
-                        status_code=status)
+class _ClientGone(Exception):
+    """The client disconnected while its request body was being read."""
+
+
+def _json(status: int, body: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    return status, [(b"content-type", b"application/json")], json.dumps(body).encode()
+
+
+def _error(status: int, message: str, code: str) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    return _json(status, {"error": {"message": message, "type": "server_error", "param": None, "code": code}})
 
 
 class Gateway:
-    """The proxy's state: the upstream client, the recorder, the counters."""
+    """The proxy's state: the upstream client, the recorder, the counters; ``handle`` is the ASGI
+    request handler (plain ASGI on uvicorn: no framework layer on the hot path)."""
 
-    def __init__(self, config: GatewayConfig, log: Callable[..., None] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None, write=None):
+    def __init__(self, config: GatewayConfig, log: Callable[..., None] | None = None, write=None):
         problems = config.problems()
         if problems:
             raise ValueError(problems[0])
         self.config, self.log, self.counters = config, log or json_log(), Counters()
         self.ask_ids = config.token_ids
         self.null_ids: bool | None = None  # how the engine writes unasked fields (exchange.writes_nulls), once known
-        self.transport = transport
-        self.http: httpx.AsyncClient | None = None
+        self.upstream = Upstream(config.base, config.timeout_s)
+        self.prefix = urlsplit(config.base).path.rstrip("/")
         kw = {"write": write} if write is not None else {}
         self.recorder = Recorder(config.traces, config.recording, self.log, self.counters, config.shard_records,
                                  config.shard_seconds, config.queue_size, config.on_full, fsync=config.fsync, **kw)
-        self.pumps: set[asyncio.Task] = set()  # streams being read to their end (``_pump``)
+        self.streams = 0  # streams being read from the engine now
 
     async def start(self) -> None:
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(self.config.timeout_s), transport=self.transport,
-                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         self.log("info", "gateway_started", upstream=self.config.base, traces=str(self.config.traces),
                  profile=self.config.recording.profile, assign_seeds=self.config.assign_seeds,
                  store_text=self.config.recording.store_text, model=self.config.recording.model)
 
     async def stop(self) -> None:
-        if self.pumps:  # streams still being read: let them finish (within the upstream timeout) and record
-            self.log("info", "draining_streams", streams=len(self.pumps))
-            await asyncio.wait(set(self.pumps), timeout=self.config.timeout_s)
-        if self.http is not None:
-            await self.http.aclose()
+        await self.upstream.close()
         await asyncio.to_thread(self.recorder.close)
         self.log("info", "gateway_stopped", **self.counters.snapshot())
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok" if not self.recorder.stopped else "recording_stopped", "upstream": self.config.base,
                 "traces": str(self.config.traces), "recording": not self.recorder.stopped,
-                "recording_error": self.recorder.stopped, "token_ids_from_upstream": self.ask_ids,
+                "recording_error": self.recorder.stopped, "recorder_ready": self.recorder.ready,
+                "token_ids_from_upstream": self.ask_ids,
                 **self.counters.snapshot()}
 
     @staticmethod
-    def _headers(request: Request) -> dict[str, str]:
-        out = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
-        out["accept-encoding"] = "identity"  # bodies are recorded as the engine sent them
+    def _forwarded(scope: dict) -> list[tuple[bytes, bytes]]:
+        out = [(k, v) for k, v in scope["headers"] if k.lower().decode("latin-1") not in HOP_BY_HOP]
+        out.append((b"accept-encoding", b"identity"))  # bodies are recorded as the engine sent them
         return out
 
     @staticmethod
-    def _back(resp: httpx.Response) -> dict[str, str]:
-        return {k: v for k, v in resp.headers.items() if k.lower() not in NOT_FORWARDED_BACK}
+    def _back(resp: Response) -> list[tuple[bytes, bytes]]:
+        return [(k, v) for k, v in resp.headers if k.lower().decode("latin-1") not in NOT_FORWARDED_BACK]
 
-    async def _send(self, method: str, url: str, body: bytes | AsyncIterator[bytes],
-                    headers: dict[str, str]) -> httpx.Response | None:
+    async def _send(self, method: str, target: str, body: bytes | AsyncIterator[bytes],
+                    headers: list[tuple[bytes, bytes]]) -> Response | None:
         try:
-            return await self.http.send(self.http.build_request(method, url, content=body, headers=headers),
-                                        stream=True)
-        except httpx.HTTPError as exc:
+            return await self.upstream.request(method, target, headers, body)
+        except UpstreamError as exc:
             self.counters.add(upstream_unreachable=1)
-            self.log("error", "upstream_unreachable", url=url, error=f"{type(exc).__name__}: {exc}")
+            self.log("error", "upstream_unreachable", url=f"{self.config.base}{target}", error=str(exc))
             return None
 
-    async def _learn_style(self, headers: dict[str, str]) -> None:
+    async def _learn_style(self, headers: list[tuple[bytes, bytes]]) -> None:
         """Ask the engine's ``/v1/models`` once how it writes fields it was not asked for."""
         try:
-            resp = await self.http.get(f"{self.config.base}/v1/models", headers=headers)
-            if resp.status_code == 200:
-                self.null_ids = writes_nulls(resp.json())
+            resp = await self.upstream.request("GET", f"{self.prefix}/v1/models",
+                                               [(k, v) for k, v in headers if k.lower() != b"content-type"])
+            body = await resp.read()
+            await resp.aclose()
+            if resp.status == 200:
+                self.null_ids = writes_nulls(json.loads(body))
                 self.log("info", "upstream_style", unasked_fields="null" if self.null_ids else "omitted")
-        except (httpx.HTTPError, ValueError) as exc:  # unknown for now: removed, asked again next time
+        except (UpstreamError, ValueError) as exc:  # unknown for now: removed, asked again next time
             self.log("warning", "upstream_style_unknown", error=f"{type(exc).__name__}: {exc}")
 
-    async def _body(self, request: Request) -> bytes | None:
-        """A generation request's body (parsed and changed, so read whole), None beyond ``--max-body-mb``."""
-        cap, declared = self.config.max_body_bytes, request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > cap:
+    async def _body(self, receive, declared: bytes | None) -> bytes | None:
+        """A request body read whole, None beyond ``--max-body-mb``."""
+        cap = self.config.max_body_bytes
+        if declared is not None and declared.isdigit() and int(declared) > cap:
             return None
         chunks, size = [], 0
-        async for chunk in request.stream():
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > cap:
                 return None
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body"):
+                return b"".join(chunks)
 
-    async def handle(self, request: Request, path: str) -> Response:
+    @staticmethod
+    async def _body_stream(receive) -> AsyncIterator[bytes]:
+        """A request body passed through as it arrives, never held whole."""
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise UpstreamError("the client disconnected while sending its request")
+            if message.get("body"):
+                yield message["body"]
+            if not message.get("more_body"):
+                return
+
+    async def handle(self, scope: dict, receive, send) -> None:
         self.counters.add(requests=1)
         started = time.monotonic()
-        url = f"{self.config.base}/{path}" + (f"?{request.url.query}" if request.url.query else "")
-        headers = self._headers(request)
-        kind = ENDPOINTS.get(path.removeprefix("v1/")) if request.method == "POST" and path.startswith("v1/") else None
+        method, path = scope["method"], scope["path"]
+        query = scope.get("query_string", b"")
+        target = self.prefix + (scope.get("raw_path") or path.encode()).decode("latin-1")
+        if query:
+            target += "?" + query.decode("latin-1")
+        headers = self._forwarded(scope)
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        chunked = any(k == b"transfer-encoding" for k, _ in scope["headers"])
+        kind = ENDPOINTS.get(path.removeprefix("/v1/")) if method == "POST" and path.startswith("/v1/") else None
         prepared = None
-        raw: bytes | AsyncIterator[bytes] = b""
-        if kind is None and ("content-length" in request.headers or "transfer-encoding" in request.headers):
-            raw = request.stream()  # passed through as it arrives, never held whole
-            if "content-length" in request.headers:
-                headers["content-length"] = request.headers["content-length"]
-        elif kind is not None:
-            raw = await self._body(request)
-            if raw is None:
-                return self._done(request, path, 413, started, _error(
-                    413, f"the request body is larger than the gateway's --max-body-mb "
-                         f"({self.config.max_body_mb:g} MiB)", "request_too_large"))
+        try:
+            if kind is None:
+                small = declared is not None and declared.isdigit() and int(declared) <= 2**20
+                raw = await self._body(receive, declared) if small or not (declared or chunked) else \
+                    self._body_stream(receive)
+            else:
+                raw = await self._body(receive, declared)
+        except _ClientGone:
+            return
+        if raw is None:
+            return await self._reply(send, method, path, started, *_error(
+                413, f"the request body is larger than the gateway's --max-body-mb ({self.config.max_body_mb:g} MiB)",
+                "request_too_large"))
+        if kind is not None:
             seed = secrets.randbelow(SEED_RANGE) if self.config.assign_seeds else None
             prepared = prepare(raw, self.ask_ids, seed, self.config.defaults)
             if prepared is not None and prepared.ids_added and self.null_ids is None:
                 await self._learn_style(headers)
         requested_at = time.time()
-        resp = await self._send(request.method, url, prepared.body if prepared else raw, headers)
-        if resp is not None and prepared is not None and prepared.ids_added and 400 <= resp.status_code < 500:
-            body = await resp.aread()
-            await resp.aclose()
-            if b"return_token_ids" in body:  # the engine refuses the field we added: never the client's problem
+        resp = await self._send(method, target, prepared.body if prepared else raw, headers)
+        if resp is not None and prepared is not None and prepared.ids_added and 400 <= resp.status < 500:
+            body = await self._read(resp)
+            if body is not None and b"return_token_ids" in body:  # the engine refuses what we added: never the client's problem
                 self.ask_ids = False
                 self.counters.add(ids_refused=1)
-                self.log("warning", "token_ids_refused", upstream=self.config.base, status=resp.status_code,
+                self.log("warning", "token_ids_refused", upstream=self.config.base, status=resp.status,
                          detail="retried without return_token_ids; outputs are re-tokenized from now on")
                 prepared = without_ids_request(prepared)
-                resp = await self._send(request.method, url, prepared.body, headers)
-            else:
+                resp = await self._send(method, target, prepared.body, headers)
+            elif body is not None:
                 self.counters.add(upstream_errors=1)
-                return self._done(request, path, resp.status_code, started,
-                                  Response(body, status_code=resp.status_code, headers=self._back(resp)))
+                return await self._reply(send, method, path, started, resp.status, self._back(resp), body)
+            else:
+                resp = None
         if resp is None:
-            return self._done(request, path, 502, started,
-                              _error(502, f"the upstream engine {self.config.base} cannot be reached", "upstream_unreachable"))
-        if resp.status_code >= 400:
+            return await self._reply(send, method, path, started, *_error(
+                502, f"the upstream engine {self.config.base} cannot be reached", "upstream_unreachable"))
+        if resp.status >= 400:
             self.counters.add(upstream_errors=1)
-        record = prepared is not None and resp.status_code == 200
-        if prepared is not None and prepared.request.get("stream") is True and resp.status_code == 200:
-            return self._done(request, path, resp.status_code, started, StreamingResponse(
-                self._stream(resp, prepared, kind, requested_at), status_code=resp.status_code,
-                headers=self._back(resp)))
-        try:
-            body = await resp.aread()
-        except httpx.HTTPError as exc:
-            self.counters.add(upstream_unreachable=1)
-            self.log("error", "upstream_broke_off", url=url, error=f"{type(exc).__name__}: {exc}")
-            return _error(502, f"the upstream engine {self.config.base} broke off its answer", "upstream_unreachable")
-        finally:
-            await resp.aclose()
-        if record and len(body) > self.config.max_body_bytes:
+        if prepared is not None and prepared.request.get("stream") is True and resp.status == 200:
+            return await self._stream(receive, send, resp, prepared, kind, requested_at, method, path, started)
+        if prepared is None:  # not a generation: passed through as it arrives
+            return await self._pass(send, resp, method, path, started)
+        body = await self._read(resp)
+        if body is None:
+            return await self._reply(send, method, path, started, *_error(
+                502, f"the upstream engine {self.config.base} broke off its answer", "upstream_unreachable"))
+        if resp.status == 200 and len(body) > self.config.max_body_bytes:
             self.counters.add(exchanges=1, unrecordable=1)
             self.log("warning", "unrecordable", reason=f"the answer is larger than --max-body-mb "
                                                        f"({self.config.max_body_mb:g} MiB)")
-        elif record:
+        elif resp.status == 200:
             await self._submit(Exchange(uuid.uuid4().hex, kind, prepared.request, body, False, requested_at,
                                         time.time(), prepared.seed_assigned))
             if prepared.ids_added:
                 body = strip_ids(body, bool(self.null_ids))
-        return self._done(request, path, resp.status_code, started,
-                          Response(body, status_code=resp.status_code, headers=self._back(resp)))
+        return await self._reply(send, method, path, started, resp.status, self._back(resp), body)
 
-    def _stream(self, resp: httpx.Response, prepared: Prepared, kind: str,
-                 requested_at: float) -> AsyncIterator[bytes]:
-        """The client's side of a stream: what ``_pump`` forwards. The pump is a task of its own, so a
-        client that leaves (Starlette cancels this generator) does not stop the engine's answer from
-        being read to its end and recorded (REFERENCE.md section 9: the ``openai`` client closes at
-        ``finish_reason``, often before the engine closes the stream)."""
-        out: asyncio.Queue[bytes | None] = asyncio.Queue()
-        listening = [True]
-        task = asyncio.create_task(self._pump(resp, prepared, kind, requested_at, out, listening))
-        self.pumps.add(task)
-        task.add_done_callback(self.pumps.discard)
+    async def _read(self, resp: Response) -> bytes | None:
+        """A whole answer, or None (counted and logged) when the engine breaks it off."""
+        try:
+            return await resp.read()
+        except UpstreamError as exc:
+            self.counters.add(upstream_unreachable=1)
+            self.log("error", "upstream_broke_off", upstream=self.config.base, error=str(exc))
+            return None
+        finally:
+            await resp.aclose()
 
-        async def forward() -> AsyncIterator[bytes]:
-            finished = False
-            try:
-                while (piece := await out.get()) is not None:
-                    yield piece
-                finished = True
-            finally:
-                if not finished:
-                    listening[0] = False
-                    self.counters.add(clients_left=1)
-        return forward()
+    async def _reply(self, send, method: str, path: str, started: float, status: int,
+                     headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [*headers, (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+        self._done(method, path, status, started)
 
-    async def _pump(self, resp: httpx.Response, prepared: Prepared, kind: str, requested_at: float,
-                    out: asyncio.Queue, listening: list[bool]) -> None:
-        """Read the engine's stream to its end (bounded by ``--timeout`` per read and ``--max-body-mb``),
-        pass its events on (whole events when ids are cut out), keep a copy and record it. A stream that
-        ends without ``[DONE]`` (the engine died) ends the client's with an error event in OpenAI's
-        shape, and its choices are recorded as unverifiable with the reason."""
+    async def _pass(self, send, resp: Response, method: str, path: str, started: float) -> None:
+        """Any other answer, piece by piece (a broken one ends the client's connection early)."""
+        length = resp.header(b"content-length")
+        await send({"type": "http.response.start", "status": resp.status,
+                    "headers": self._back(resp) + ([(b"content-length", length)] if length is not None else [])})
+        try:
+            async for piece in resp:
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+        except UpstreamError as exc:
+            self.counters.add(upstream_unreachable=1)
+            self.log("error", "upstream_broke_off", upstream=self.config.base, error=str(exc))
+        finally:
+            await resp.aclose()
+        await send({"type": "http.response.body", "body": b""})
+        self._done(method, path, resp.status, started)
+
+    async def _stream(self, receive, send, resp: Response, prepared: Prepared, kind: str, requested_at: float,
+                      method: str, path: str, started: float) -> None:
+        """Forward the engine's events as they arrive (whole events when ids are cut out), keep a copy,
+        and read the engine's stream to its end whether or not the client is still there (uvicorn
+        drops what is sent to a client that left; REFERENCE.md section 9: the ``openai`` client closes
+        at ``finish_reason``, often before the engine's ``[DONE]``). A stream that ends without
+        ``[DONE]`` (the engine died) ends the client's with an error event in OpenAI's shape, and its
+        choices are recorded as unverifiable with the reason. Bounded by ``--timeout`` per read and,
+        for the copy, ``--max-body-mb``."""
+        self.streams += 1
+        left = asyncio.ensure_future(receive())  # completes with http.disconnect when the client leaves
         seen = bytearray()
         splitter = EventSplitter() if prepared.ids_added else None
         null, cut, kept = bool(self.null_ids), None, True
+        await send({"type": "http.response.start", "status": 200, "headers": self._back(resp)})
         try:
-            async for piece in resp.aiter_bytes():
+            async for piece in resp:
                 if kept and len(seen) + len(piece) <= self.config.max_body_bytes:
                     seen += piece
                 elif kept:
-                    kept = False
-                    seen = bytearray()
-                if not listening[0]:
+                    kept, seen = False, bytearray()
+                if left.done():
                     continue
-                if splitter is None:
-                    out.put_nowait(piece)
-                elif (whole := splitter.feed(piece)):
-                    out.put_nowait(strip_ids(whole, null))
-            if splitter is not None and listening[0] and (rest := splitter.flush()):
-                out.put_nowait(strip_ids(rest, null))
+                if splitter is not None:
+                    piece = splitter.feed(piece)
+                    if not piece:
+                        continue
+                    piece = strip_ids(piece, null)
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            if splitter is not None and not left.done() and (rest := splitter.flush()):
+                await send({"type": "http.response.body", "body": strip_ids(rest, null), "more_body": True})
             if kept and not _ends_done(seen):
                 cut = "the engine closed the stream without 'data: [DONE]'"
-        except httpx.HTTPError as exc:
-            cut = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        except asyncio.CancelledError:
-            cut = "the gateway shut down before the engine finished"
-            raise
+        except UpstreamError as exc:
+            cut = str(exc)
         finally:
             await resp.aclose()
+            self.streams -= 1
+            gone = left.done() and not left.cancelled() and left.result().get("type") == "http.disconnect"
+            if not left.done():
+                left.cancel()
+            if gone:
+                self.counters.add(clients_left=1)
             if cut:
                 self.counters.add(streams_cut=1)
                 self.log("error", "stream_cut", upstream=self.config.base, error=cut,
                          detail="the client got an error event; the choices are recorded as unverifiable")
-                out.put_nowait(_error_event(f"the upstream engine {self.config.base} broke off its answer: {cut}"))
-            out.put_nowait(None)
             if not kept:
                 self.counters.add(exchanges=1, unrecordable=1)
                 self.log("warning", "unrecordable", reason=f"the stream is larger than --max-body-mb "
-                                                           f"({self.config.max_body_bytes / 2**20:g} MiB)")
+                                                           f"({self.config.max_body_mb:g} MiB)")
             else:
                 await self._submit(Exchange(uuid.uuid4().hex, kind, prepared.request, bytes(seen), True,
                                             requested_at, time.time(), prepared.seed_assigned, cut))
+        end = _error_event(f"the upstream engine {self.config.base} broke off its answer: {cut}") if cut else b""
+        await send({"type": "http.response.body", "body": end})
+        self._done(method, path, 200, started)
 
     async def _submit(self, ex: Exchange) -> None:
         if self.config.on_full == "block":
@@ -363,42 +407,41 @@ class Gateway:
         else:
             self.recorder.submit(ex)
 
-    def _done(self, request: Request, path: str, status: int, started: float, response: Response) -> Response:
+    def _done(self, method: str, path: str, status: int, started: float) -> None:
         if self.config.access_log:
-            self.log("info", "request", method=request.method, path=f"/{path}", status=status,
+            self.log("info", "request", method=method, path=path, status=status,
                      ms=round((time.monotonic() - started) * 1000, 2))
-        return response
 
 
-def create_app(gateway: Gateway) -> FastAPI:
-    """The gateway's ASGI app: ``/gateway/health``, ``/gateway/metrics`` (Prometheus), everything else proxied."""
+def create_app(gateway: Gateway):
+    """The gateway's ASGI app: ``/gateway/health``, ``/gateway/metrics`` (Prometheus), everything else
+    proxied; the lifespan starts and stops the gateway (the open shard is written on shutdown)."""
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app):
-        await gateway.start()
-        try:
-            yield
-        finally:
-            await gateway.stop()
+    async def app(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await gateway.start()
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await gateway.stop()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path == "/gateway/health" and scope["method"] == "GET":
+            return await gateway._reply(send, "GET", path, time.monotonic(), *_json(200, gateway.health()))
+        if path == "/gateway/metrics" and scope["method"] == "GET":  # /metrics itself is the engine's: proxied
+            from verinfer.production.metrics import exposition, gateway_metrics
 
-    app = FastAPI(title="verinfer gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+            body, content_type = exposition(lambda: gateway_metrics(gateway.counters.snapshot()))
+            return await gateway._reply(send, "GET", path, time.monotonic(), 200,
+                                        [(b"content-type", content_type.encode())], body)
+        await gateway.handle(scope, receive, send)
 
-    @app.get("/gateway/health")
-    async def health() -> dict:
-        return gateway.health()
-
-    @app.get("/gateway/metrics")
-    async def metrics() -> Response:  # /metrics itself is the engine's (vLLM serves one): proxied
-        from verinfer.production.metrics import exposition, gateway_metrics
-
-        body, content_type = exposition(lambda: gateway_metrics(gateway.counters.snapshot()))
-        return Response(body, media_type=content_type)
-
-    @app.api_route("/{path:path}", methods=METHODS)
-    async def proxy(request: Request, path: str) -> Response:
-        return await gateway.handle(request, path)
-
-    app.state.gateway = gateway
+    app.gateway = gateway
     return app
 
 

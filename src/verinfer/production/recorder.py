@@ -249,6 +249,7 @@ class Recorder:
         self.aside = ShardWriter(self.directory / UNVERIFIABLE_DIR, write, fsync)
         self.stopped: str | None = None  # why recording stopped (a write error), else None
         self.full = False  # inside a full-queue spell (logged once per spell)
+        self.ready = False  # profiles imported and the tokenizer loaded (``_warm``): exchanges are being parsed
         self.thread = threading.Thread(target=self._run, name="verinfer-gateway-recorder", daemon=True)
         self.thread.start()
 
@@ -285,7 +286,11 @@ class Recorder:
         """Import the sampler profiles and load the claimed tokenizer here, not before the gateway
         listens: exchanges wait in the queue meanwhile. A tokenizer that cannot be loaded stops recording."""
         began = time.monotonic()
+        import pyarrow as pa
+
         import verinfer.sampling.profiles  # noqa: F401 (torch, numba: seconds on a loaded machine)
+
+        pa.Table.from_pydict({"warm": [0]})  # pyarrow imports pandas on first use: here, not in the first shard
 
         try:
             self.recording = self.recording.loaded()
@@ -293,6 +298,7 @@ class Recorder:
             self.stopped = f"the claimed model's tokenizer cannot be loaded: {type(exc).__name__}: {exc}"
             self.log("error", "recording_stopped", error=self.stopped, detail="proxying continues")
             return
+        self.ready = True
         self.log("info", "recorder_ready", seconds=round(time.monotonic() - began, 2),
                  tokenizer=self.recording.tokenizer is not None, waiting=self.queue.qsize())
 

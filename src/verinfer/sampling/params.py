@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 GREEDY_TEMPERATURE = 1e-5  # vLLM: T below this is plain argmax, no noise
@@ -47,7 +47,7 @@ class SamplingParams:
 
     def to_dict(self) -> dict[str, Any]:
         """The fields, leaving out engine options at their defaults (older readers stay compatible)."""
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in fields(self)}  # shallow: every value is JSON-ready
         for name in ("fp64_gumbel", "stream", "speculative"):
             if not d[name]:
                 d.pop(name)
