@@ -420,14 +420,17 @@ def test_bad_options_are_one_line_errors(tmp_path):
         assert lines[0].startswith("error:") and phrase in lines[0], (args, result.output)
 
 
-def _start(engine: str, traces: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
+def _start(engine: str, traces: Path, port: int, log: Path, *extra: str, ready: bool = True) -> subprocess.Popen:
+    """The real command on ``port``; with ``ready``, once its recorder parses (profiles and tokenizer
+    loaded: before, it journals exchanges raw)."""
     proc = subprocess.Popen([sys.executable, "-m", "verinfer.cli", "gateway", "--upstream", engine, "--port", str(port),
                              "--traces", str(traces), "--shard-records", "2", *extra],
                             stdout=subprocess.DEVNULL, stderr=open(log, "wb"))
     deadline = time.monotonic() + 60
     while True:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/gateway/health", timeout=2).status_code == 200:
+            health = httpx.get(f"http://127.0.0.1:{port}/gateway/health", timeout=2)
+            if health.status_code == 200 and (health.json()["recorder_ready"] or not ready):
                 return proc
         except httpx.HTTPError:
             pass

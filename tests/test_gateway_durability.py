@@ -154,7 +154,8 @@ def test_kill_9_under_load_loses_at_most_the_last_second(tmp_path):
     answered: dict[str, float] = {}  # marker -> when its answer reached the client
     stop = threading.Event()
     with asgi_in_thread(engine.app) as upstream:
-        proc = _start(upstream, traces, port, tmp_path / "gateway.log", "--shard-records", "1000")
+        # not waiting for the recorder: the first exchanges are journaled raw while it loads (seconds)
+        proc = _start(upstream, traces, port, tmp_path / "gateway.log", "--shard-records", "1000", ready=False)
 
         def load(worker: int) -> None:
             with httpx.Client(timeout=30) as http:
@@ -190,6 +191,46 @@ def test_kill_9_under_load_loses_at_most_the_last_second(tmp_path):
     missing = before - set(recorded)
     assert not missing, f"{len(missing)} answered over a second before the kill are missing: {sorted(missing)[:5]}"
     assert set(recorded) <= set(answered) | {f"w{w}-{i}" for w in range(4) for i in range(10**4)}
-    sealed = [f for e, f in logs if e == "wal_sealed"]
-    assert sealed and sum(f["records"] for f in sealed) == g.counters.recovered > 0
-    assert not list(traces.glob("*.wal")) and not list(traces.glob("*.sealing"))
+    sealed = [f["records"] for e, f in logs if e == "wal_sealed"] + \
+        [f["exchanges"] for e, f in logs if e == "journal_sealed"]
+    assert sealed and sum(sealed) == g.counters.recovered > 0
+    assert not [p for p in traces.iterdir() if p.is_file() and p.suffix != ".parquet"]
+
+
+def test_exchanges_answered_while_the_recorder_loads_are_journaled_and_parsed_after_a_crash(tmp_path):
+    """Before its profiles and tokenizer are loaded the recorder cannot parse: it journals exchanges raw
+    (flushed within SYNC_SECONDS) and parses them once ready. A journal a dead gateway left is parsed by
+    the next one."""
+    from verinfer.production.recorder import SYNC_SECONDS, Counters, Recorder
+
+    gate = threading.Event()
+
+    def slow_load():
+        gate.wait(30)
+        return None, frozenset()
+
+    with asgi_in_thread(SlowEngine().app) as upstream:
+        g = _gateway(upstream, tmp_path, Recording("fake", load=slow_load), None)
+        with gateway_in_thread(g) as gw:
+            for i in range(3):
+                body = {**CHAT, "messages": [{"role": "user", "content": f"m{i}"}], "stream": i == 1}
+                with httpx.stream("POST", f"{gw}/chat/completions", json=body, timeout=30) as r:
+                    r.read()
+            time.sleep(SYNC_SECONDS + 0.3)
+            journals = list(tmp_path.glob("exchanges-*.journal"))
+            assert len(journals) == 1 and len(journals[0].read_text().splitlines()) == 3
+            assert not g.recorder.ready and g.counters.recorded == 0
+            journaled = journals[0].read_text()
+            gate.set()
+            _wait(lambda: g.recorder.ready)
+    assert not journals[0].exists()  # parsed into traces: the journal goes
+    assert g.counters.recorded == 3 and g.counters.exchanges == 3
+    dead = journals[0].with_name(journals[0].name.replace(f"-{os.getpid()}-", "-999999999-"))
+    dead.write_text(journaled)  # what a gateway killed before its recorder was ready would have left
+    logs: list = []
+    r = Recorder(tmp_path, Recording("fake"), lambda level, event, **f: logs.append((event, f)), Counters())
+    r.close()
+    assert r.counters.recovered == 3 and r.counters.recorded == 3 and not dead.exists()
+    assert [f["exchanges"] for e, f in logs if e == "journal_sealed"] == [3]
+    contents = sorted(t.messages[0]["content"] for t in _traces(tmp_path))
+    assert contents == ["m0", "m0", "m1", "m1", "m2", "m2"]  # once by the live gateway, once from the dead one's journal

@@ -11,6 +11,7 @@ everything after the client (parsing, drift, verdicts) is the same for both.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from verinfer.jsonl import json_object
@@ -22,8 +23,12 @@ class StreamError(ValueError):
 
 def events(text: str, complete: bool = True) -> list[dict[str, Any]]:
     """The JSON chunks of an event stream, up to ``data: [DONE]`` (required unless ``complete`` is
-    False: the chunks of a stream known to be cut off, whose last partial event is left out)."""
-    chunks, done = [], False
+    False: the chunks of a stream known to be cut off, whose last partial event is left out).
+
+    All events are parsed by one ``json.loads`` of their concatenation (a recorder parses every
+    stream it sees; one call per event costs several times more); anything that does not come out as
+    exactly one object per event is parsed again event by event, which names the bad one."""
+    datas, done = [], False
     for n, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith(":") or not line.startswith("data:"):
@@ -32,16 +37,23 @@ def events(text: str, complete: bool = True) -> list[dict[str, Any]]:
         if data == "[DONE]":
             done = True
             break
-        try:
-            chunk = json_object(data, f"event on line {n} ({data[:80]!r})", StreamError)
-        except StreamError:
-            if complete:
-                raise
-            break  # the cut fell inside this event
-
+        datas.append((n, data))
+    try:
+        chunks = json.loads("[" + ",".join(d for _, d in datas) + "]")
+    except (ValueError, RecursionError):
+        chunks = None
+    if chunks is None or len(chunks) != len(datas) or not all(isinstance(c, dict) for c in chunks):
+        chunks = []
+        for n, data in datas:
+            try:
+                chunks.append(json_object(data, f"event on line {n} ({data[:80]!r})", StreamError))
+            except StreamError:
+                if complete:
+                    raise
+                break  # the cut fell inside this event
+    for chunk in chunks:
         if "error" in chunk and not chunk.get("choices"):
             raise StreamError(f"the stream reported an error: {str(chunk['error'])[:200]}")
-        chunks.append(chunk)
     if not done and complete:
         raise StreamError("the stream ended without 'data: [DONE]' (cut off?)")
     if not chunks:

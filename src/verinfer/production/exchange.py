@@ -172,6 +172,15 @@ class Exchange:
     seed_assigned: bool = False
     cut: str | None = None  # why the engine's stream ended before ``[DONE]`` (None: complete)
 
+    def to_json(self) -> str:
+        """One line of the recorder's journal (the response's bytes kept exactly: surrogate escapes)."""
+        return json.dumps({**self.__dict__, "response": self.response.decode("utf-8", "surrogateescape")})
+
+    @classmethod
+    def from_json(cls, line: str) -> "Exchange":
+        d = json.loads(line)
+        return cls(**{**d, "response": d["response"].encode("utf-8", "surrogateescape")})
+
 
 @dataclass(frozen=True)
 class Recording:

@@ -58,6 +58,7 @@ UNVERIFIABLE_DIR = "unverifiable"
 WAL = ".wal"  # a shard's write-ahead file: its final name plus this
 SEALING = ".sealing"  # <wal>.<pid>.sealing: a write-ahead file claimed by the process that seals it
 SYNC_SECONDS = 0.2  # the longest a parsed trace waits in the process before reaching the OS
+JOURNAL = ".journal"  # exchanges-<UTC time>-<pid>-<seq>.journal: exchanges kept raw until the recorder can parse
 
 
 @dataclass
@@ -192,23 +193,78 @@ class ShardWriter:
         return wal
 
 
+class Journal:
+    """Exchanges kept raw, one JSON line each (``Exchange.to_json``), while the recorder cannot parse
+    yet (its profiles and tokenizer still loading): the write-ahead file of what is not yet a trace."""
+
+    def __init__(self, directory: Path, fsync: str):
+        self.path = directory / shard_name(1).replace("traces-", "exchanges-").replace(".parquet", JOURNAL)
+        self.file: TextIO | None = None
+        self.fsync, self.dirty, self.synced = fsync, False, 0.0
+
+    def add(self, ex: Exchange) -> None:
+        if self.file is None:
+            self.file = open(self.path, "x", encoding="utf-8")
+        self.file.write(ex.to_json() + "\n")
+        self.dirty = True
+
+    def sync(self) -> None:
+        if self.file is None or not self.dirty:
+            return
+        self.file.flush()
+        self.dirty = False
+        now = time.monotonic()
+        if self.fsync == "always" or (self.fsync == "second" and now - self.synced >= 1.0):
+            os.fsync(self.file.fileno())
+            self.synced = now
+
+    def remove(self) -> None:
+        """Every exchange in it is now a trace in a shard's write-ahead file: delete it."""
+        if self.file is not None:
+            self.file.close()
+            self.path.unlink(missing_ok=True)
+            self.file = None
+
+
+def _claim_orphans(directory: Path, pattern: str, suffix: str) -> list[tuple[Path, Path]]:
+    """(claimed path, original path) of the files a dead process left (``pattern``), each claimed by
+    renaming it to ``<name>.<our pid>.sealing`` first (several recorders may start at once)."""
+    out = []
+    for path in sorted([*directory.glob(pattern), *directory.glob(f"{pattern}.*{SEALING}")]):
+        owner = _owner(path)
+        if owner is None or owner == os.getpid() or running(owner):
+            continue
+        name = path.name if path.name.endswith(suffix) else path.name[:path.name.index(suffix) + len(suffix)]
+        claimed = path.with_name(f"{name}.{os.getpid()}{SEALING}")
+        try:
+            os.rename(path, claimed)
+        except FileNotFoundError:  # another recorder claimed it first
+            continue
+        out.append((claimed, path.with_name(name)))
+    return out
+
+
+def read_journal(path: Path) -> tuple[list[Exchange], int]:
+    """The exchanges of a journal and how many lines were unreadable (a crash can tear the last)."""
+    exchanges, bad = [], 0
+    with open(path, encoding="utf-8", errors="surrogateescape") as fh:
+        for line in fh:
+            if line.strip():
+                try:
+                    exchanges.append(Exchange.from_json(line))
+                except (ValueError, TypeError, KeyError):
+                    bad += 1
+    return exchanges, bad
+
+
 def seal_orphans(directory: Path, write: Callable[[list[Trace], Path], object], log: Callable[..., None]) -> int:
     """Seal every write-ahead file in ``directory`` whose process is gone into the shard it was to
     become; returns the traces recovered. A file is claimed by renaming it first (several recorders
     may start at once); a shard already in place (a crash between its rename and the deletion of its
     write-ahead file) is not written twice."""
     recovered = 0
-    for path in sorted([*directory.glob(f"traces-*.parquet{WAL}"), *directory.glob(f"traces-*{WAL}.*{SEALING}")]):
-        owner = _owner(path)
-        if owner is None or owner == os.getpid() or running(owner):
-            continue
-        wal_name = path.name if path.name.endswith(WAL) else path.name[:path.name.index(WAL) + len(WAL)]
-        claimed = path.with_name(f"{wal_name}.{os.getpid()}{SEALING}")
-        try:
-            os.rename(path, claimed)
-        except FileNotFoundError:  # another recorder claimed it first
-            continue
-        shard = path.with_name(wal_name[:-len(WAL)])
+    for claimed, wal in _claim_orphans(directory, f"traces-*.parquet{WAL}", WAL):
+        shard = wal.with_name(wal.name[:-len(WAL)])
         traces, bad = read_wal(claimed)
         if traces and not shard.exists():
             write(traces, shard)
@@ -243,7 +299,7 @@ class Recorder:
                 for tmp in remove_stale_temporaries_in(d):
                     self.log("info", "stale_tmp_removed", path=str(tmp))
                 counters.add(recovered=(n := seal_orphans(d, write, self.log)), shards_written=int(n > 0))
-        self.shard_records, self.shard_seconds, self.on_full = shard_records, shard_seconds, on_full
+        self.shard_records, self.shard_seconds, self.on_full, self.fsync = shard_records, shard_seconds, on_full, fsync
         self.queue: queue.Queue[Exchange | None] = queue.Queue(queue_size)
         self.shards = ShardWriter(self.directory, write, fsync)
         self.aside = ShardWriter(self.directory / UNVERIFIABLE_DIR, write, fsync)
@@ -283,15 +339,15 @@ class Recorder:
         self.thread.join(timeout)
 
     def _warm(self) -> None:
-        """Import the sampler profiles and load the claimed tokenizer here, not before the gateway
-        listens: exchanges wait in the queue meanwhile. A tokenizer that cannot be loaded stops recording."""
+        """Import the sampler profiles and load the claimed tokenizer (on a thread of its own, after the
+        gateway listens: meanwhile the writer journals exchanges raw). A tokenizer that cannot be loaded
+        stops recording."""
         began = time.monotonic()
         import pyarrow as pa
 
         import verinfer.sampling.profiles  # noqa: F401 (torch, numba: seconds on a loaded machine)
 
         pa.Table.from_pydict({"warm": [0]})  # pyarrow imports pandas on first use: here, not in the first shard
-
         try:
             self.recording = self.recording.loaded()
         except Exception as exc:
@@ -300,10 +356,30 @@ class Recorder:
             return
         self.ready = True
         self.log("info", "recorder_ready", seconds=round(time.monotonic() - began, 2),
-                 tokenizer=self.recording.tokenizer is not None, waiting=self.queue.qsize())
+                 tokenizer=self.recording.tokenizer is not None)
+
+    def _catch_up(self, journal: Journal, waiting: list[Exchange]) -> None:
+        """Once ready: parse the exchanges dead gateways journaled, then those journaled while warming."""
+        for claimed, original in _claim_orphans(self.directory, f"exchanges-*{JOURNAL}", JOURNAL):
+            exchanges, bad = read_journal(claimed)
+            for ex in exchanges:
+                self._take(ex)
+            self._each(ShardWriter.sync)  # in this recorder's write-ahead files before the journal goes
+            self.counters.add(recovered=len(exchanges))
+            claimed.unlink()
+            self.log("warning", "journal_sealed", path=str(original), exchanges=len(exchanges), unreadable_lines=bad,
+                     detail="a gateway that died left these answered exchanges unparsed; they are parsed now "
+                            "with this gateway's claim (--profile, --model)")
+        for ex in waiting:
+            self._take(ex)
+        waiting.clear()
+        self._each(ShardWriter.sync)
+        journal.remove()
 
     def _run(self) -> None:
-        self._warm()
+        warm = threading.Thread(target=self._warm, name="verinfer-gateway-warm", daemon=True)
+        warm.start()
+        journal, waiting, caught_up = Journal(self.directory, self.fsync), [], False
         synced = time.monotonic()
         while True:
             try:
@@ -312,11 +388,30 @@ class Recorder:
                 ex = False
             self.counters.queue_depth = self.queue.qsize()
             if ex is None:
+                warm.join()
+            if not caught_up and (self.ready or self.stopped) and not warm.is_alive():
+                if self.ready:
+                    self._catch_up(journal, waiting)
+                else:  # never ready: what was journaled stays for a later start; count it
+                    self.counters.add(dropped=len(waiting))
+                    waiting.clear()
+                    with contextlib.suppress(OSError):
+                        journal.sync()
+                caught_up = True
+            if ex is None:
                 self._flush(force=True)
                 return
-            if ex is not False:
+            if ex is not False and not caught_up:
+                waiting.append(ex)
+                try:
+                    journal.add(ex)
+                except OSError as exc:
+                    self.log("error", "journal_failed", error=str(exc), detail="kept in memory until the recorder is ready")
+            elif ex is not False:
                 self._take(ex)
             if self.queue.empty() or time.monotonic() - synced >= SYNC_SECONDS:
+                with contextlib.suppress(OSError):
+                    journal.sync()
                 self._each(ShardWriter.sync)
                 synced = time.monotonic()
             self._flush(force=False)

@@ -30,12 +30,18 @@ class UpstreamError(Exception):
     """The engine could not be reached, or broke off (reset, timed out, malformed answer)."""
 
 
+class UpstreamTimeout(UpstreamError):
+    """The engine sent nothing for ``timeout`` seconds."""
+
+
 class _Parsed:
     """httptools' callbacks for one response."""
 
     def __init__(self) -> None:
+        self.parser = None
         self.headers: list[tuple[bytes, bytes]] = []
         self.headers_done = False
+        self.keep_alive = False  # read when the headers are in: llhttp resets it once the message is complete
         self.body: list[bytes] = []
         self.done = False
 
@@ -44,6 +50,7 @@ class _Parsed:
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
+        self.keep_alive = self.parser.should_keep_alive()
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
@@ -71,7 +78,7 @@ class Response:
         self.pool, self.conn, self.parser, self.parsed = pool, conn, parser, parsed
         self.status: int = parser.get_status_code()
         self.headers = parsed.headers
-        self.keep_alive = parser.should_keep_alive()
+        self.keep_alive = parsed.keep_alive
         framed = any(n.lower() in (b"content-length", b"transfer-encoding") for n, _ in parsed.headers)
         self.complete = head_only or self.status in NO_BODY or 100 <= self.status < 200 or parsed.done
         self.to_close = not framed and not self.complete  # the body ends when the engine closes
@@ -138,12 +145,12 @@ class Upstream:
             return await conn.reader.read(CHUNK)
         except (OSError, asyncio.IncompleteReadError) as exc:
             if expired:
-                raise UpstreamError(f"no answer from the engine within {self.timeout:g} s") from None
+                raise UpstreamTimeout(f"no answer from the engine within {self.timeout:g} s") from None
             raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
         finally:
             timer.cancel()
             if expired:
-                raise UpstreamError(f"no answer from the engine within {self.timeout:g} s")
+                raise UpstreamTimeout(f"no answer from the engine within {self.timeout:g} s")
 
     async def _connect(self) -> _Connection:
         try:
@@ -204,11 +211,14 @@ class Upstream:
             conn.close()
             raise _Unanswered(f"the engine closed the connection: {exc}") from None
         parsed = _Parsed()
-        parser = httptools.HttpResponseParser(parsed)
+        parser = parsed.parser = httptools.HttpResponseParser(parsed)
         received = False
         while not parsed.headers_done:
             try:
                 data = await self.read(conn)
+            except UpstreamTimeout:
+                conn.close()
+                raise
             except UpstreamError:
                 conn.close()
                 if not received:
