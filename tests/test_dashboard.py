@@ -150,8 +150,9 @@ def test_gateway_metrics_from_its_counters():
     counters = Counters()
     counters.add(requests=5, dropped=2, recorded=3)
     counters.queue_depth = 7
-    body, _ = exposition(lambda: gateway_metrics(counters.snapshot()))
-    samples = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    body, _ = exposition(lambda: gateway_metrics({"1": counters.snapshot(), "2": Counters().snapshot()}))
+    samples = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples
+               if s.labels["worker"] == "1"}
     assert samples["verinfer_gateway_requests_total"] == 5 and samples["verinfer_gateway_records_dropped_total"] == 2
     assert samples["verinfer_gateway_records_written_total"] == 3 and samples["verinfer_gateway_queue_depth"] == 7
 

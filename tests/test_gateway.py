@@ -490,3 +490,35 @@ def test_kill_9_loses_nothing_parsed_and_sigterm_writes_the_open_shard(tmp_path)
             assert sum(e["event"] == "shard_written" for e in log) == 2 + (how == signal.SIGTERM)
             if how == signal.SIGTERM:
                 assert log[-1]["event"] == "gateway_stopped" and log[-1]["recorded"] == 5
+
+
+def test_workers_share_the_port_record_apart_and_report_as_one(tmp_path):
+    """--workers 2: two processes answer on one port, each writes its own shards; /gateway/health sums
+    them (and lists each), /gateway/metrics labels each worker; SIGTERM writes every open shard."""
+    traces, port = tmp_path / "traffic", free_port()
+    with asgi_in_thread(fake_engine()) as engine:
+        proc = _start(engine, traces, port, tmp_path / "gateway.log", "--workers", "2", "--shard-records", "1000")
+        try:
+            with httpx.Client(timeout=30) as http:  # new connections spread over the workers
+                codes = [httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT, timeout=30).status_code
+                         for _ in range(24)]
+                deadline = time.monotonic() + 30
+                while True:
+                    health = http.get(f"http://127.0.0.1:{port}/gateway/health").json()
+                    # a sibling's counters are published every second
+                    if len(health.get("workers", [])) == 2 and health["requests"] == 24 or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+                metrics = http.get(f"http://127.0.0.1:{port}/gateway/metrics").text
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
+    assert codes == [200] * 24
+    assert health["requests"] == 24 and health["exchanges"] == 24 and health["status"] == "ok"
+    assert sorted(w["pid"] for w in health["workers"]) == sorted({w["pid"] for w in health["workers"]})
+    assert sum(w["requests"] for w in health["workers"]) == 24
+    workers = set(re.findall(r'verinfer_gateway_requests_total\{worker="(\d+)"\}', metrics))
+    assert workers == {str(w["pid"]) for w in health["workers"]}
+    shards = find_shards(traces)
+    assert _records(traces) == 24 and {p.name.split("-")[2] for p in shards} <= workers  # each its own shards
+    assert len({t.id for p in shards for t in read_traces(p)}) == 24

@@ -56,10 +56,10 @@ def atomic_path(path: str | Path, durable: bool = True) -> Iterator[Path]:
             tmp.unlink()
 
 
-def write_atomic(path: str | Path, data: str | bytes) -> Path:
-    """Write ``data`` (text as UTF-8) to ``path`` by temporary file and rename."""
+def write_atomic(path: str | Path, data: str | bytes, durable: bool = True) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` by temporary file and rename (``atomic_path``)."""
     path = Path(path)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, durable) as tmp:
         tmp.write_bytes(data.encode("utf-8") if isinstance(data, str) else data)
     return path
 

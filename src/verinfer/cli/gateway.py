@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Optional
@@ -92,6 +93,8 @@ def gateway(
                                              "decides; shards are then not fsync'd either)"),
     max_body_mb: float = typer.Option(64.0, help="largest generation request (413 beyond) and largest answer "
                                                  "recorded (counted unrecordable beyond); other bodies stream through"),
+    workers: int = typer.Option(1, help="worker processes sharing the port, each with its own recorder (give the "
+                                        "gateway the cores: throughput grows with them)"),
 ):
     """Proxy an OpenAI-compatible engine unchanged for clients and record every exchange as traces
     (Parquet shards that `verinfer verify DIR` reads)."""
@@ -101,30 +104,64 @@ def gateway(
 
     require("production", "verinfer gateway", only=("prometheus_client",))  # no database: it starts faster
 
-    from verinfer.production.exchange import Recording
-    from verinfer.production.gateway import Gateway, GatewayConfig, create_app, json_log
-    from verinfer.sampling.profile_names import canonical_profile
+    from verinfer.production.gateway import Gateway, create_app, json_log
     from verinfer.sockets import bind
 
     if no_token_ids:
         token_ids = not opt.alias(no_token_ids, no_token_ids, "--no-token-ids", "--text-only")
-    profile = opt.alias(profile, sampler, "--sampler", "--profile")
-    canonical_profile(profile)  # an unknown name is refused here, naming the known ones
-    store = _bool("--store-text", store_text)
-    model_id, load = _claimed(model) if model else (None, None)
-    name = provider or upstream.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
-    config = GatewayConfig(upstream, traces, Recording(name, profile, model_id, store_text=store, load=load),
-                           assign_seeds=assign_seeds, token_ids=token_ids, defaults=opt.json_object("--request-defaults", request_defaults) or {},
-                           shard_records=shard_records, shard_seconds=shard_seconds, queue_size=queue_size,
-                           on_full=on_full, timeout_s=timeout, access_log=access_log,
-                           max_body_mb=max_body_mb, fsync=fsync)
-    if config.problems():
-        raise ValueError(config.problems()[0])
+    spec = {"upstream": upstream, "traces": str(traces), "profile": opt.alias(profile, sampler, "--sampler", "--profile"),
+            "model": model, "provider": provider, "store_text": _bool("--store-text", store_text),
+            "assign_seeds": assign_seeds, "token_ids": token_ids,
+            "defaults": opt.json_object("--request-defaults", request_defaults) or {},
+            "shard_records": shard_records, "shard_seconds": shard_seconds, "queue_size": queue_size,
+            "on_full": on_full, "timeout_s": timeout, "access_log": access_log, "max_body_mb": max_body_mb,
+            "fsync": fsync, "workers": workers}
+    config = _config(spec)  # every problem is refused here, before a socket or a worker
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
     _writable(traces)
     sock = bind(host, port)
     log = json_log()
-    app = create_app(Gateway(config, log))
     host_, port_ = sock.getsockname()[:2]
-    log("info", "listening", url=f"http://{host_}:{port_}", upstream=config.base)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                                  timeout_graceful_shutdown=30)).run(sockets=[sock])
+    log("info", "listening", url=f"http://{host_}:{port_}", upstream=config.base, workers=workers)
+    settings = dict(log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=30)
+    if workers == 1:
+        uvicorn.Server(uvicorn.Config(create_app(Gateway(config, log)), **settings)).run(sockets=[sock])
+        return
+    import inspect
+
+    from uvicorn.supervisors import Multiprocess
+
+    os.environ[SPEC_ENV] = json.dumps(spec)  # each worker process builds its own gateway from it (worker_app)
+    uconfig = uvicorn.Config(f"{__name__}:worker_app", factory=True, workers=workers, **settings)
+    older = "target" in inspect.signature(Multiprocess).parameters  # uvicorn before 0.36 took the target
+    Multiprocess(uconfig, sockets=[sock], **({"target": uvicorn.Server(uconfig).run} if older else {})).run()
+
+
+SPEC_ENV = "VERINFER_GATEWAY_SPEC"
+
+
+def _config(spec: dict):
+    """The gateway's configuration from the command line's values (the command and each worker)."""
+    from verinfer.production.exchange import Recording
+    from verinfer.production.gateway import GatewayConfig
+    from verinfer.sampling.profile_names import canonical_profile
+
+    canonical_profile(spec["profile"])  # an unknown name is refused here, naming the known ones
+    model_id, load = _claimed(spec["model"]) if spec["model"] else (None, None)
+    upstream = spec["upstream"]
+    name = spec["provider"] or upstream.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+    recording = Recording(name, spec["profile"], model_id, store_text=spec["store_text"], load=load)
+    keys = ("assign_seeds", "token_ids", "defaults", "shard_records", "shard_seconds", "queue_size", "on_full",
+            "timeout_s", "access_log", "max_body_mb", "fsync", "workers")
+    config = GatewayConfig(upstream, Path(spec["traces"]), recording, **{k: spec[k] for k in keys})
+    if config.problems():
+        raise ValueError(config.problems()[0])
+    return config
+
+
+def worker_app():
+    """One worker's ASGI app (``--workers`` > 1: uvicorn imports this in each worker process)."""
+    from verinfer.production.gateway import Gateway, create_app, json_log
+
+    return create_app(Gateway(_config(json.loads(os.environ[SPEC_ENV])), json_log()))

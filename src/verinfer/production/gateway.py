@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
 import sys
 import threading
@@ -39,6 +40,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 from urllib.parse import urlsplit
 
 
+from verinfer.files import running, write_atomic
 from verinfer.production.exchange import (ENDPOINTS, SEED_RANGE, EventSplitter, Exchange, Prepared, Recording,
                                           iso, prepare, strip_ids, without_ids_request, writes_nulls)
 from verinfer.production.recorder import FSYNC, POLICIES, Counters, Recorder
@@ -64,6 +66,7 @@ class GatewayConfig:
     on_full: str = "drop"
     timeout_s: float = 600.0  # per upstream request (connect, read, write, pool)
     access_log: bool = False
+    workers: int = 1  # processes sharing the port (--workers), each with its own recorder
     max_body_mb: float = 64.0  # a generation request larger is refused (413); a larger answer is not recorded
     fsync: str = "second"  # the recorder's policy (recorder.FSYNC)
 
@@ -158,23 +161,70 @@ class Gateway:
         self.recorder = Recorder(config.traces, config.recording, self.log, self.counters, config.shard_records,
                                  config.shard_seconds, config.queue_size, config.on_full, fsync=config.fsync, **kw)
         self.streams = 0  # streams being read from the engine now
+        self.states = Path(config.traces) / ".gateway-workers"  # each worker's published state (``workers``)
+        self.publisher: asyncio.Task | None = None
 
     async def start(self) -> None:
+        if self.config.workers > 1:
+            self.publisher = asyncio.ensure_future(self._publish())
         self.log("info", "gateway_started", upstream=self.config.base, traces=str(self.config.traces),
                  profile=self.config.recording.profile, assign_seeds=self.config.assign_seeds,
                  store_text=self.config.recording.store_text, model=self.config.recording.model)
 
     async def stop(self) -> None:
+        if self.publisher is not None:
+            self.publisher.cancel()
+            (self.states / f"{os.getpid()}.json").unlink(missing_ok=True)
         await self.upstream.close()
         await asyncio.to_thread(self.recorder.close)
         self.log("info", "gateway_stopped", **self.counters.snapshot())
 
-    def health(self) -> dict[str, Any]:
+    def own_health(self) -> dict[str, Any]:
+        """This process's state and counters."""
         return {"status": "ok" if not self.recorder.stopped else "recording_stopped", "upstream": self.config.base,
                 "traces": str(self.config.traces), "recording": not self.recorder.stopped,
                 "recording_error": self.recorder.stopped, "recorder_ready": self.recorder.ready,
-                "token_ids_from_upstream": self.ask_ids,
+                "token_ids_from_upstream": self.ask_ids, "pid": os.getpid(),
                 **self.counters.snapshot()}
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every live worker's ``own_health`` (``--workers``: each publishes its own into
+        ``<traces>/.gateway-workers/<pid>.json`` every second; this one's is read live)."""
+        own = self.own_health()
+        if self.config.workers == 1:
+            return [own]
+        out = [own]
+        for path in sorted(self.states.glob("*.json")):
+            pid = path.stem
+            if not pid.isdigit() or int(pid) == own["pid"] or not running(int(pid)):
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                out.append(json.loads(path.read_text()))
+        return out
+
+    def health(self) -> dict[str, Any]:
+        """One answer for the whole gateway: the sums of every worker's counters, recording only if every
+        worker records, and each worker's own state under ``workers`` when there are several."""
+        workers = self.workers()
+        if len(workers) == 1:
+            return workers[0]
+        total = {**workers[0], "pid": None}
+        for name in Counters().snapshot():
+            total[name] = sum(w.get(name, 0) for w in workers)
+        stopped = [w for w in workers if not w["recording"]]
+        total.update(status="recording_stopped" if stopped else "ok", recording=not stopped,
+                     recording_error="; ".join(f"worker {w['pid']}: {w['recording_error']}" for w in stopped) or None,
+                     recorder_ready=all(w["recorder_ready"] for w in workers), workers=workers)
+        return total
+
+    async def _publish(self) -> None:
+        """Write this worker's state for its siblings' ``/gateway/health`` and ``/gateway/metrics``."""
+        self.states.mkdir(parents=True, exist_ok=True)
+        path = self.states / f"{os.getpid()}.json"
+        while True:
+            with contextlib.suppress(OSError):
+                write_atomic(path, json.dumps(self.own_health()), durable=False)
+            await asyncio.sleep(1.0)
 
     @staticmethod
     def _forwarded(scope: dict) -> list[tuple[bytes, bytes]]:
@@ -436,7 +486,8 @@ def create_app(gateway: Gateway):
         if path == "/gateway/metrics" and scope["method"] == "GET":  # /metrics itself is the engine's: proxied
             from verinfer.production.metrics import exposition, gateway_metrics
 
-            body, content_type = exposition(lambda: gateway_metrics(gateway.counters.snapshot()))
+            snapshots = {str(w["pid"]): {k: w.get(k, 0) for k in Counters().snapshot()} for w in gateway.workers()}
+            body, content_type = exposition(lambda: gateway_metrics(snapshots))
             return await gateway._reply(send, "GET", path, time.monotonic(), 200,
                                         [(b"content-type", content_type.encode())], body)
         await gateway.handle(scope, receive, send)

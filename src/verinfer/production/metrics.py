@@ -113,17 +113,23 @@ def audit_metrics(s: Session) -> list[Metric]:
     return [verdict, p_value, at]
 
 
-def gateway_metrics(snapshot: dict[str, int]) -> list[Metric]:
-    """The gateway's ``Counters.snapshot()`` as counters and the queue-depth gauge."""
-    out: list[Metric] = []
-    for field, value in snapshot.items():
-        if field in GAUGES:
-            name, help_ = GAUGES[field]
-            out.append(GaugeMetricFamily(f"verinfer_gateway_{name}", help_, value=value))
-        else:
-            name, help_ = GATEWAY.get(field, (f"{field}_total", f"Gateway counter {field}."))
-            out.append(CounterMetricFamily(f"verinfer_gateway_{name.removesuffix('_total')}", help_, value=value))
-    return out
+def gateway_metrics(workers: dict[str, dict[str, int]]) -> list[Metric]:
+    """The gateway's ``Counters.snapshot()`` of each worker process (``--workers``; keyed by its pid,
+    the ``worker`` label) as counters and the queue-depth gauge: ``sum(rate(...))`` over workers stays
+    right across a worker's restart."""
+    families: dict[str, Metric] = {}
+    for worker, snapshot in workers.items():
+        for field, value in snapshot.items():
+            if field in GAUGES:
+                name, help_ = GAUGES[field]
+                family = families.get(name) or GaugeMetricFamily(f"verinfer_gateway_{name}", help_, labels=["worker"])
+            else:
+                name, help_ = GATEWAY.get(field, (f"{field}_total", f"Gateway counter {field}."))
+                family = families.get(name) or CounterMetricFamily(
+                    f"verinfer_gateway_{name.removesuffix('_total')}", help_, labels=["worker"])
+            families[name] = family
+            family.add_metric([worker], value)
+    return list(families.values())
 
 
 class _Collector:
