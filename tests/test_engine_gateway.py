@@ -78,29 +78,36 @@ def record_and_verify(backend, upstream: str, directory: Path, calibrator, profi
                       recording: Recording | None = None, **kw):
     """Traffic through a gateway in front of ``upstream``, then ``verinfer monitor --once`` over its
     directory into a SQLite history; the one window (an hour) that holds all of it."""
+    g = Gateway(GatewayConfig(upstream, directory / "traces", recording or Recording("engine", profile, "smollm2-135m"),
+                              assign_seeds=True, shard_records=5, **kw), log=lambda *a, **k: None)
+    with gateway_in_thread(g) as url:
+        answered = load_generator(url, 8, fancy)
+    windows = monitor_once(backend, directory, calibrator, g.counters.shards_written)
+    assert sum(w.traces for w in windows) == g.counters.recorded
+    return windows, answered, g
+
+
+def monitor_once(backend, directory: Path, calibrator, shards: int):
+    """``verinfer monitor --once`` over ``directory/traces`` into a SQLite history: the one window (an
+    hour) that holds all of it (two when the traffic straddles the hour)."""
     from sqlalchemy import select
     from sqlalchemy.orm import Session
 
     from verinfer.production.monitor import Judge, Monitor
     from verinfer.production.store import Window, open_store
 
-    g = Gateway(GatewayConfig(upstream, directory / "traces", recording or Recording("engine", profile, "smollm2-135m"),
-                              assign_seeds=True, shard_records=5, **kw), log=lambda *a, **k: None)
-    with gateway_in_thread(g) as url:
-        answered = load_generator(url, 8, fancy)
     store = open_store(f"sqlite:///{directory}/history.db")
     try:
         outcome = Monitor(directory / "traces", store, out_dir=directory / "scores", window_s=3600, backend=backend,
                           judge=Judge(calibrator, "calibration")).run_once()
-        assert not outcome.failed and len(outcome.verified) == g.counters.shards_written, outcome
+        assert not outcome.failed and len(outcome.verified) == shards, outcome
         with Session(store.engine) as s:
             windows = s.scalars(select(Window)).all()
             s.expunge_all()
     finally:
         store.close()
-    assert len(windows) in (1, 2)  # an hour; two only when the traffic straddles the hour
-    assert sum(w.traces for w in windows) == g.counters.recorded
-    return windows, answered, g
+    assert len(windows) in (1, 2)
+    return windows
 
 
 def test_vllm_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(vllm_url, backend, tmp_path):  # noqa: F811
@@ -161,3 +168,4 @@ def test_vllm_answers_reach_the_client_as_vllm_sends_them(vllm_url, tmp_path):  
             if not extra.get("return_token_ids"):
                 assert b'token_ids":[' not in proxied.content
     assert g.null_ids is True and g.counters.recorded == 5
+

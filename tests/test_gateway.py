@@ -522,3 +522,37 @@ def test_workers_share_the_port_record_apart_and_report_as_one(tmp_path):
     shards = find_shards(traces)
     assert _records(traces) == 24 and {p.name.split("-")[2] for p in shards} <= workers  # each its own shards
     assert len({t.id for p in shards for t in read_traces(p)}) == 24
+
+
+def test_the_in_engine_middleware_records_what_the_gateway_records(tmp_path):
+    """vLLM's ``--middleware`` path, on the fake engine's ASGI app: clients see exactly what the engine
+    alone sends (ids they did not ask for cut out, streams too), and the recorder writes the same traces
+    the gateway writes for the same requests."""
+    from verinfer.production.middleware import RecordingMiddleware
+    from verinfer.production.recorder import Counters, Recorder
+
+    bodies = [CHAT, {**CHAT, "stream": True}, {**CHAT, "return_token_ids": True}, {**CHAT, "n": 2, "stream": True},
+              {**CHAT, "temperature": 9}]
+    direct, through = [], []
+    with asgi_in_thread(fake_engine()) as engine:
+        for body in bodies:
+            direct.append(httpx.post(f"{engine}/chat/completions", json=body, timeout=30))
+    rec = Recorder(tmp_path / "mw", Recording("fake"), lambda *a, **k: None, Counters())
+    with asgi_in_thread(RecordingMiddleware(fake_engine(), recorder=rec)) as engine:
+        for body in bodies:
+            through.append(httpx.post(f"{engine}/chat/completions", json=body, timeout=30))
+    rec.close()
+    for d, t in zip(direct, through):
+        assert (t.status_code, t.content) == (d.status_code, d.content)
+        assert t.headers.get("content-length") == d.headers.get("content-length")
+    with asgi_in_thread(fake_engine()) as engine:
+        g = _gateway(engine, tmp_path / "gw", Recording("fake"), None)
+        with gateway_in_thread(g) as gw:
+            for body in bodies:
+                httpx.post(f"{gw}/chat/completions", json=body, timeout=30)
+
+    def claims(directory):
+        return sorted((t.prompt_token_ids, t.output_token_ids, repr(t.sampling), t.meta["stream"])
+                      for p in find_shards(directory) for t in read_traces(p))
+    assert claims(tmp_path / "mw") == claims(tmp_path / "gw") and len(claims(tmp_path / "mw")) == 5
+    assert rec.counters.recorded == 5 and rec.counters.exchanges == 4  # the 400 is not an answer

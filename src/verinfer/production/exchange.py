@@ -158,6 +158,19 @@ class EventSplitter:
         return rest
 
 
+def ends_done(seen: bytes | bytearray) -> bool:
+    """Whether an event stream ends with ``data: [DONE]`` (its last event, before trailing blank lines):
+    one that does not was cut off."""
+    return seen[-64:].rstrip().endswith(b"[DONE]")
+
+
+def stream_error_event(message: str) -> bytes:
+    """An error in OpenAI's stream shape (its client raises ``APIError`` on it); the blank line first
+    ends an event the cut may have left open."""
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_broke_off"}}
+    return b"\n\ndata: " + json.dumps(body).encode() + b"\n\n"
+
+
 @dataclass
 class Exchange:
     """What the request path hands to the recorder: cheap to build, parsed later off the path."""

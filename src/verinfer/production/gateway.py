@@ -42,7 +42,8 @@ from urllib.parse import urlsplit
 
 from verinfer.files import running, write_atomic
 from verinfer.production.exchange import (ENDPOINTS, SEED_RANGE, EventSplitter, Exchange, Prepared, Recording,
-                                          iso, prepare, strip_ids, without_ids_request, writes_nulls)
+                                          ends_done, iso, prepare, stream_error_event, strip_ids, without_ids_request,
+                                          writes_nulls)
 from verinfer.production.recorder import FSYNC, POLICIES, Counters, Recorder
 from verinfer.production.upstream import Response, Upstream, UpstreamError
 
@@ -118,18 +119,6 @@ def json_log(stream=None) -> Callable[..., None]:
     def log(level: str, event: str, **fields: Any) -> None:
         logger.log(getattr(logging, level.upper()), event, extra={"fields": fields})
     return log
-
-
-def _ends_done(seen: bytearray) -> bool:
-    """Whether an event stream ends with ``data: [DONE]`` (its last event, before trailing blank lines)."""
-    return seen[-64:].rstrip().endswith(b"[DONE]")
-
-
-def _error_event(message: str) -> bytes:
-    """An error in OpenAI's stream shape (its client raises ``APIError`` on it); the blank line first
-    ends an event the cut may have left open."""
-    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "upstream_broke_off"}}
-    return b"\n\ndata: " + json.dumps(body).encode() + b"\n\n"
 
 
 class _ClientGone(Exception):
@@ -424,7 +413,7 @@ class Gateway:
                 await send({"type": "http.response.body", "body": piece, "more_body": True})
             if splitter is not None and not left.done() and (rest := splitter.flush()):
                 await send({"type": "http.response.body", "body": strip_ids(rest, null), "more_body": True})
-            if kept and not _ends_done(seen):
+            if kept and not ends_done(seen):
                 cut = "the engine closed the stream without 'data: [DONE]'"
         except UpstreamError as exc:
             cut = str(exc)
@@ -447,7 +436,7 @@ class Gateway:
             else:
                 await self._submit(Exchange(uuid.uuid4().hex, kind, prepared.request, bytes(seen), True,
                                             requested_at, time.time(), prepared.seed_assigned, cut))
-        end = _error_event(f"the upstream engine {self.config.base} broke off its answer: {cut}") if cut else b""
+        end = stream_error_event(f"the upstream engine {self.config.base} broke off its answer: {cut}") if cut else b""
         await send({"type": "http.response.body", "body": end})
         self._done(method, path, 200, started)
 

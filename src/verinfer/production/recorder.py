@@ -122,90 +122,20 @@ def read_wal(path: Path) -> tuple[list[Trace], int]:
     return traces, bad
 
 
-class ShardWriter:
-    """The open shard of one directory: its traces in memory and, line by line, in its write-ahead
-    file; ``flush`` closes it into a shard (never over an existing file)."""
+class AppendLog:
+    """A file of lines, opened on the first one (never over an existing file), handed to the OS by
+    ``sync`` and to the disk as the fsync policy says: a shard's write-ahead file, the journal."""
 
-    def __init__(self, directory: Path, write: Callable[[list[Trace], Path], object] = write_traces,
-                 fsync: str = "second"):
-        self.directory, self.write, self.fsync, self.seq = Path(directory), write, fsync, 0
-        self.buffer: list[Trace] = []
-        self.opened: float | None = None  # monotonic time of the open shard's first trace
-        self.path: Path | None = None  # the open shard's final name
-        self.wal: TextIO | None = None
-        self.dirty = False  # written to the write-ahead file's buffer, not yet flushed to the OS
+    def __init__(self, path: Path, fsync: str):
+        self.path, self.fsync = path, fsync
+        self.file: TextIO | None = None
+        self.dirty = False  # written to the file's buffer, not yet flushed to the OS
         self.synced = 0.0  # monotonic time of the last fsync
 
-    def _open(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        while True:
-            self.seq += 1
-            path = self.directory / shard_name(self.seq)
-            if not path.exists() and not path.with_name(path.name + WAL).exists():
-                break
-        self.wal = open(path.with_name(path.name + WAL), "x", encoding="utf-8")
-        self.path, self.opened = path, time.monotonic()
-
-    def add(self, traces: list[Trace]) -> None:
-        """Append to the open shard (opened on its first trace) and its write-ahead file (OSError propagates)."""
-        if not traces:
-            return
-        if self.wal is None:
-            self._open()
-        self.wal.write("".join(json.dumps(t.to_dict(), ensure_ascii=False) + "\n" for t in traces))
-        self.buffer += traces
-        self.dirty = True
-
-    def sync(self) -> None:
-        """Hand what was appended to the OS, and to the disk as the fsync policy says."""
-        if self.wal is None or not self.dirty:
-            return
-        self.wal.flush()
-        self.dirty = False
-        now = time.monotonic()
-        if self.fsync == "always" or (self.fsync == "second" and now - self.synced >= 1.0):
-            os.fsync(self.wal.fileno())
-            self.synced = now
-
-    def due(self, records: int, seconds: float) -> bool:
-        return bool(self.buffer) and (len(self.buffer) >= records or time.monotonic() - self.opened >= seconds)
-
-    def flush(self) -> tuple[Path, int] | None:
-        """Write the open shard, then delete its write-ahead file (an error propagates; the caller
-        ``abandon``s the shard, whose write-ahead file keeps its records for the next start)."""
-        if not self.buffer:
-            return None
-        self.wal.flush()
-        self.write(self.buffer, self.path)
-        self.wal.close()
-        Path(self.wal.name).unlink()
-        path, n = self.path, len(self.buffer)
-        self.buffer, self.opened, self.path, self.wal, self.dirty = [], None, None, None, False
-        return path, n
-
-    def abandon(self) -> Path | None:
-        """Stop writing the open shard, leaving its write-ahead file for the next start to seal."""
-        wal = Path(self.wal.name) if self.wal is not None else None
-        if self.wal is not None:
-            with contextlib.suppress(OSError):
-                self.wal.close()
-        self.buffer, self.opened, self.path, self.wal, self.dirty = [], None, None, None, False
-        return wal
-
-
-class Journal:
-    """Exchanges kept raw, one JSON line each (``Exchange.to_json``), while the recorder cannot parse
-    yet (its profiles and tokenizer still loading): the write-ahead file of what is not yet a trace."""
-
-    def __init__(self, directory: Path, fsync: str):
-        self.path = directory / shard_name(1).replace("traces-", "exchanges-").replace(".parquet", JOURNAL)
-        self.file: TextIO | None = None
-        self.fsync, self.dirty, self.synced = fsync, False, 0.0
-
-    def add(self, ex: Exchange) -> None:
+    def write(self, text: str) -> None:
         if self.file is None:
             self.file = open(self.path, "x", encoding="utf-8")
-        self.file.write(ex.to_json() + "\n")
+        self.file.write(text)
         self.dirty = True
 
     def sync(self) -> None:
@@ -218,12 +148,80 @@ class Journal:
             os.fsync(self.file.fileno())
             self.synced = now
 
-    def remove(self) -> None:
-        """Every exchange in it is now a trace in a shard's write-ahead file: delete it."""
+    def close(self, remove: bool) -> None:
+        """Close it, and delete it when what it held is safe elsewhere (``remove``)."""
         if self.file is not None:
-            self.file.close()
-            self.path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.file.close()
             self.file = None
+        if remove:
+            with contextlib.suppress(OSError):  # gone with its directory: nothing left to delete
+                self.path.unlink(missing_ok=True)
+
+
+class ShardWriter:
+    """The open shard of one directory: its traces in memory and, line by line, in its write-ahead
+    file; ``flush`` closes it into a shard (never over an existing file)."""
+
+    def __init__(self, directory: Path, write: Callable[[list[Trace], Path], object] = write_traces,
+                 fsync: str = "second"):
+        self.directory, self.write, self.fsync, self.seq = Path(directory), write, fsync, 0
+        self.buffer: list[Trace] = []
+        self.opened: float | None = None  # monotonic time of the open shard's first trace
+        self.path: Path | None = None  # the open shard's final name
+        self.wal: AppendLog | None = None
+
+    def _open(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        while True:
+            self.seq += 1
+            path = self.directory / shard_name(self.seq)
+            if not path.exists() and not path.with_name(path.name + WAL).exists():
+                break
+        self.wal = AppendLog(path.with_name(path.name + WAL), self.fsync)
+        self.path, self.opened = path, time.monotonic()
+
+    def add(self, traces: list[Trace]) -> None:
+        """Append to the open shard (opened on its first trace) and its write-ahead file (OSError propagates)."""
+        if not traces:
+            return
+        if self.wal is None:
+            self._open()
+        self.wal.write("".join(json.dumps(t.to_dict(), ensure_ascii=False) + "\n" for t in traces))
+        self.buffer += traces
+
+    def sync(self) -> None:
+        if self.wal is not None:
+            self.wal.sync()
+
+    def due(self, records: int, seconds: float) -> bool:
+        return bool(self.buffer) and (len(self.buffer) >= records or time.monotonic() - self.opened >= seconds)
+
+    def flush(self) -> tuple[Path, int] | None:
+        """Write the open shard, then delete its write-ahead file (an error propagates; the caller
+        ``abandon``s the shard, whose write-ahead file keeps its records for the next start)."""
+        if not self.buffer:
+            return None
+        self.wal.sync()
+        self.write(self.buffer, self.path)
+        self.wal.close(remove=True)
+        path, n = self.path, len(self.buffer)
+        self.buffer, self.opened, self.path, self.wal = [], None, None, None
+        return path, n
+
+    def abandon(self) -> Path | None:
+        """Stop writing the open shard, leaving its write-ahead file for the next start to seal."""
+        wal = self.wal.path if self.wal is not None else None
+        if self.wal is not None:
+            self.wal.close(remove=False)
+        self.buffer, self.opened, self.path, self.wal = [], None, None, None
+        return wal
+
+
+def journal(directory: Path, fsync: str) -> AppendLog:
+    """Where exchanges are kept raw, one ``Exchange.to_json`` line each, while the recorder cannot parse
+    yet (its profiles and tokenizer still loading): the write-ahead file of what is not yet a trace."""
+    return AppendLog(directory / shard_name(1).replace("traces-", "exchanges-").replace(".parquet", JOURNAL), fsync)
 
 
 def _claim_orphans(directory: Path, pattern: str, suffix: str) -> list[tuple[Path, Path]]:
@@ -358,7 +356,7 @@ class Recorder:
         self.log("info", "recorder_ready", seconds=round(time.monotonic() - began, 2),
                  tokenizer=self.recording.tokenizer is not None)
 
-    def _catch_up(self, journal: Journal, waiting: list[Exchange]) -> None:
+    def _catch_up(self, journaled: AppendLog, waiting: list[Exchange]) -> None:
         """Once ready: parse the exchanges dead gateways journaled, then those journaled while warming."""
         for claimed, original in _claim_orphans(self.directory, f"exchanges-*{JOURNAL}", JOURNAL):
             exchanges, bad = read_journal(claimed)
@@ -374,12 +372,20 @@ class Recorder:
             self._take(ex)
         waiting.clear()
         self._each(ShardWriter.sync)
-        journal.remove()
+        journaled.close(remove=True)  # every exchange in it is now a trace in a write-ahead file
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a bug must not stop recording silently: health says so from now on
+            self.stopped = f"the recorder's thread failed: {type(exc).__name__}: {exc}"
+            self.log("error", "recording_stopped", error=self.stopped, detail="proxying continues; restart the gateway")
+            raise
+
+    def _loop(self) -> None:
         warm = threading.Thread(target=self._warm, name="verinfer-gateway-warm", daemon=True)
         warm.start()
-        journal, waiting, caught_up = Journal(self.directory, self.fsync), [], False
+        journaled, waiting, caught_up = journal(self.directory, self.fsync), [], False
         synced = time.monotonic()
         while True:
             try:
@@ -391,12 +397,12 @@ class Recorder:
                 warm.join()
             if not caught_up and (self.ready or self.stopped) and not warm.is_alive():
                 if self.ready:
-                    self._catch_up(journal, waiting)
+                    self._catch_up(journaled, waiting)
                 else:  # never ready: what was journaled stays for a later start; count it
                     self.counters.add(dropped=len(waiting))
                     waiting.clear()
                     with contextlib.suppress(OSError):
-                        journal.sync()
+                        journaled.sync()
                 caught_up = True
             if ex is None:
                 self._flush(force=True)
@@ -404,14 +410,14 @@ class Recorder:
             if ex is not False and not caught_up:
                 waiting.append(ex)
                 try:
-                    journal.add(ex)
+                    journaled.write(ex.to_json() + "\n")
                 except OSError as exc:
                     self.log("error", "journal_failed", error=str(exc), detail="kept in memory until the recorder is ready")
             elif ex is not False:
                 self._take(ex)
             if self.queue.empty() or time.monotonic() - synced >= SYNC_SECONDS:
                 with contextlib.suppress(OSError):
-                    journal.sync()
+                    journaled.sync()
                 self._each(ShardWriter.sync)
                 synced = time.monotonic()
             self._flush(force=False)
