@@ -31,6 +31,8 @@ serve`` on the bundled model, one torch thread) and ``vllm`` (vLLM's CPU build, 
     the whole engine's: the ratio to the plain engine's is 1 + the recorder's share).
 (b) Memory: the gateway's RSS (``/proc/<pid>/status``) after ``--memory-requests`` requests to the fake
     engine and after ten times as many; flat means the recorder keeps nothing per request.
+(c) Start: the real command's seconds until ``/gateway/health`` answers and until its recorder is
+    ready (profiles and tokenizer loaded), three starts, polled every 20 ms.
 
 This machine is shared and has 2 cores: the engine, the gateway and the load generator compete for
 them, so absolute numbers are not claims; the ratios of one run are.
@@ -175,6 +177,36 @@ def recorder_ready(gateway: str, seconds: float = 300) -> None:
         time.sleep(0.2)
 
 
+def startup(upstream: str, tmp: Path, times: int = 3) -> list[tuple[float, float]]:
+    """(seconds until the real command answers /gateway/health, until its recorder is ready), ``times``
+    starts with ``--model smollm2-135m``, polled every 20 ms."""
+    import subprocess
+
+    out = []
+    for i in range(times):
+        port = free_port()
+        with open(tmp / f"startup-{i}.log", "wb") as log:
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(gateway_argv(upstream, port, tmp / f"traces-startup-{i}"), stderr=log)
+        listen = ready = None
+        try:
+            while ready is None and time.perf_counter() - t0 < 300:
+                try:
+                    health = httpx.get(f"http://127.0.0.1:{port}/gateway/health", timeout=1).json()
+                    listen = listen or time.perf_counter() - t0
+                    if health.get("recorder_ready"):
+                        ready = time.perf_counter() - t0
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.02)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+        out.append((listen, ready))
+        print(f"gateway start {i + 1}: listening after {listen:.2f} s, recorder ready after {ready:.2f} s", flush=True)
+    return out
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its descendants (vLLM decodes in a child process)."""
     children: dict[int, list[int]] = {}
@@ -286,7 +318,7 @@ def main() -> None:
 
     engines = (args.engines or ",".join(["fake", "serve"] + (["vllm"] if vllm_available() else []))).split(",")
     started, load_avg = dt.datetime.now(dt.timezone.utc), os.getloadavg()
-    rows, memory = [], None
+    rows, memory, starts = [], None, []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         for name in engines:
@@ -318,6 +350,7 @@ def main() -> None:
                                         args.concurrency[-1], 0)
                 if name == "fake":
                     memory = measure_memory(upstream, tmp, args)
+                    starts = startup(upstream, tmp)
     command = "python benchmarks/gateway_overhead.py " + " ".join(sys.argv[1:])
     lines = ["# gateway_overhead", "", f"Command: `{command.strip()}`  ",
              f"Date: {started:%Y-%m-%d %H:%M} UTC  ", f"Machine: {describe(1)}  ",
@@ -343,8 +376,12 @@ def main() -> None:
                       f"{10 * memory['requests_n']} (half of the later ones streamed); recorded "
                       f"{memory['recorded']} traces in {memory['shards_written']} shards, dropped {memory['dropped']}, "
                       f"unrecordable {memory['unrecordable']}."]
+    if starts:
+        lines += ["", "Gateway start (`--model smollm2-135m`, fake engine): " + "; ".join(
+            f"listening after {a:.2f} s, recorder ready after {b:.2f} s" for a, b in starts) + "."]
     write_atomic(args.out, "\n".join(lines) + "\n")
-    write_atomic(args.out.with_suffix(".json"), json.dumps({"rows": rows, "memory": memory, "command": command,
+    write_atomic(args.out.with_suffix(".json"), json.dumps({"rows": rows, "memory": memory, "starts": starts,
+                                                            "command": command,
                                                             "date": started.isoformat()}, indent=1))
     print(f"wrote {args.out}")
 

@@ -556,3 +556,28 @@ def test_the_in_engine_middleware_records_what_the_gateway_records(tmp_path):
                       for p in find_shards(directory) for t in read_traces(p))
     assert claims(tmp_path / "mw") == claims(tmp_path / "gw") and len(claims(tmp_path / "mw")) == 5
     assert rec.counters.recorded == 5 and rec.counters.exchanges == 4  # the 400 is not an answer
+
+
+def test_bodies_stream_through_and_generation_bodies_are_capped(tmp_path):
+    """A non-generation body passes through as it arrives (its bytes reach the engine unchanged);
+    a generation request over --max-body-mb is refused with 413 in OpenAI's shape, before the engine."""
+    app = fake_engine()
+    got: list = []
+
+    @app.put("/v1/files/{name}")
+    async def upload(name: str, request: Request):
+        data = await request.body()
+        got.append(data)
+        return {"name": name, "bytes": len(data)}
+
+    blob = os.urandom(3 * 2**20)
+    with asgi_in_thread(app) as engine:
+        g = _gateway(engine, tmp_path, Recording("fake"), None, max_body_mb=1)
+        with gateway_in_thread(g) as gw:
+            r = httpx.put(f"{gw}/files/x", content=blob, timeout=30)
+            chunks = httpx.put(f"{gw}/files/y", content=iter([blob[:1000], blob[1000:]]), timeout=30)  # chunked
+            big = httpx.post(f"{gw}/chat/completions", json={**CHAT, "pad": "x" * 2**20}, timeout=30)
+    assert r.status_code == 200 and r.json() == {"name": "x", "bytes": len(blob)}
+    assert chunks.status_code == 200 and got == [blob, blob]
+    assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+    assert g.counters.exchanges == 0
