@@ -58,7 +58,7 @@ MEANINGS = {
     "--token-ids": "token ids",
     "--top-k": "top-k",
     "--top-p": "top-p",
-    "--workers": "model replicas",
+    "--workers": "",  # verify/monitor --ray: model replicas; gateway: processes sharing its port (uvicorn's word)
 }
 
 # Options whose default is a per-command choice of size or place, not a meaning.
@@ -72,6 +72,7 @@ PER_COMMAND_DEFAULTS = {
     "--out-dir": "each command's own output",
     "--port": "servers started side by side need different ports",
     "--provider": "two uses, see MEANINGS",
+    "--workers": "two uses, see MEANINGS: Ray picks replicas by its resources (None); a gateway is one process",
     "--timeout": "the gateway waits for an engine's whole non-streamed completion; an audit's reads are shorter",
     "--verdict-batches": "calibrate fits 10 and 100; experiment evaluates a whole range by default",
     "--commit-scores": "verify: one output file; calibrate: a list of input files",
