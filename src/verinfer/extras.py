@@ -13,7 +13,7 @@ from types import ModuleType
 # extra -> the modules it provides (the first one missing is named in the error)
 EXTRAS: dict[str, tuple[str, ...]] = {
     "ray": ("ray", "ray.data"),
-    "production": ("sqlalchemy", "alembic", "prometheus_client"),  # and psycopg, imported for postgresql:// only
+    "production": ("sqlalchemy", "alembic", "prometheus_client", "httptools"),  # and psycopg, for postgresql:// only
 }
 
 

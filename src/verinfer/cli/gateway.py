@@ -102,7 +102,7 @@ def gateway(
 
     from verinfer.extras import require
 
-    require("production", "verinfer gateway", only=("prometheus_client",))  # no database: it starts faster
+    require("production", "verinfer gateway", only=("prometheus_client", "httptools"))  # no database: it starts faster
 
     from verinfer.production.gateway import Gateway, create_app, json_log
     from verinfer.sockets import bind
