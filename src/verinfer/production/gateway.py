@@ -1,17 +1,20 @@
 """``verinfer gateway``: an OpenAI-compatible reverse proxy that records what an engine serves.
 
-Every request goes to the upstream engine (``httpx.AsyncClient``, connections kept alive) and its
-answer comes back unchanged: the status, the body (streams forwarded piece by piece as they arrive,
-never buffered first), the headers but hop-by-hop ones. ``Authorization`` reaches the engine and is
-never recorded. Generation requests (``POST /v1/chat/completions`` and ``/v1/completions``) are
-changed only as ``verinfer.production.exchange.prepare`` says (a seed for sampled requests without
-one, with ``assign_seeds``; ``return_token_ids``, whose ids are cut from the answer unless the client
-asked for them) and handed, once answered with 200, to the recorder
-(``verinfer.production.recorder``), which parses and writes them on its own thread. A stream is
-read from the engine by a task of its own (``Gateway._pump``) to its end, whether or not the client
-is still there, so every answered stream is recorded or counted; one the engine cuts off ends the
-client's stream with an error event (OpenAI's shape) and is recorded as unverifiable. Generation
-request bodies are read up to ``--max-body-mb`` (413 beyond); other bodies stream through.
+Every request goes to the upstream engine (``verinfer.production.upstream``: the gateway's own
+kept-alive HTTP/1.1 client) and its answer comes back unchanged: the status, the body (streams
+forwarded piece by piece as they arrive, never buffered first), the headers but hop-by-hop ones.
+``Authorization`` reaches the engine and is never recorded. The app is plain ASGI on uvicorn (no
+framework layer on the hot path). Generation requests (``POST /v1/chat/completions`` and
+``/v1/completions``) are changed only as ``verinfer.production.exchange.prepare`` says (a seed for
+sampled requests without one, with ``assign_seeds``; ``return_token_ids``, whose ids are cut from the
+answer unless the client asked for them) and handed, once answered with 200, to the recorder
+(``verinfer.production.recorder``), which parses and writes them on its own thread. A stream is read
+from the engine to its end by its handler whether or not the client is still there (uvicorn drops
+what is sent to a client that left), so every answered stream is recorded or counted; one the engine
+cuts off ends the client's stream with an error event (OpenAI's shape) and is recorded as
+unverifiable. Generation request bodies are read up to ``--max-body-mb`` (413 beyond); other bodies
+stream through. ``--workers``: several processes on one port, each with its own recorder, publishing
+their counters for one ``/gateway/health`` (``Gateway.workers``).
 
 An engine that refuses the added ``return_token_ids`` (a 4xx whose body names it) gets the request
 again without it, once, and the gateway stops asking that engine for ids (then the recorder
