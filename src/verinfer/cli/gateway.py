@@ -117,8 +117,6 @@ def gateway(
             "on_full": on_full, "timeout_s": timeout, "access_log": access_log, "max_body_mb": max_body_mb,
             "fsync": fsync, "workers": workers}
     config = _config(spec)  # every problem is refused here, before a socket or a worker
-    if workers < 1:
-        raise ValueError(f"--workers must be at least 1, got {workers}")
     _writable(traces)
     sock = bind(host, port)
     log = json_log()

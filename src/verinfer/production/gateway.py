@@ -92,6 +92,8 @@ class GatewayConfig:
             out.append(f"--max-body-mb must be > 0, got {self.max_body_mb}")
         if self.fsync not in FSYNC:
             out.append(f"--fsync must be one of {', '.join(FSYNC)}, got {self.fsync!r}")
+        if self.workers < 1:
+            out.append(f"--workers must be at least 1, got {self.workers}")
         return out
 
     @property
@@ -124,8 +126,27 @@ def json_log(stream=None) -> Callable[..., None]:
     return log
 
 
-class _ClientGone(Exception):
+class ClientGone(Exception):
     """The client disconnected while its request body was being read."""
+
+
+async def read_body(receive, cap: float = float("inf"), declared: bytes | None = None) -> bytes | None:
+    """An ASGI request's body read whole (the gateway and the in-engine middleware parse and change a
+    generation request); None beyond ``cap`` bytes (``declared``: its content-length, refused at once)."""
+    if declared is not None and declared.isdigit() and int(declared) > cap:
+        return None
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > cap:
+            return None
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return b"".join(chunks)
 
 
 def _json(status: int, body: Any) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
@@ -250,24 +271,6 @@ class Gateway:
         except (UpstreamError, ValueError) as exc:  # unknown for now: removed, asked again next time
             self.log("warning", "upstream_style_unknown", error=f"{type(exc).__name__}: {exc}")
 
-    async def _body(self, receive, declared: bytes | None) -> bytes | None:
-        """A request body read whole, None beyond ``--max-body-mb``."""
-        cap = self.config.max_body_bytes
-        if declared is not None and declared.isdigit() and int(declared) > cap:
-            return None
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _ClientGone
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > cap:
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                return b"".join(chunks)
-
     @staticmethod
     async def _body_stream(receive) -> AsyncIterator[bytes]:
         """A request body passed through as it arrives, never held whole."""
@@ -296,11 +299,12 @@ class Gateway:
         try:
             if kind is None:
                 small = declared is not None and declared.isdigit() and int(declared) <= 2**20
-                raw = await self._body(receive, declared) if small or not (declared or chunked) else \
+                raw = await read_body(receive, self.config.max_body_bytes, declared) \
+                    if small or not (declared or chunked) else \
                     self._body_stream(receive)
             else:
-                raw = await self._body(receive, declared)
-        except _ClientGone:
+                raw = await read_body(receive, self.config.max_body_bytes, declared)
+        except ClientGone:
             return
         if raw is None:
             return await self._reply(send, method, path, started, *_error(

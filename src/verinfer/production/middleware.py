@@ -30,20 +30,16 @@ import secrets
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 from verinfer.production.exchange import (ENDPOINTS, SEED_RANGE, EventSplitter, Exchange, Recording, ends_done,
                                           prepare, strip_ids)
+from verinfer.production.gateway import ClientGone, json_log, read_body
 from verinfer.production.recorder import Counters, Recorder
 
 ENV = "VERINFER_"
 
 
-def _log(level: str, event: str, **fields: Any) -> None:
-    """JSON lines on stderr, as the gateway logs (vLLM's own log stays its own)."""
-    from verinfer.production.gateway import json_log
-
-    json_log()(level, event, **fields)
+_log = json_log()  # JSON lines on stderr, as the gateway logs (vLLM's own log stays its own)
 
 
 def recorder_from_env(env: dict[str, str] | None = None) -> Recorder:
@@ -78,15 +74,10 @@ class RecordingMiddleware:
             path.startswith("/v1/") else None
         if kind is None:
             return await self.app(scope, receive, send)
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client left before its request was whole
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body"):
-                break
-        raw = b"".join(chunks)
+        try:
+            raw = await read_body(receive)
+        except ClientGone:
+            return  # the client left before its request was whole
         seed = secrets.randbelow(SEED_RANGE) if self.assign_seeds else None
         prepared = prepare(raw, True, seed)
         if prepared is None:  # not a JSON object: the engine answers it
