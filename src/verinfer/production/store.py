@@ -321,6 +321,24 @@ def shown(url: str) -> str:
         return "<malformed database URL>"
 
 
+def _wal(dbapi_connection, seconds: float = 60.0) -> None:
+    """Switch to WAL, retrying while another process does the same on a new file: SQLite can answer
+    that pragma "database is locked" at once, without waiting in its busy handler (seen in CI with two
+    processes opening one new database)."""
+    import sqlite3
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            dbapi_connection.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) and "busy" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _sqlite_setup(engine: Engine) -> None:
     """WAL (readers beside one writer) and BEGIN IMMEDIATE, so a transaction that will write holds the
     write lock from its start (SQLAlchemy's documented pysqlite recipe): no upgrade deadlocks."""
@@ -328,7 +346,7 @@ def _sqlite_setup(engine: Engine) -> None:
     @event.listens_for(engine, "connect")
     def _connect(dbapi_connection, _record):
         dbapi_connection.isolation_level = None
-        dbapi_connection.execute("PRAGMA journal_mode=WAL")
+        _wal(dbapi_connection)
         dbapi_connection.execute("PRAGMA foreign_keys=ON")
 
     @event.listens_for(engine, "begin")
