@@ -136,8 +136,11 @@ def test_rank_audit_judges_every_completion_of_each_prompt(servers, prompts, bac
 
 def test_surprise_audit_judges_every_completion_without_reference_draws(servers, prompts, backend, tmp_path):
     """Its test martingale (exact at every size) passes the honest server and flags the one whose sampled
-    traffic comes from 4-bit weights, in 5 prompts x n = 2 completions of 8 tokens (Holm over the two)."""
-    spec = AuditSpec(mode="surprise", temperature=1.0, max_tokens=8, seed=3, extra_body={"n": 2})
+    traffic comes from 4-bit weights, in 5 prompts x n = 2 completions of 16 tokens (Holm over the two).
+    With 8 unseeded tokens the cheat's p depended on the tests run before (Holm 0.010 once in CI, at the level;
+    over request seeds 1-8: 0.005 to 5e-14); with 16 it was 4e-10 or less for every one of those seeds, honest 1.0.
+    The seed in the request body makes the served tokens independent of the test order."""
+    spec = AuditSpec(mode="surprise", temperature=1.0, max_tokens=16, seed=3, extra_body={"n": 2, "seed": 3})
     result = run_audit(_endpoints(servers, backend.model_id), prompts[:5], spec, LocalReference(backend), tmp_path)
     honest, cheat = result.providers
     assert honest.verdict.consistent and honest.verdict.units == 10, honest.verdict.text
