@@ -22,9 +22,9 @@ from verinfer.sockets import base_url, bind
 
 
 @contextmanager
-def asgi_in_thread(app, prefix: str = "/v1"):
+def asgi_in_thread(app, prefix: str = "/v1", port: int = 0):
     """Yield ``http://127.0.0.1:<port>`` + ``prefix`` while ``app`` serves on loopback."""
-    sock = bind("127.0.0.1", 0)
+    sock = bind("127.0.0.1", port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

@@ -17,10 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
 from tests.audit_servers import asgi_in_thread
-from tests.postgres_server import db_url, postgres_server  # noqa: F401 - fixtures
+from tests.postgres_server import db_url, fresh_database, postgres_server  # noqa: F401 - fixtures
 from verinfer.production import views
 from verinfer.production.alerts import Alerter
-from verinfer.production.dashboard import authorized, create_app, is_loopback
+from verinfer.production.access import authorized, is_loopback
+from verinfer.production.dashboard import create_app
 from verinfer.production.metrics import exposition, gateway_metrics
 from verinfer.production.store import AuditResult, AuditRun, Window, advance_stream, open_store
 
@@ -155,6 +156,25 @@ def test_gateway_metrics_from_its_counters():
                if s.labels["worker"] == "1"}
     assert samples["verinfer_gateway_requests_total"] == 5 and samples["verinfer_gateway_records_dropped_total"] == 2
     assert samples["verinfer_gateway_records_written_total"] == 3 and samples["verinfer_gateway_queue_depth"] == 7
+
+
+def test_health_is_503_with_the_reason_when_the_history_cannot_be_read(postgres_server):  # noqa: F811
+    """The database dropped from under a running dashboard (its connections ended): /health answers 503
+    and says why, as / fails (it said 200 "ok" while / and /metrics failed). SQLite keeps its open file."""
+    import psycopg
+
+    url = fresh_database(postgres_server)
+    store = open_store(url)
+    client = TestClient(create_app(store), raise_server_exceptions=False)
+    ok = client.get("/health")
+    with psycopg.connect(postgres_server, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
+    gone = client.get("/health")
+    assert ok.status_code == 200 and ok.json() == {"status": "ok", "database": "postgresql", "reasons": []}
+    assert gone.status_code == 503 and gone.json()["status"] == "database_unreachable", gone.text
+    assert "the database (postgresql) cannot be read" in gone.json()["reasons"][0]
+    assert client.get("/").status_code == 500  # what health now owns up to
+    store.engine.dispose()
 
 
 def test_token_required_beyond_loopback(db, monkeypatch):

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -27,9 +28,11 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tests.audit_servers import asgi_in_thread, free_port
 from verinfer.production.exchange import (EventSplitter, Exchange, Recording, Unrecordable, claimed_params, prepare,
                                           record, strip_ids, unverifiable_reason, writes_nulls)
+from verinfer.production import gateway as gateway_module
+from verinfer.production import recorder
 from verinfer.production.gateway import Gateway, GatewayConfig, gateway_in_thread
 from verinfer.sharded import find_shards
-from verinfer.trace import read_traces
+from verinfer.trace import read_traces, write_traces
 
 PROMPT = [1, 9690, 2, 2683]  # fake prompt token ids the fake engine reports
 OUTPUT = [504, 3459, 17, 2]
@@ -326,26 +329,54 @@ def test_a_full_queue_drops_visibly_and_never_holds_the_client(tmp_path):
     assert g.counters.recorded == 2 and len(find_shards(tmp_path)) == 2
 
 
-def test_a_failing_disk_stops_recording_and_proxying_goes_on(tmp_path):
-    def full_disk(traces, path):
-        raise OSError(28, "No space left on device")
+def _wait(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_failing_disk_stops_recording_answers_503_and_recording_resumes_by_itself(tmp_path, monkeypatch):
+    """A full disk: proxying goes on, /gateway/health answers 503 with the reason while nothing is
+    recorded, and once there is room again recording resumes without a restart: the record the error
+    left in its write-ahead file is sealed into its shard and later exchanges are recorded."""
+    monkeypatch.setattr(recorder, "RESUME_SECONDS", 0.2)
+    room = threading.Event()
+
+    def disk(traces, path):
+        if not room.is_set():
+            raise OSError(28, "No space left on device")
+        return write_traces(traces, path)
 
     logs: list = []
     with asgi_in_thread(fake_engine()) as engine:
         g = _gateway(engine, tmp_path, Recording("fake"), lambda level, event, **f: logs.append((event, f)),
-                     write=full_disk, shard_records=1)
+                     write=disk, shard_records=1)
         with gateway_in_thread(g) as gw:
             codes = [httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code for _ in range(3)]
-            deadline = time.monotonic() + 30
-            while g.recorder.stopped is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait(lambda: g.recorder.stopped is not None)
             codes += [httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code]
-            health = httpx.get(gw.removesuffix("/v1") + "/gateway/health").json()
+            time.sleep(0.5)  # attempts to resume fail while the disk is full
+            stopped = httpx.get(gw.removesuffix("/v1") + "/gateway/health")
+            room.set()
+            _wait(lambda: g.recorder.stopped is None)
+            assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
+            _wait(lambda: g.counters.recorded == 1)
+            resumed = httpx.get(gw.removesuffix("/v1") + "/gateway/health")
     assert codes == [200] * 4
-    assert health["status"] == "recording_stopped" and health["write_errors"] == 1 and health["recorded"] == 0
-    assert "No space left" in health["recording_error"] and health["dropped"] >= 2
+    health = stopped.json()
+    assert stopped.status_code == 503 and health["status"] == "recording_stopped" and health["recording"] is False
+    assert health["write_errors"] == 1 and health["recorded"] == 0
+    assert "No space left" in health["recording_error"] and "No space left" in health["resume_error"]
+    assert len(health["reasons"]) == 1 and health["reasons"][0].startswith("recording stopped:")
+    assert resumed.status_code == 200 and resumed.json()["status"] == "ok" and resumed.json()["reasons"] == []
     stops = [f for e, f in logs if e == "recording_stopped"]
     assert len(stops) == 1 and "No space left on device" in stops[0]["error"]
+    (back,) = [f for e, f in logs if e == "recording_resumed"]
+    held = stops[0]["lost_records"]  # parsed before the stop (1-3: however many the writer took at once), kept in the WAL
+    assert held >= 1 and back["sealed_records"] == g.counters.recovered == held
+    assert health["dropped"] == 4  # those (counted at the stop), and every exchange answered while stopped
+    assert sum(len(read_traces(p)) for p in find_shards(tmp_path)) == held + 1 and not list(tmp_path.glob("*.wal"))
 
 
 def test_a_trace_directory_that_turns_into_a_file_stops_recording(tmp_path):
@@ -357,11 +388,62 @@ def test_a_trace_directory_that_turns_into_a_file_stops_recording(tmp_path):
             traces.rmdir()
             traces.write_text("not a directory")
             assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
-            deadline = time.monotonic() + 30
-            while g.recorder.stopped is None and time.monotonic() < deadline:
-                time.sleep(0.05)
+            _wait(lambda: g.recorder.stopped is not None)
             assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
-    assert g.recorder.stopped and str(traces) in g.recorder.stopped and g.counters.write_errors == 1
+            stopped = g.recorder.stopped
+            assert httpx.get(gw.removesuffix("/v1") + "/gateway/health").status_code == 503
+            traces.unlink()  # the directory is back: recording resumes by itself
+            traces.mkdir()
+            _wait(lambda: g.recorder.stopped is None, 30 + recorder.RESUME_SECONDS)
+            assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
+            _wait(lambda: g.counters.recorded == 1)
+            assert httpx.get(gw.removesuffix("/v1") + "/gateway/health").status_code == 200
+    assert str(traces) in stopped and g.counters.write_errors == 1 and len(find_shards(traces)) == 1
+
+
+def test_health_is_503_while_the_engine_cannot_be_reached_and_asks_it_when_idle(tmp_path, monkeypatch):
+    """No traffic and no engine: /gateway/health asks the engine itself and answers 503 with the reason;
+    a proxied answer makes it 200 at once; an engine gone while idle is found by the next probe."""
+    monkeypatch.setattr(gateway_module, "PROBE_AFTER_S", 0.0)
+    port = free_port()
+    g = _gateway(f"http://127.0.0.1:{port}", tmp_path, Recording("fake"), None)
+    with gateway_in_thread(g) as gw:
+        down = httpx.get(gw.removesuffix("/v1") + "/gateway/health", timeout=30)
+        with asgi_in_thread(fake_engine(), port=port):
+            assert httpx.post(f"{gw}/chat/completions", json=CHAT, timeout=30).status_code == 200
+            up = httpx.get(gw.removesuffix("/v1") + "/gateway/health", timeout=30)
+        gone = httpx.get(gw.removesuffix("/v1") + "/gateway/health", timeout=30)
+    assert down.status_code == 503 and down.json()["status"] == "upstream_unreachable"
+    assert f"127.0.0.1:{port}" in down.json()["reasons"][0] and down.json()["upstream_error"]
+    assert up.status_code == 200 and up.json()["status"] == "ok" and up.json()["upstream_error"] is None
+    assert gone.status_code == 503 and gone.json()["status"] == "upstream_unreachable"
+
+
+def test_own_endpoints_ask_for_the_token_and_proxied_requests_keep_theirs(tmp_path):
+    """With a token, /gateway/metrics answers 401 without it and /gateway/health gives only its status;
+    proxied requests need no gateway token and carry their own Authorization to the engine."""
+    token, seen, app = "a-long-enough-gateway-token", [], fake_engine()
+
+    async def engine(scope, receive, send):
+        seen.extend(v for k, v in scope["headers"] if k == b"authorization")
+        await app(scope, receive, send)
+
+    with asgi_in_thread(engine) as upstream:
+        g = _gateway(upstream, tmp_path, Recording("fake"), None)
+        with gateway_in_thread(g, token=token) as gw:
+            own = gw.removesuffix("/v1") + "/gateway"
+            anonymous = httpx.get(f"{own}/health", timeout=30).json()
+            detailed = httpx.get(f"{own}/health", headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+            refused = httpx.get(f"{own}/metrics", timeout=30)
+            wrong = httpx.get(f"{own}/metrics", auth=("prometheus", token + "x"), timeout=30)
+            metrics = httpx.get(f"{own}/metrics", auth=("prometheus", token), timeout=30)
+            answer = httpx.post(f"{gw}/chat/completions", json=CHAT, headers={"Authorization": "Bearer engine-key"},
+                                timeout=30)
+    assert anonymous == {"status": "ok"} and detailed["upstream"] == upstream.removesuffix("/v1")
+    assert refused.status_code == wrong.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+    assert refused.headers["www-authenticate"].startswith("Basic")
+    assert metrics.status_code == 200 and "verinfer_gateway_requests_total" in metrics.text
+    assert answer.status_code == 200 and set(seen) == {b"Bearer engine-key"}  # the request (and /v1/models, once)
 
 
 def test_block_policy_waits_for_room_and_loses_nothing(tmp_path):
@@ -413,7 +495,10 @@ def test_bad_options_are_one_line_errors(tmp_path):
                          (["--traces", str(tmp_path), "--on-full", "wait"], "--on-full must be one of drop, block"),
                          (["--traces", str(tmp_path), "--store-text", "maybe"], "--store-text must be true or false"),
                          (["--traces", str(tmp_path), "--request-defaults", "[1]"], "expected a JSON object"),
-                         (["--traces", str(tmp_path), "--upstream", "localhost:8000"], "must be an http(s) URL")]:
+                         (["--traces", str(tmp_path), "--upstream", "localhost:8000"], "must be an http(s) URL"),
+                         (["--traces", str(tmp_path), "--host", "0.0.0.0"], "--host 0.0.0.0 is reachable beyond"),
+                         (["--traces", str(tmp_path), "--auth-token-env", "VERINFER_NO_SUCH_VARIABLE"],
+                          "VERINFER_NO_SUCH_VARIABLE: the variable is unset or empty")]:
         result = CliRunner().invoke(app, ["gateway", "--upstream", "http://127.0.0.1:9", *args])
         lines = result.output.strip().splitlines()
         assert result.exit_code == 2 and len(lines) == 1, (args, result.output)
@@ -458,6 +543,9 @@ def test_kill_9_loses_nothing_parsed_and_sigterm_writes_the_open_shard(tmp_path)
                 for _ in range(5):
                     assert httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=CHAT,
                                       timeout=30).status_code == 200
+                with socket.create_connection(("127.0.0.1", port)) as raw:  # uvicorn's own warning, as JSON too
+                    raw.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+                    raw.recv(1024)
                 deadline = time.monotonic() + 30  # the writer flushes within SYNC_SECONDS of parsing
                 while _records(traces) + _wal_lines(traces) < 5 and time.monotonic() < deadline:
                     time.sleep(0.02)
@@ -484,9 +572,9 @@ def test_kill_9_loses_nothing_parsed_and_sigterm_writes_the_open_shard(tmp_path)
             assert g.counters.recovered == len(sealed) == (how == signal.SIGKILL)
             if sealed:
                 assert sealed[0]["records"] == 1 and sealed[0]["path"] == str(orphans[0]).removesuffix(".wal")
-            log = [json.loads(line) for line in (tmp_path / f"{how.name}.log").read_text().splitlines()
-                   if line.startswith("{")]
+            log = [json.loads(line) for line in (tmp_path / f"{how.name}.log").read_text().splitlines()]
             assert log[0]["event"] == "listening"
+            assert any(e.get("logger") == "uvicorn.error" and "Invalid HTTP request" in e["event"] for e in log)
             assert sum(e["event"] == "shard_written" for e in log) == 2 + (how == signal.SIGTERM)
             if how == signal.SIGTERM:
                 assert log[-1]["event"] == "gateway_stopped" and log[-1]["recorded"] == 5

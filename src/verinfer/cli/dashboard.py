@@ -9,28 +9,12 @@ environment variable, or it refuses to start (exit 2), as it does for a database
 from __future__ import annotations
 
 import hashlib
-import os
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from verinfer.cli.errors import one_line_errors
-
-
-def _token(host: str, env_name: str | None) -> str | None:
-    from verinfer.production.dashboard import is_loopback
-
-    if env_name:
-        token = os.environ.get(env_name, "")
-        if len(token) < 16:
-            problem = "too short (under 16 characters)" if token else "unset or empty"
-            raise ValueError(f"--auth-token-env {env_name}: the variable is {problem}")
-        return token
-    if not is_loopback(host):
-        raise ValueError(f"--host {host} is reachable beyond this machine: pass --auth-token-env NAME (an environment "
-                         f"variable holding the token clients send) or bind 127.0.0.1")
-    return None
 
 
 @one_line_errors
@@ -54,11 +38,12 @@ def dashboard(
 
     require("production", "verinfer dashboard")
 
+    from verinfer.production.access import service_token
     from verinfer.production.dashboard import create_app
     from verinfer.production.store import open_store, shown
     from verinfer.sockets import bind
 
-    token = _token(host, auth_token_env)
+    token = service_token(host, auth_token_env)
     if alert_url is not None and not alert_url.startswith(("http://", "https://")):
         raise ValueError("--alert-url must be an http(s) URL")
     if not alert_every > 0:

@@ -69,7 +69,10 @@ def gateway(
         None, help="the claimed model (alias, .gguf, local directory): its id goes into the traces and its "
                    "tokenizer re-tokenizes engines that return no token ids (default: the id the engine reports, "
                    "returned ids only)"),
-    host: str = typer.Option("127.0.0.1", help="interface to listen on"),
+    host: str = typer.Option("127.0.0.1", help="interface to listen on (beyond loopback it needs --auth-token-env)"),
+    auth_token_env: Optional[str] = typer.Option(None, help="environment variable holding the token /gateway/metrics "
+                                                 "and /gateway/health's details ask for (Bearer, or the basic-auth "
+                                                 "password); proxied requests keep their own Authorization"),
     provider: Optional[str] = typer.Option(None, help="provider name in the traces (default: the upstream's "
                                                       "host:port)"),
     shard_records: int = typer.Option(1000, help="close a shard after this many traces"),
@@ -104,7 +107,8 @@ def gateway(
 
     require("production", "verinfer gateway", only=("prometheus_client", "httptools"))  # no database: it starts faster
 
-    from verinfer.production.gateway import Gateway, create_app, json_log
+    from verinfer.production.access import service_token
+    from verinfer.production.gateway import Gateway, create_app, json_log, uvicorn_log_config
     from verinfer.sockets import bind
 
     if no_token_ids:
@@ -115,16 +119,18 @@ def gateway(
             "defaults": opt.json_object("--request-defaults", request_defaults) or {},
             "shard_records": shard_records, "shard_seconds": shard_seconds, "queue_size": queue_size,
             "on_full": on_full, "timeout_s": timeout, "access_log": access_log, "max_body_mb": max_body_mb,
-            "fsync": fsync, "workers": workers}
+            "fsync": fsync, "workers": workers, "auth_token_env": auth_token_env}
+    token = service_token(host, auth_token_env)
     config = _config(spec)  # every problem is refused here, before a socket or a worker
     _writable(traces)
     sock = bind(host, port)
     log = json_log()
     host_, port_ = sock.getsockname()[:2]
     log("info", "listening", url=f"http://{host_}:{port_}", upstream=config.base, workers=workers)
-    settings = dict(log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=30)
+    settings = dict(log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=30,
+                    log_config=uvicorn_log_config())
     if workers == 1:
-        uvicorn.Server(uvicorn.Config(create_app(Gateway(config, log)), **settings)).run(sockets=[sock])
+        uvicorn.Server(uvicorn.Config(create_app(Gateway(config, log), token), **settings)).run(sockets=[sock])
         return
     import inspect
 
@@ -162,4 +168,6 @@ def worker_app():
     """One worker's ASGI app (``--workers`` > 1: uvicorn imports this in each worker process)."""
     from verinfer.production.gateway import Gateway, create_app, json_log
 
-    return create_app(Gateway(_config(json.loads(os.environ[SPEC_ENV])), json_log()))
+    spec = json.loads(os.environ[SPEC_ENV])
+    token = os.environ[spec["auth_token_env"]] if spec["auth_token_env"] else None  # checked by the command
+    return create_app(Gateway(_config(spec), json_log()), token)

@@ -7,63 +7,35 @@ with divergent tokens highlighted by the audit report's own template, ``auditing
 tokens.html.j2``), ``/metrics`` (``verinfer.production.metrics``) and ``/health``. Times are UTC; the
 overview reloads itself every ``refresh`` seconds (a query parameter; 0 turns it off).
 
-Security: the CLI binds loopback unless told otherwise, and beyond loopback it refuses to start
-without a token (``--auth-token-env``). With a token every route but ``/health`` asks for it, as
-``Authorization: Bearer TOKEN`` (Prometheus' ``authorization`` setting) or as the password of HTTP
-basic auth (what a browser prompts for). Every provider-supplied string is escaped by Jinja's
+Security (``verinfer.production.access``, the gateway's rule too): the CLI binds loopback unless told
+otherwise, and beyond loopback it refuses to start without a token (``--auth-token-env``). With a
+token every route but ``/health`` asks for it. Every provider-supplied string is escaped by Jinja's
 autoescape; every page passes through ``verinfer.auditing.secrets.redact_text`` (URL credentials and
 secret query values), and the token is registered there so it never appears either.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
-import ipaddress
-import secrets
 import threading
 from typing import Any
 
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from verinfer.auditing.secrets import redact_text, remember
+from verinfer.production.access import authorized, unauthorized_body
 from verinfer.production import metrics, views
-from verinfer.production.store import Store, utcnow
+from verinfer.production.store import Store, Window, utcnow
 from verinfer.production.timeline import chart
 from verinfer.stats.pooling import MARGIN_CLIP
 
 TRACES_PER_PAGE = 50
 OPEN_ROUTES = ("/health",)
-
-
-def is_loopback(host: str) -> bool:
-    """127.0.0.0/8, ::1 and ``localhost``: addresses only this machine can reach."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
-def authorized(header: str | None, token: str) -> bool:
-    """``Bearer TOKEN`` or HTTP basic auth whose password is TOKEN (any user name)."""
-    if not header:
-        return False
-    scheme, _, value = header.partition(" ")
-    if scheme.lower() == "bearer":
-        return secrets.compare_digest(value.strip().encode(), token.encode())
-    if scheme.lower() == "basic":
-        try:
-            password = base64.b64decode(value.strip(), validate=True).decode().partition(":")[2]
-        except (ValueError, UnicodeDecodeError):
-            return False
-        return secrets.compare_digest(password.encode(), token.encode())
-    return False
 
 
 def _utc(t: dt.datetime | None, seconds: bool = True) -> str:
@@ -120,10 +92,8 @@ def create_app(store: Store, token: str | None = None, alerter=None, alert_every
     async def require_token(request: Request, call_next):
         if token and request.url.path not in OPEN_ROUTES and not authorized(request.headers.get("authorization"),
                                                                              token):
-            return JSONResponse({"error": {"message": "this dashboard needs its token (Authorization: Bearer TOKEN, "
-                                                      "or the token as the HTTP basic-auth password)",
-                                           "type": "authentication_error", "code": "unauthorized"}},
-                                status_code=401, headers={"WWW-Authenticate": 'Basic realm="verinfer dashboard"'})
+            return JSONResponse(unauthorized_body("dashboard"), status_code=401,
+                                headers={"WWW-Authenticate": 'Basic realm="verinfer dashboard"'})
         return await call_next(request)
 
     def bad_request(message: str) -> HTMLResponse:
@@ -166,11 +136,21 @@ def create_app(store: Store, token: str | None = None, alerter=None, alert_every
         return Response(body, media_type=content_type)
 
     @app.get("/health")
-    def health() -> dict:
-        return {"status": "ok", "database": store.dialect}
+    def health() -> JSONResponse:
+        """200 when the history can be read (one row of its windows table), else 503 with the reason:
+        a balancer or a probe must not see ok from a dashboard whose pages fail."""
+        try:
+            with Session(engine) as s:
+                s.execute(select(Window.id).limit(1)).all()
+        except Exception as exc:  # SQLAlchemyError, or the driver's own (a file gone, a server down)
+            reason = redact_text(f"the database ({store.dialect}) cannot be read: {type(exc).__name__}: "
+                                 f"{str(exc).splitlines()[0] if str(exc) else ''}")
+            return JSONResponse({"status": "database_unreachable", "database": store.dialect, "reasons": [reason]},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "database": store.dialect, "reasons": []})
 
     app.state.store = store
     return app
 
 
-__all__ = ["authorized", "create_app", "environment", "is_loopback"]
+__all__ = ["create_app", "environment"]

@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 
 
 from verinfer.files import running, write_atomic
+from verinfer.production.access import authorized, unauthorized_body
 from verinfer.production.exchange import (ENDPOINTS, SEED_RANGE, EventSplitter, Exchange, Prepared, Recording,
                                           ends_done, iso, prepare, stream_error_event, strip_ids, without_ids_request,
                                           writes_nulls)
@@ -54,6 +55,8 @@ HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authoriza
               "transfer-encoding", "upgrade", "host", "content-length", "accept-encoding"}
 NOT_FORWARDED_BACK = HOP_BY_HOP | {"content-encoding", "date", "server"}  # uvicorn sets date and server
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "HEAD"]
+PROBE_AFTER_S = 5.0  # /gateway/health asks the engine itself when it has not been heard from for this long
+PROBE_TIMEOUT_S = 3.0  # ... and waits this long for any answer (any HTTP status means it is reachable)
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,26 @@ class GatewayConfig:
         return self.upstream.rstrip("/").removesuffix("/v1")
 
 
-class _JsonLines(logging.Formatter):
+class JsonLines(logging.Formatter):
+    """One JSON object per record: ``ts``, ``level``, ``event`` and the record's fields; a record from
+    another library (uvicorn) also names its ``logger`` and carries its traceback as ``error``."""
+
     def format(self, r: logging.LogRecord) -> str:
-        return json.dumps({"ts": iso(r.created), "level": r.levelname.lower(), "event": r.getMessage(),
-                           **getattr(r, "fields", {})}, default=str)
+        out = {"ts": iso(r.created), "level": r.levelname.lower(), "event": r.getMessage(), **getattr(r, "fields", {})}
+        if not r.name.startswith("verinfer"):
+            out["logger"] = r.name
+        if r.exc_info:
+            out["error"] = self.formatException(r.exc_info)
+        return json.dumps(out, default=str)
+
+
+def uvicorn_log_config(level: str = "warning") -> dict[str, Any]:
+    """uvicorn's ``log_config``: its own messages (start-up, errors, tracebacks) as JSON lines on stderr too."""
+    return {"version": 1, "disable_existing_loggers": False,
+            "formatters": {"json": {"()": f"{__name__}.JsonLines"}},
+            "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}},
+            "loggers": {name: {"handlers": ["stderr"], "level": level.upper(), "propagate": False}
+                        for name in ("uvicorn", "uvicorn.error", "uvicorn.access")}}
 
 
 def json_log(stream=None) -> Callable[..., None]:
@@ -116,7 +135,7 @@ def json_log(stream=None) -> Callable[..., None]:
     logger = logging.getLogger("verinfer.gateway")
     if not logger.handlers:
         handler = logging.StreamHandler(stream or sys.stderr)
-        handler.setFormatter(_JsonLines())
+        handler.setFormatter(JsonLines())
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         logger.propagate = False
@@ -173,6 +192,9 @@ class Gateway:
         kw = {"write": write} if write is not None else {}
         self.recorder = Recorder(config.traces, config.recording, self.log, self.counters, config.shard_records,
                                  config.shard_seconds, config.queue_size, config.on_full, fsync=config.fsync, **kw)
+        self.probe = Upstream(config.base, PROBE_TIMEOUT_S)  # /gateway/health's own connection to the engine
+        self.heard: tuple[float, str | None] = (-PROBE_AFTER_S, None)  # (monotonic time, error or None): the
+        # engine's last answer or failure, on any request
         self.streams = 0  # streams being read from the engine now
         self.states = Path(config.traces) / ".gateway-workers"  # each worker's published state (``workers``)
         self.publisher: asyncio.Task | None = None
@@ -189,16 +211,17 @@ class Gateway:
             self.publisher.cancel()
             (self.states / f"{os.getpid()}.json").unlink(missing_ok=True)
         await self.upstream.close()
+        await self.probe.close()
         await asyncio.to_thread(self.recorder.close)
         self.log("info", "gateway_stopped", **self.counters.snapshot())
 
     def own_health(self) -> dict[str, Any]:
         """This process's state and counters."""
-        return {"status": "ok" if not self.recorder.stopped else "recording_stopped", "upstream": self.config.base,
-                "traces": str(self.config.traces), "recording": not self.recorder.stopped,
-                "recording_error": self.recorder.stopped, "recorder_ready": self.recorder.ready,
-                "token_ids_from_upstream": self.ask_ids, "pid": os.getpid(),
-                **self.counters.snapshot()}
+        r = self.recorder
+        return {"status": "ok" if not r.stopped else "recording_stopped", "upstream": self.config.base,
+                "traces": str(self.config.traces), "recording": not r.stopped, "recording_error": r.stopped,
+                "resume_error": r.retry_error, "recorder_ready": r.ready, "upstream_error": self.heard[1],
+                "token_ids_from_upstream": self.ask_ids, "pid": os.getpid(), **self.counters.snapshot()}
 
     def workers(self) -> list[dict[str, Any]]:
         """Every live worker's ``own_health`` (``--workers``: each publishes its own into
@@ -230,6 +253,29 @@ class Gateway:
                      recorder_ready=all(w["recorder_ready"] for w in workers), workers=workers)
         return total
 
+    async def checked_health(self) -> tuple[int, dict[str, Any]]:
+        """``/gateway/health``: 200 while every worker records and the engine answers, else 503 with the
+        reasons (``status``: ``recording_stopped`` before ``upstream_unreachable``). The engine is asked
+        (``GET /v1/models``, any status will do) when no request has heard from it for ``PROBE_AFTER_S``;
+        a gateway still loading its recorder is ok (exchanges are journaled meanwhile)."""
+        if time.monotonic() - self.heard[0] >= PROBE_AFTER_S:
+            try:
+                resp = await self.probe.request("GET", f"{self.prefix}/v1/models", [(b"accept-encoding", b"identity")])
+                await resp.read()
+                await resp.aclose()
+                self.heard = (time.monotonic(), None)
+            except UpstreamError as exc:
+                self.heard = (time.monotonic(), str(exc))
+        health = self.health()
+        health["upstream_error"] = self.heard[1]
+        reasons = [f"recording stopped: {health['recording_error']}"] if not health["recording"] else []
+        if self.heard[1]:
+            reasons.append(f"the upstream engine {self.config.base} cannot be reached: {self.heard[1]}")
+        health["status"] = "ok" if not reasons else "recording_stopped" if not health["recording"] \
+            else "upstream_unreachable"
+        health["reasons"] = reasons
+        return (503 if reasons else 200), health
+
     async def _publish(self) -> None:
         """Write this worker's state for its siblings' ``/gateway/health`` and ``/gateway/metrics``."""
         self.states.mkdir(parents=True, exist_ok=True)
@@ -252,8 +298,11 @@ class Gateway:
     async def _send(self, method: str, target: str, body: bytes | AsyncIterator[bytes],
                     headers: list[tuple[bytes, bytes]]) -> Response | None:
         try:
-            return await self.upstream.request(method, target, headers, body)
+            resp = await self.upstream.request(method, target, headers, body)
+            self.heard = (time.monotonic(), None)
+            return resp
         except UpstreamError as exc:
+            self.heard = (time.monotonic(), str(exc))
             self.counters.add(upstream_unreachable=1)
             self.log("error", "upstream_unreachable", url=f"{self.config.base}{target}", error=str(exc))
             return None
@@ -459,9 +508,12 @@ class Gateway:
                      ms=round((time.monotonic() - started) * 1000, 2))
 
 
-def create_app(gateway: Gateway):
+def create_app(gateway: Gateway, token: str | None = None):
     """The gateway's ASGI app: ``/gateway/health``, ``/gateway/metrics`` (Prometheus), everything else
-    proxied; the lifespan starts and stops the gateway (the open shard is written on shutdown)."""
+    proxied; the lifespan starts and stops the gateway (the open shard is written on shutdown). With
+    ``token`` (``verinfer.production.access``) ``/gateway/metrics`` asks for it and ``/gateway/health``
+    shows only its status (and its 200 or 503) without it; proxied requests carry the client's own
+    ``Authorization`` to the engine, as ever."""
 
     async def app(scope, receive, send) -> None:
         if scope["type"] == "lifespan":
@@ -477,23 +529,36 @@ def create_app(gateway: Gateway):
         if scope["type"] != "http":
             return
         path = scope["path"]
-        if path == "/gateway/health" and scope["method"] == "GET":
-            return await gateway._reply(send, "GET", path, time.monotonic(), *_json(200, gateway.health()))
-        if path == "/gateway/metrics" and scope["method"] == "GET":  # /metrics itself is the engine's: proxied
-            from verinfer.production.metrics import exposition, gateway_metrics
-
-            snapshots = {str(w["pid"]): {k: w.get(k, 0) for k in Counters().snapshot()} for w in gateway.workers()}
-            body, content_type = exposition(lambda: gateway_metrics(snapshots))
-            return await gateway._reply(send, "GET", path, time.monotonic(), 200,
-                                        [(b"content-type", content_type.encode())], body)
+        if path in ("/gateway/health", "/gateway/metrics") and scope["method"] == "GET":
+            return await _own_route(gateway, token, scope, send)
         await gateway.handle(scope, receive, send)
 
     app.gateway = gateway
     return app
 
 
+async def _own_route(gateway: Gateway, token: str | None, scope: dict, send) -> None:
+    """``/gateway/health`` and ``/gateway/metrics`` (``/metrics`` itself is the engine's: proxied)."""
+    path, started = scope["path"], time.monotonic()
+    allowed = token is None or authorized(
+        next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None), token)
+    if path == "/gateway/health":
+        status, health = await gateway.checked_health()
+        return await gateway._reply(send, "GET", path, started, *_json(status, health if allowed
+                                                                       else {"status": health["status"]}))
+    if not allowed:
+        status, headers, body = _json(401, unauthorized_body("gateway"))
+        return await gateway._reply(send, "GET", path, started, status,
+                                    [*headers, (b"www-authenticate", b'Basic realm="verinfer gateway"')], body)
+    from verinfer.production.metrics import exposition, gateway_metrics
+
+    snapshots = {str(w["pid"]): {k: w.get(k, 0) for k in Counters().snapshot()} for w in gateway.workers()}
+    body, content_type = exposition(lambda: gateway_metrics(snapshots))
+    await gateway._reply(send, "GET", path, started, 200, [(b"content-type", content_type.encode())], body)
+
+
 @contextlib.contextmanager
-def gateway_in_thread(gateway: Gateway, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+def gateway_in_thread(gateway: Gateway, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> Iterator[str]:
     """Serve ``gateway`` on a real socket in a background thread (tests, benchmarks); yields its base
     URL ending in ``/v1``. Leaving the block shuts it down as SIGTERM would (the open shard is written)."""
     import uvicorn
@@ -501,7 +566,7 @@ def gateway_in_thread(gateway: Gateway, host: str = "127.0.0.1", port: int = 0) 
     from verinfer.sockets import base_url, bind
 
     sock = bind(host, port)
-    server = uvicorn.Server(uvicorn.Config(create_app(gateway), log_level="warning", access_log=False,
+    server = uvicorn.Server(uvicorn.Config(create_app(gateway, token), log_level="warning", access_log=False,
                                           lifespan="on", timeout_graceful_shutdown=30))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="verinfer-gateway-http",
                               daemon=True)

@@ -28,8 +28,11 @@ Several recorders (``--workers``) share a directory: names carry the process id,
 claims a file by renaming it first, so two never seal the same one.
 
 A shard that cannot be written (a full disk, a directory made read-only) stops recording with one
-log line naming the directory and the error; its records, kept in its write-ahead file for the next
-start to seal, and every later exchange count as ``dropped``, and proxying goes on. ``Counters``
+log line naming the directory and the error; its records, kept in its write-ahead file, and every
+later exchange count as ``dropped``, and proxying goes on (health answers 503 meanwhile). Every
+``RESUME_SECONDS`` the recorder tries again: a 1 MiB probe written and fsync'd in each directory,
+then the write-ahead files the error left sealed into their shards (counted ``recovered``); when
+both succeed recording resumes (``recording_resumed`` logged), with no restart. ``Counters``
 holds every number ``/gateway/health`` reports, in one object a Prometheus ``/metrics`` endpoint
 can read.
 """
@@ -59,6 +62,8 @@ WAL = ".wal"  # a shard's write-ahead file: its final name plus this
 SEALING = ".sealing"  # <wal>.<pid>.sealing: a write-ahead file claimed by the process that seals it
 SYNC_SECONDS = 0.2  # the longest a parsed trace waits in the process before reaching the OS
 JOURNAL = ".journal"  # exchanges-<UTC time>-<pid>-<seq>.journal: exchanges kept raw until the recorder can parse
+RESUME_SECONDS = 5.0  # after a write error, how often the recorder tries to resume (``Recorder._resume``)
+PROBE_BYTES = 1 << 20  # what a resume attempt writes first, to see there is room again
 
 
 @dataclass
@@ -263,14 +268,38 @@ def seal_orphans(directory: Path, write: Callable[[list[Trace], Path], object], 
     recovered = 0
     for claimed, wal in _claim_orphans(directory, f"traces-*.parquet{WAL}", WAL):
         shard = wal.with_name(wal.name[:-len(WAL)])
-        traces, bad = read_wal(claimed)
-        if traces and not shard.exists():
-            write(traces, shard)
-            recovered += len(traces)
-        claimed.unlink()
-        log("warning" if traces else "info", "wal_sealed", path=str(shard), records=len(traces), unreadable_lines=bad,
+        traces, bad = seal(claimed, shard, write)
+        recovered += traces
+        log("warning" if traces else "info", "wal_sealed", path=str(shard), records=traces, unreadable_lines=bad,
             detail="a gateway that died left these answered exchanges in its write-ahead file")
     return recovered
+
+
+def seal(wal: Path, shard: Path, write: Callable[[list[Trace], Path], object]) -> tuple[int, int]:
+    """Write a write-ahead file's traces into ``shard`` (unless a shard is already there: a crash between
+    its rename and the deletion of the write-ahead file), then delete it; (traces written, unreadable lines)."""
+    traces, bad = read_wal(wal)
+    written = 0
+    if traces and not shard.exists():
+        write(traces, shard)
+        written = len(traces)
+    wal.unlink()
+    return written, bad
+
+
+def probe(directory: Path, size: int = PROBE_BYTES) -> None:
+    """Write ``size`` bytes to a file in ``directory``, fsync and delete it: an OSError if there is no room
+    (an empty file can still be created on a full disk) or no way to write."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f".verinfer-probe-{os.getpid()}"
+    try:
+        with open(path, "wb") as fh:
+            fh.write(b"\0" * size)
+            fh.flush()
+            os.fsync(fh.fileno())
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 class Recorder:
@@ -302,6 +331,10 @@ class Recorder:
         self.shards = ShardWriter(self.directory, write, fsync)
         self.aside = ShardWriter(self.directory / UNVERIFIABLE_DIR, write, fsync)
         self.stopped: str | None = None  # why recording stopped (a write error), else None
+        self.resumable = False  # stopped by a write error: retried every RESUME_SECONDS (``_resume``)
+        self.stopped_at = 0.0  # monotonic time of the stop or of the last attempt to resume
+        self.retry_error: str | None = None  # why the last attempt to resume failed
+        self.abandoned: list[tuple[Path, Path]] = []  # (write-ahead file, its shard) left by a write error
         self.full = False  # inside a full-queue spell (logged once per spell)
         self.ready = False  # profiles imported and the tokenizer loaded (``_warm``): exchanges are being parsed
         self.thread = threading.Thread(target=self._run, name="verinfer-gateway-recorder", daemon=True)
@@ -405,6 +438,8 @@ class Recorder:
                         journaled.sync()
                 caught_up = True
             if ex is None:
+                if self.stopped and self.resumable:
+                    self._resume()
                 self._flush(force=True)
                 return
             if ex is not False and not caught_up:
@@ -421,6 +456,8 @@ class Recorder:
                 self._each(ShardWriter.sync)
                 synced = time.monotonic()
             self._flush(force=False)
+            if self.stopped and self.resumable and time.monotonic() - self.stopped_at >= RESUME_SECONDS:
+                self._resume()
 
     def _take(self, ex: Exchange) -> None:
         try:
@@ -454,13 +491,39 @@ class Recorder:
     def _stop(self, writer: ShardWriter, exc: Exception, unbuffered: int) -> None:
         """Recording stops at a write error: what the shard held stays in its write-ahead file."""
         pending = len(writer.buffer) + unbuffered
+        shard = writer.path
         self.stopped = f"{writer.directory}: {type(exc).__name__}: {exc}"
+        self.resumable, self.stopped_at = True, time.monotonic()
         self.counters.add(write_errors=1, dropped=pending)
         wal = writer.abandon()
+        if wal is not None and wal.exists():
+            self.abandoned.append((wal, shard))
         self.log("error", "recording_stopped", directory=str(writer.directory), error=str(exc), lost_records=pending,
                  write_ahead_file=str(wal) if wal else None,
-                 detail="proxying continues; fix the directory and restart the gateway (it seals the "
-                        "write-ahead file's records into a shard)")
+                 detail=f"proxying continues; recording resumes by itself once the directory can be written "
+                        f"(tried every {RESUME_SECONDS:g} s), sealing the write-ahead file's records into a shard")
+
+    def _resume(self) -> None:
+        """After a write error: write a probe into each directory, then seal the write-ahead files the
+        error left; recording resumes only when all of that succeeds (else it is tried again later).
+        Exchanges answered while stopped were counted ``dropped``; the sealed records count ``recovered``."""
+        self.stopped_at = time.monotonic()
+        sealed = 0
+        try:
+            for writer in (self.shards, self.aside):
+                probe(writer.directory)
+            while self.abandoned:
+                wal, shard = self.abandoned[0]
+                n = seal(wal, shard, self.shards.write)[0] if wal.exists() else 0
+                self.abandoned.pop(0)
+                sealed += n
+                self.counters.add(recovered=n, shards_written=int(n > 0))
+        except Exception as exc:  # still no room (OSError), or pyarrow's wrapping of one
+            self.retry_error = f"{type(exc).__name__}: {exc}"
+            return
+        self.log("warning", "recording_resumed", was=self.stopped, sealed_records=sealed,
+                 dropped_total=self.counters.snapshot()["dropped"])
+        self.stopped, self.resumable, self.retry_error = None, False, None
 
     def _flush(self, force: bool) -> None:
         for writer, counter in ((self.shards, "recorded"), (self.aside, "unverifiable")):
