@@ -75,6 +75,20 @@ def window_rows(url: str) -> list[tuple]:
                       "p_value, tokens_needed, first_flagged FROM windows ORDER BY provider, start_time")
 
 
+def test_traffic_no_shipped_calibration_fits_is_recorded_uncalibrated_with_how_to_fit_one(backend, honest):
+    """Settings nothing ships for (T 0.7): statistics, no verdict, and a note saying why and how to calibrate."""
+    columns = api.verify(honest[:2], backend=backend).columns
+    sig = {"model": backend.model_id, "dtype": "float32",
+           "sampling": [{**honest[0].sampling.signature(), "temperature": 0.7}]}
+    out = Judge()(columns, sig)
+    assert out["verdict"] is None and out["judged_by"] is None and out["tokens"] == columns["margin"].size
+    assert out["note"].startswith("uncalibrated") and "no shipped calibration fits" in out["note"]
+    assert "--calibration cal.json" in out["note"]
+    judged = Judge()(columns, {**sig, "sampling": [honest[0].sampling.signature()]})
+    assert judged["verdict"] == "CONSISTENT" and "(shipped default)" in judged["judged_by"]
+    assert Judge(defaults=False)(columns, {**sig, "sampling": [honest[0].sampling.signature()]})["verdict"] is None
+
+
 def test_durations_and_buckets():
     assert [parse_duration(x) for x in ("90s", "10m", "1h", "2d", "45")] == [90, 600, 3600, 172800, 45]
     assert parse_duration("30", unit="m") == 1800
@@ -113,9 +127,10 @@ def test_every_shard_and_window_recorded_once(db_url, backend, honest, tmp_path)
     got = by_key[("acme", T0)]
     assert got[3] == expected["tokens"]
     assert got[5] == pytest.approx(expected["exact_match_rate"]) and got[6] == pytest.approx(expected["mean_margin"])
-    assert all(r[7] is None for r in rows)  # sampled traffic, no calibration, no shipped bands: no verdict ...
-    notes = query(db_url, "SELECT DISTINCT note FROM windows")
-    assert len(notes) == 1 and notes[0][0].startswith("uncalibrated")  # ... and the record says so
+    # no calibration given: the shipped one `verify` uses for these settings judges every window, named
+    assert {r[7] for r in rows} == {"CONSISTENT"}
+    assert query(db_url, "SELECT DISTINCT judged_by FROM windows") == [
+        ("calibration calibration-smollm2-135m-vllm-t1-k50-p0.95-minp0.json (shipped default)",)]  # generate's default profile
     assert query(db_url, "SELECT computed FROM windows WHERE shards = 2") == [(2,)]  # recomputed when b arrived
     assert query(db_url, "SELECT provider, windows, tokens FROM streams ORDER BY provider") == \
         query(db_url, "SELECT provider, COUNT(*), SUM(tokens) FROM windows GROUP BY provider ORDER BY provider")

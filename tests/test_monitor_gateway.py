@@ -36,3 +36,19 @@ def test_gateway_shards_to_window_verdicts(backend, served, prompts, calibrator,
     assert {r.verdict for r in by["engine"]} == {"CONSISTENT"}, [r.note for r in by["engine"]]
     flagged = [r for r in by["engine-behind-proxy"] if r.verdict == "INCONSISTENT"]
     assert flagged and all(r.first_flagged in {t.id for t in proxied} for r in flagged), [r.note for r in rows]
+
+    # No calibration given (the README's monitor block as written): the shipped one `verify` uses for
+    # this signature judges the same windows, and each window names it (issue #39 item 1: it said
+    # "uncalibrated", verdict NULL).
+    url = f"sqlite:///{tmp_path}/defaults.db"
+    store = open_store(url)
+    Monitor(d, store, backend=backend, window_s=3600, out_dir=tmp_path / "scores-again").run_once()
+    store.close()
+    engine = create_engine(url)
+    with engine.connect() as conn:
+        rows = [r for r in conn.execute(text("SELECT provider, verdict, judged_by, note FROM windows"))]
+    engine.dispose()
+    assert {r.judged_by for r in rows} == {
+        "calibration calibration-smollm2-135m-vllm-t1-k50-p0.95-minp0.json (shipped default)"}, [r.note for r in rows]
+    assert {r.verdict for r in rows if r.provider == "engine"} == {"CONSISTENT"}, [r.note for r in rows]
+    assert "INCONSISTENT" in {r.verdict for r in rows if r.provider == "engine-behind-proxy"}, [r.note for r in rows]

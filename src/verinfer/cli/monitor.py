@@ -35,8 +35,8 @@ def monitor(
     ray: bool = typer.Option(False, "--ray", help="verify shards on a local Ray cluster (verinfer.sharded.run_ray)"),
     workers: Optional[int] = typer.Option(None, help="--ray: model replicas (default: one per CPU)"),
     calibration: Optional[Path] = opt.input_file("--calibration", "calibration file from `verinfer calibrate`; "
-                                                 "without it: the shipped bands where they fit, else recorded "
-                                                 "uncalibrated"),
+                                                 "without it: the shipped calibration verify uses, else the "
+                                                 "shipped bands, where they fit; else recorded uncalibrated"),
     window: str = typer.Option("10m", help="window length of the per-window verdicts (e.g. 90s, 10m, 1h)"),
     poll: float = typer.Option(10.0, help="seconds between directory scans"),
     model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),

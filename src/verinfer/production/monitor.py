@@ -19,10 +19,12 @@ in request-time order, under a row lock (PostgreSQL ``FOR UPDATE``; SQLite's wri
 judged over all its tokens and never double-counts.
 
 Verdicts come from the one verdict rule (``verinfer.stats``): with a calibration file, its
-calibrated flags (as ``verinfer verify --calibration``); without one, the shipped bands for the
-traces' model and sampling settings when they exist (as ``verinfer audit``: greedy traffic on the
-bundled model); otherwise the result is recorded uncalibrated (statistics, no verdict, and a note
-saying so).
+calibrated flags (as ``verinfer verify --calibration``); without one, the shipped calibration
+``verinfer verify`` would use for the traces' signature (``verinfer.stats.shipped``: seeded traffic
+of the bundled model at the shipped settings), else the shipped bands when they exist (as
+``verinfer audit``: greedy traffic on the bundled model); otherwise the result is recorded
+uncalibrated (statistics, no verdict, and a note saying why and how to fit one). ``judged_by``
+names what judged each window.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from verinfer.production.store import (AuditResult, AuditRun, Key, Shard, ShardR
                                        advance_stream, dialect_insert, timeline, utcnow)
 from verinfer.scoring.scores import read_scores, read_signature, signature
 from verinfer.stats.calibration import Calibrator, signature_mismatch
+from verinfer.stats.shipped import find_calibration, no_default
 from verinfer.stats.pooling import sequence_stats
 from verinfer.stats.summary import UNCALIBRATED, summarize, token_statistics
 from verinfer.stats.verdict import Verdict, pooled_verdict, token_detector
@@ -107,17 +110,23 @@ class Judge:
     calibrator: Calibrator | None = None
     source: str = ""  # the calibration file
     alpha: float = DEFAULT_ALPHA
-    bands: bool = True  # without a calibration, use the shipped bands when they fit
+    defaults: bool = True  # without a calibration, use the shipped calibrations, then bands, that fit
 
     def __call__(self, columns: dict[str, np.ndarray], sig: dict) -> dict[str, Any]:
-        """Statistics and, when a calibration or bands fit ``sig``, the verdict of ``columns``."""
+        """Statistics and, when a calibration (given, else the shipped one ``verify`` would use) or
+        shipped bands fit ``sig``, the verdict of ``columns``; ``judged_by`` names which."""
         stats = token_statistics(columns)
         out: dict[str, Any] = dict(traces=stats["traces"], tokens=stats["tokens"],
                                    exact_match_rate=stats["exact_match_rate"], mean_margin=stats["mean_margin"],
                                    verdict=None, p_value=None, tokens_needed=None, flags=None, batches=None,
                                    first_flagged=None, judged_by=None, note=UNCALIBRATED)
-        if self.calibrator is not None:
-            verdict, first = self._calibrated(columns, sig, out)
+        calibrator, source = self.calibrator, self.source
+        if calibrator is None and self.defaults:
+            shipped = find_calibration(sig)
+            if shipped is not None:
+                calibrator, source = _shipped(shipped), f"{shipped.name} (shipped default)"
+        if calibrator is not None:
+            verdict, first = self._calibrated(columns, sig, out, calibrator, source)
         else:
             verdict, first = self._banded(columns, sig, out)
         if verdict is not None:
@@ -126,19 +135,19 @@ class Judge:
                        first_flagged=first, note=verdict.text)
         return out
 
-    def _calibrated(self, columns, sig, out) -> tuple[Verdict | None, str | None]:
-        problem = signature_mismatch(self.calibrator.signature, sig)
+    def _calibrated(self, columns, sig, out, calibrator: Calibrator, source: str) -> tuple[Verdict | None, str | None]:
+        problem = signature_mismatch(calibrator.signature, sig)
         if problem:
-            out["note"] = f"no verdict: the calibration ({self.source}) does not match these traces: {problem}"
+            out["note"] = f"no verdict: the calibration ({source}) does not match these traces: {problem}"
             return None, None
-        summary = summarize(columns, self.calibrator, alpha=self.alpha)
+        summary = summarize(columns, calibrator, alpha=self.alpha)
         if summary.verdict is None:
             out["note"] = summary.note
             return None, None
-        out["judged_by"] = f"calibration {self.source}"
+        out["judged_by"] = f"calibration {source}"
         v = summary.verdict
-        metric, rule = token_detector(self.calibrator)
-        flags = self.calibrator.predict(np.asarray(columns["margin"], dtype=np.float64), v.batch_size,
+        metric, rule = token_detector(calibrator)
+        flags = calibrator.predict(np.asarray(columns["margin"], dtype=np.float64), v.batch_size,
                                         metric=metric, rule=rule)
         first = str(columns["trace_id"][int(np.argmax(flags)) * v.batch_size]) if flags.any() else None
         return v, first
@@ -147,10 +156,11 @@ class Judge:
         from verinfer.auditing.bands import bands_filename, find_bands
 
         samplings = [GREEDY if s.get("profile") == "greedy" else s for s in sig["sampling"]]
-        bands = find_bands(sig["model"], samplings[0]) if self.bands and len(samplings) == 1 else None
+        bands = find_bands(sig["model"], samplings[0]) if self.defaults and len(samplings) == 1 else None
         if bands is None or bands.data.get("reference_dtype", "float32") != sig["dtype"]:
             which = bands_filename(sig["model"], samplings[0]) if len(samplings) == 1 else "one sampling setting"
-            out["note"] = f"{UNCALIBRATED} (no shipped bands for these traces: {which})"
+            out["note"] = (f"{UNCALIBRATED} (no shipped bands for these traces: {which}); "
+                           f"{no_default(sig).removeprefix('uncalibrated: ')}")
             return None, None
         seq = sequence_stats(columns, bands.clip)
         v = pooled_verdict(seq, bands.honest_bands(), self.alpha, all_bands=bands.labelled(),
@@ -161,6 +171,12 @@ class Judge:
             ids = list(dict.fromkeys(str(t) for t in columns["trace_id"]))  # sequence_stats' order
             first = ids[int(np.searchsorted(np.cumsum(seq[:, 0]), v.tokens_needed))]
         return v, first
+
+
+@functools.lru_cache(maxsize=None)
+def _shipped(path: Path) -> Calibrator:
+    """A shipped calibration, loaded once per process (every window of its streams uses it)."""
+    return Calibrator.load(path)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ def no_default(signature: dict, data_dir: Path = DATA_DIR) -> str:
     return (f"uncalibrated: no shipped calibration fits ({why}); fit one on honest traces of these settings: "
             f"`verinfer generate{flags} --dtype float32 -o h32.jsonl` and again with `--dtype bfloat16 -o h16.jsonl`, "
             f"`verinfer verify` each, `verinfer calibrate h32.scores.parquet h16.scores.parquet --precisions fp32,bf16 "
-            f"-o cal.json`, then `verinfer verify TRACES --calibration cal.json`")
+            f"-o cal.json`, then `--calibration cal.json` (verify, monitor)")
 
 
 __all__ = ["DATA_DIR", "calibration_filename", "find_calibration", "no_default", "shipped_signatures"]
