@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import re
+import time
 from contextlib import contextmanager
 
 import pytest
@@ -16,7 +17,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from tests.audit_servers import asgi_in_thread
+from tests.audit_servers import asgi_in_thread, free_port
 from tests.postgres_server import db_url, fresh_database, postgres_server  # noqa: F401 - fixtures
 from verinfer.production import views
 from verinfer.production.alerts import Alerter
@@ -201,8 +202,9 @@ def test_token_required_beyond_loopback(db, monkeypatch):
 
 
 @contextmanager
-def receiver(fail_first: int = 0):
-    """A local webhook receiver answering 503 to its first ``fail_first`` posts."""
+def receiver(fail_first: int = 0, port: int = 0, raw: list | None = None):
+    """A local webhook receiver answering 503 to its first ``fail_first`` posts (``raw``: gets each
+    accepted post's body bytes and headers)."""
     app, got, tries = FastAPI(), [], []
 
     @app.post("/hook")
@@ -211,9 +213,11 @@ def receiver(fail_first: int = 0):
         if len(tries) <= fail_first:
             return Response(status_code=503)
         got.append(await request.json())
+        if raw is not None:
+            raw.append((await request.body(), dict(request.headers)))
         return {"ok": True}
 
-    with asgi_in_thread(app, "/hook") as url:
+    with asgi_in_thread(app, "/hook", port) as url:
         yield url, got, tries
 
 
@@ -247,21 +251,64 @@ def test_alerts_once_per_change_retried_and_remembered(db, tmp_path):
         assert len(got) == 3
 
 
-def test_alerts_never_block_the_poll_and_survive_an_unreachable_receiver(db, tmp_path):
-    from verinfer.sockets import bind
-
-    sock = bind("127.0.0.1", 0)  # a port nobody answers on
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}/hook"
-    sock.close()
+def test_alerts_never_block_the_poll_and_reach_a_receiver_that_comes_back_in_order(db, tmp_path):
+    """A receiver down: the poll returns at once, the alerts wait (kept in the state file, counted in
+    /metrics), retried for as long as it takes (it used to give up after 8 attempts until a restart);
+    once the receiver is up they arrive, the older change of a series before the newer one."""
+    port = free_port()  # nobody answers on it yet
     state = tmp_path / "alerts.json"
-    alerter = Alerter(views.read_engine(db), url, state, str, retries=3, backoff_s=0.01)
+    alerter = Alerter(views.read_engine(db), f"http://127.0.0.1:{port}/hook", state, str, backoff_s=0.01,
+                      max_backoff_s=0.05)
     alerter.poll()
     with db.transaction() as s:
         add_window(s, "acme", len(ACME), "INCONSISTENT")
     assert len(alerter.poll()) == 1  # returns at once; delivery is the sender thread's
-    assert alerter.wait_idle(60)
-    alerter.close()
-    assert alerter.failed == 1 and len(json.loads(state.read_text())["pending"]) == 1  # kept for a restart
+    with db.transaction() as s:
+        add_window(s, "acme", len(ACME) + 1, "CONSISTENT")
+    assert len(alerter.poll()) == 1
+    deadline = time.monotonic() + 30
+    while alerter.failed_attempts < 5:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert not alerter.wait_idle(0.2) and len(json.loads(state.read_text())["pending"]) == 2
+    scrape = TestClient(create_app(db, alerter=alerter)).get("/metrics").text
+    samples = {m.name: m.samples[0].value for m in text_string_to_metric_families(scrape) if m.name.startswith("verinfer_alert")}
+    assert samples["verinfer_alerts_pending"] == 2 and samples["verinfer_alerts_backlog_seconds"] > 0
+    assert samples["verinfer_alert_attempts_failed"] >= 5 and samples["verinfer_alerts_delivered"] == 0
+    with receiver(port=port) as (_, got, _tries):
+        assert alerter.wait_idle(60)
+        alerter.close()
+    assert [(a["provider"], a["verdict"]) for a in got] == [("acme", "INCONSISTENT"), ("acme", "CONSISTENT")]
+    assert json.loads(state.read_text())["pending"] == [] and alerter.delivered == 2
+
+
+def test_alerts_can_be_signed_and_take_alertmanagers_shape(db, tmp_path):
+    """--alert-secret-env: the HMAC-SHA256 of the exact body in X-Verinfer-Signature-256; --alert-format
+    alertmanager: firing when a series turns INCONSISTENT, resolved when it is CONSISTENT again."""
+    import hashlib
+    import hmac
+
+    secret, raw = "a-webhook-secret-of-some-length", []
+    with receiver(raw=raw) as (url, got, _):
+        alerter = Alerter(views.read_engine(db), url, tmp_path / "a.json", lambda i: f"http://dash.example/window/{i}",
+                          shape="alertmanager", secret=secret, backoff_s=0.01)
+        alerter.poll()
+        for i, verdict in enumerate(("INCONSISTENT", "CONSISTENT")):
+            with db.transaction() as s:
+                add_window(s, "acme", len(ACME) + i, verdict)
+            alerter.poll()
+        assert alerter.wait_idle(60)
+        alerter.close()
+    assert [b["status"] for b in got] == ["firing", "resolved"]
+    firing = got[0]["alerts"][0]
+    assert firing["labels"] == {"alertname": "VerinferInconsistent", "provider": "acme", "model": "smollm2-135m",
+                                "profile": "vllm-cpu", "window_seconds": "600"}
+    assert firing["generatorURL"].startswith("http://dash.example/window/") and got[0]["externalURL"] == "http://dash.example"
+    for body, headers in raw:
+        expected = "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+        assert headers["x-verinfer-signature-256"] == expected
+    with pytest.raises(ValueError, match="--alert-format must be one of verinfer, alertmanager"):
+        Alerter(views.read_engine(db), "http://127.0.0.1:9/hook", tmp_path / "b.json", str, shape="slack")
 
 
 def test_drill_down_names_what_it_cannot_show(db):

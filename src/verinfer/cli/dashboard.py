@@ -30,6 +30,11 @@ def dashboard(
     alert_every: float = typer.Option(30.0, help="--alert-url: seconds between checks for verdict changes"),
     public_url: Optional[str] = typer.Option(None, help="base URL of this dashboard in alert links "
                                              "(default: http://HOST:PORT)"),
+    alert_format: str = typer.Option("verinfer", help="--alert-url: the body's shape, verinfer (its own JSON) or "
+                                     "alertmanager (Alertmanager's webhook: firing / resolved)"),
+    alert_secret_env: Optional[str] = typer.Option(None, help="--alert-url: environment variable holding a secret; "
+                                                   "each POST carries X-Verinfer-Signature-256: sha256=HMAC of its "
+                                                   "body"),
 ):
     """Serve the verification history: current state, timelines, drill-down, /metrics and alerts."""
     import uvicorn
@@ -38,8 +43,10 @@ def dashboard(
 
     require("production", "verinfer dashboard")
 
-    from verinfer.production.access import service_token
+    from verinfer.production.access import secret_from_env, service_token
+    from verinfer.production.alerts import SHAPES
     from verinfer.production.dashboard import create_app
+    from verinfer.production.logs import uvicorn_log_config
     from verinfer.production.store import open_store, shown
     from verinfer.sockets import bind
 
@@ -50,6 +57,9 @@ def dashboard(
         raise ValueError(f"--alert-every must be > 0, got {alert_every}")
     if public_url is not None and not public_url.startswith(("http://", "https://")):
         raise ValueError("--public-url must be an http(s) URL")
+    if alert_format not in SHAPES:
+        raise ValueError(f"--alert-format must be one of {', '.join(SHAPES)}, got {alert_format!r}")
+    secret = secret_from_env("--alert-secret-env", alert_secret_env) if alert_secret_env else None
     store = open_store(db)
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
@@ -61,11 +71,13 @@ def dashboard(
         from verinfer.production.views import read_engine
 
         state = alert_state or cache_root() / "alerts" / f"{hashlib.sha256(shown(db).encode()).hexdigest()[:16]}.json"
-        alerter = Alerter(read_engine(store), alert_url, state, lambda window_id: f"{base}/window/{window_id}")
+        alerter = Alerter(read_engine(store), alert_url, state, lambda window_id: f"{base}/window/{window_id}",
+                          shape=alert_format, secret=secret)
         typer.echo(f"alerts: verdict changes to {webhook_host(alert_url)} (state {state})", err=True)
     typer.echo(f"verinfer dashboard of {shown(db)} on {base}/ (metrics at {base}/metrics)", err=True)
     try:
         uvicorn.Server(uvicorn.Config(create_app(store, token, alerter, alert_every), log_level="warning",
-                                      access_log=False, lifespan="on", timeout_graceful_shutdown=10)).run(sockets=[sock])
+                                      access_log=False, lifespan="on", timeout_graceful_shutdown=10,
+                                      log_config=uvicorn_log_config())).run(sockets=[sock])
     finally:
         store.close()

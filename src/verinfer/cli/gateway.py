@@ -108,7 +108,8 @@ def gateway(
     require("production", "verinfer gateway", only=("prometheus_client", "httptools"))  # no database: it starts faster
 
     from verinfer.production.access import service_token
-    from verinfer.production.gateway import Gateway, create_app, json_log, uvicorn_log_config
+    from verinfer.production.gateway import Gateway, create_app
+    from verinfer.production.logs import json_log, uvicorn_log_config
     from verinfer.sockets import bind
 
     if no_token_ids:
@@ -166,7 +167,8 @@ def _config(spec: dict):
 
 def worker_app():
     """One worker's ASGI app (``--workers`` > 1: uvicorn imports this in each worker process)."""
-    from verinfer.production.gateway import Gateway, create_app, json_log
+    from verinfer.production.gateway import Gateway, create_app
+    from verinfer.production.logs import json_log
 
     spec = json.loads(os.environ[SPEC_ENV])
     token = os.environ[spec["auth_token_env"]] if spec["auth_token_env"] else None  # checked by the command

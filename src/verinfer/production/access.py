@@ -43,15 +43,21 @@ def authorized(header: str | None, token: str) -> bool:
     return False
 
 
+def secret_from_env(option: str, env_name: str) -> str:
+    """A token or secret named by a command's ``option`` (``--auth-token-env NAME``): the variable's value,
+    or a ValueError (the command's one-line refusal, never showing the value) when it is unset or short."""
+    value = os.environ.get(env_name, "")
+    if len(value) < MIN_TOKEN_CHARS:
+        problem = f"too short (under {MIN_TOKEN_CHARS} characters)" if value else "unset or empty"
+        raise ValueError(f"{option} {env_name}: the variable is {problem}")
+    return value
+
+
 def service_token(host: str, env_name: str | None) -> str | None:
     """The token a service started on ``host`` asks for: read from ``env_name``; a ValueError (the
     command's one-line refusal) for a missing or short one, or for a host beyond loopback without one."""
     if env_name:
-        token = os.environ.get(env_name, "")
-        if len(token) < MIN_TOKEN_CHARS:
-            problem = f"too short (under {MIN_TOKEN_CHARS} characters)" if token else "unset or empty"
-            raise ValueError(f"--auth-token-env {env_name}: the variable is {problem}")
-        return token
+        return secret_from_env("--auth-token-env", env_name)
     if not is_loopback(host):
         raise ValueError(f"--host {host} is reachable beyond this machine: pass --auth-token-env NAME (an environment "
                          f"variable holding the token clients send) or bind 127.0.0.1")
@@ -64,4 +70,4 @@ def unauthorized_body(service: str) -> dict:
                                  f"HTTP basic-auth password)", "type": "authentication_error", "code": "unauthorized"}}
 
 
-__all__ = ["authorized", "is_loopback", "service_token", "unauthorized_body"]
+__all__ = ["authorized", "is_loopback", "secret_from_env", "service_token", "unauthorized_body"]

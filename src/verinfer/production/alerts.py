@@ -4,21 +4,30 @@ The monitor only writes windows; a dashboard process polls them (``Alerter.poll`
 is never blocked or slowed by an alert. A *change* is a window whose verdict (CONSISTENT /
 INCONSISTENT) differs from the series' previous verdict (``views.mark_changes``' rule), and a series
 first seen INCONSISTENT. Each change is alerted once: the last verdict seen per series and the alerts
-not yet delivered (or given up on) are kept in a small JSON state file (written atomically), so a
-restarted dashboard neither repeats a delivered one nor loses one. Without a state file the first
-poll only takes each series' current verdict (a start does not alert on history).
+not yet delivered are kept in a small JSON state file (written atomically), so a restarted dashboard
+neither repeats a delivered one nor loses one. Without a state file the first poll only takes each
+series' current verdict (a start does not alert on history).
 
-Delivery runs on its own thread: a JSON POST per change, retried with exponential backoff (1 s, 2 s,
-4 s, ... capped, for ``retries`` attempts) on a network error or a 5xx / 429; a 4xx other than 429 is
-not retried. The webhook URL is never logged beyond its scheme and host (it often carries a token).
+Delivery runs on its own thread, strictly in the order the changes were found (so a receiver never
+sees a series' older verdict after a newer one): the oldest undelivered alert is POSTed until it is
+delivered, retried with exponential backoff (1 s, 2 s, 4 s, ... capped at ``max_backoff_s``) on a
+network error or a 5xx / 429, for as long as it takes: a receiver that comes back gets every alert,
+in order, without a restart. A 4xx other than 429 is a refusal: logged, counted, not retried (the
+next alert goes on). Every delivery, retry and refusal is logged (JSON lines) and counted
+(``alert_metrics``: pending, oldest pending age, delivered, refused, failed attempts). The body is
+verinfer's JSON (``alert_body``) or Alertmanager's webhook shape (``shape="alertmanager"``:
+``firing`` for INCONSISTENT, ``resolved`` when a series is CONSISTENT again); with a ``secret`` each
+POST carries ``X-Verinfer-Signature-256: sha256=<hex>``, the HMAC-SHA256 of the exact body bytes
+(as GitHub signs its webhooks). The webhook URL is never logged beyond its scheme and host (it often
+carries a token).
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import hmac
 import json
-import logging
-import queue
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -33,9 +42,10 @@ from sqlalchemy.orm import Session
 
 from verinfer.files import write_atomic
 from verinfer.production import views
+from verinfer.production.logs import json_log
 from verinfer.production.store import Window
 
-log = logging.getLogger("verinfer.alerts")
+_log = json_log("verinfer.alerts")
 FORMAT = "verinfer.alerts/1"
 
 
@@ -67,26 +77,60 @@ def alert_body(key: views.Key, w: Window, previous: str | None, link: str) -> di
             "verdict": w.verdict, "previous": previous, "p_value": w.p_value, "note": w.note, "link": link}
 
 
+SHAPES = ("verinfer", "alertmanager")
+SIGNATURE_HEADER = "X-Verinfer-Signature-256"
+
+
+def signature(secret: str, body: bytes) -> str:
+    """The signature header's value: ``sha256=`` and the hex HMAC-SHA256 of ``body`` under ``secret``."""
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def alertmanager_body(alert: dict[str, Any]) -> dict[str, Any]:
+    """``alert_body``'s change in the webhook shape Alertmanager sends its receivers (version 4): one
+    alert, ``firing`` while the series is INCONSISTENT, ``resolved`` when it is CONSISTENT again."""
+    firing = alert["verdict"] == "INCONSISTENT"
+    labels = {"alertname": "VerinferInconsistent", "provider": alert["provider"], "model": alert["model"],
+              "profile": alert["profile"], "window_seconds": str(alert["window_seconds"])}
+    annotations = {"summary": f"{alert['provider']} {alert['model']} ({alert['profile']}): {alert['verdict']}"
+                              f" (was {alert['previous'] or 'unseen'})", "description": alert.get("note") or ""}
+    status = "firing" if firing else "resolved"
+    fingerprint = hashlib.sha256(json.dumps(labels, sort_keys=True).encode()).hexdigest()[:16]
+    return {"version": "4", "groupKey": f"verinfer:{fingerprint}", "truncatedAlerts": 0, "status": status,
+            "receiver": "verinfer", "groupLabels": {"alertname": labels["alertname"]}, "commonLabels": labels,
+            "commonAnnotations": annotations, "externalURL": alert["link"].rsplit("/window/", 1)[0],
+            "alerts": [{"status": status, "labels": labels, "annotations": annotations,
+                        "startsAt": alert["window"]["start"],
+                        "endsAt": "0001-01-01T00:00:00Z" if firing else alert["window"]["start"],
+                        "generatorURL": alert["link"], "fingerprint": fingerprint}]}
+
+
 class Alerter:
-    """Polls for verdict changes and posts each once to ``url``."""
+    """Polls for verdict changes and posts each once, in order, to ``url``."""
 
     def __init__(self, engine: Engine, url: str, state_file: Path, link: Callable[[int], str], *,
-                 retries: int = 8, backoff_s: float = 1.0, max_backoff_s: float = 60.0, timeout_s: float = 10.0):
+                 shape: str = "verinfer", secret: str | None = None, backoff_s: float = 1.0,
+                 max_backoff_s: float = 300.0, timeout_s: float = 10.0):
+        if shape not in SHAPES:
+            raise ValueError(f"--alert-format must be one of {', '.join(SHAPES)}, got {shape!r}")
         self.engine, self.url, self.state_file, self.link = engine, url, Path(state_file), link
-        self.retries, self.backoff_s, self.max_backoff_s, self.timeout_s = retries, backoff_s, max_backoff_s, timeout_s
+        self.shape, self.secret = shape, secret
+        self.backoff_s, self.max_backoff_s, self.timeout_s = backoff_s, max_backoff_s, timeout_s
         self.seen: dict[str, Seen] = {}
-        self.pending: list[dict] = []  # detected, not yet delivered
+        self.pending: list[dict] = []  # detected, not yet delivered, oldest first: sent in this order
         self.delivered = 0
-        self.failed = 0
+        self.refused = 0  # answered 4xx (not 429): not retried
+        self.failed_attempts = 0  # attempts that will be retried (network error, 5xx, 429)
+        self.pending_since: float | None = None  # wall time since when alerts have been waiting (none: None)
         self._baseline = True
         self._lock = threading.Lock()
-        self._queue: queue.Queue[dict | None] = queue.Queue()
+        self._wake = threading.Event()
         self._stop = threading.Event()
         self._load()
+        if self.pending:  # undelivered before a restart: sent first
+            self.pending_since = time.time()
         self._sender = threading.Thread(target=self._send_loop, name="verinfer-alerts", daemon=True)
         self._sender.start()
-        for body in list(self.pending):  # undelivered before a restart
-            self._queue.put(body)
 
     # -- state ----------------------------------------------------------------------------------------
 
@@ -118,11 +162,13 @@ class Alerter:
                 found += self._series(s, key)
         self._baseline = False
         if found:
+            found.sort(key=lambda a: (a["window"]["start"], a["window"]["id"]))  # oldest change first
             with self._lock:
+                if not self.pending:
+                    self.pending_since = time.time()
                 self.pending += found
         self._save()
-        for body in found:
-            self._queue.put(body)
+        self._wake.set()
         return found
 
     def _series(self, s: Session, key: views.Key) -> list[dict]:
@@ -149,45 +195,58 @@ class Alerter:
 
     def _send_loop(self) -> None:
         with httpx.Client(timeout=self.timeout_s) as client:
+            delay = self.backoff_s
             while not self._stop.is_set():
-                body = self._queue.get()
-                try:
-                    if body is None:
+                self._wake.clear()
+                with self._lock:
+                    head = self.pending[0] if self.pending else None
+                if head is None:
+                    self._wake.wait(1.0)
+                    continue
+                outcome = self._post(client, head)
+                if outcome is None:  # retried, after a wait, for as long as it takes
+                    self.failed_attempts += 1
+                    if self._stop.wait(delay):
                         return
-                    ok = self._deliver(client, body)
-                    with self._lock:
-                        if ok and body in self.pending:  # one given up on stays pending: sent again on restart
-                            self.pending.remove(body)
-                        self.delivered += ok
-                        self.failed += not ok
-                    self._save()
-                finally:
-                    self._queue.task_done()
+                    delay = min(delay * 2, self.max_backoff_s)
+                    continue
+                with self._lock:
+                    self.pending.pop(0)
+                    if not self.pending:
+                        self.pending_since = None
+                    self.delivered += outcome
+                    self.refused += not outcome
+                self._save()
+                delay = self.backoff_s
 
-    def _deliver(self, client: httpx.Client, body: dict) -> bool:
-        delay = self.backoff_s
-        for attempt in range(1, self.retries + 1):
-            try:
-                resp = client.post(self.url, json=body)
-                if resp.status_code < 300:
-                    log.info("alert delivered to %s: %s %s -> %s", webhook_host(self.url), body["provider"],
-                             body["previous"], body["verdict"])
-                    return True
-                if 400 <= resp.status_code < 500 and resp.status_code != 429:
-                    log.warning("alert refused by %s (HTTP %d); not retried", webhook_host(self.url), resp.status_code)
-                    return False
-                reason = f"HTTP {resp.status_code}"
-            except httpx.HTTPError as exc:
-                reason = type(exc).__name__
-            if attempt < self.retries:
-                log.warning("alert to %s failed (%s), attempt %d of %d; retrying in %.1f s",
-                            webhook_host(self.url), reason, attempt, self.retries, delay)
-                if self._stop.wait(delay):
-                    return False
-                delay = min(delay * 2, self.max_backoff_s)
-        log.error("alert to %s not delivered after %d attempts (kept in %s)", webhook_host(self.url), self.retries,
-                  self.state_file)
-        return False
+    def _post(self, client: httpx.Client, alert: dict) -> bool | None:
+        """One attempt: True delivered, False refused (a 4xx but 429), None to be retried."""
+        body = json.dumps(alertmanager_body(alert) if self.shape == "alertmanager" else alert).encode()
+        headers = {"content-type": "application/json"}
+        if self.secret:
+            headers[SIGNATURE_HEADER] = signature(self.secret, body)
+        where = dict(receiver=webhook_host(self.url), provider=alert["provider"], model=alert["model"],
+                     previous=alert["previous"], verdict=alert["verdict"], window=alert["window"]["id"])
+        try:
+            resp = client.post(self.url, content=body, headers=headers)
+        except httpx.HTTPError as exc:
+            _log("warning", "alert_retry", reason=type(exc).__name__, pending=len(self.pending), **where)
+            return None
+        if resp.status_code < 300:
+            _log("info", "alert_delivered", status=resp.status_code, **where)
+            return True
+        if 400 <= resp.status_code < 500 and resp.status_code != 429:
+            _log("error", "alert_refused", status=resp.status_code, detail="not retried", **where)
+            return False
+        _log("warning", "alert_retry", reason=f"HTTP {resp.status_code}", pending=len(self.pending), **where)
+        return None
+
+    def stats(self) -> dict[str, float]:
+        """What ``alert_metrics`` exports."""
+        with self._lock:
+            return {"pending": len(self.pending), "delivered": self.delivered, "refused": self.refused,
+                    "failed_attempts": self.failed_attempts,
+                    "backlog_seconds": time.time() - self.pending_since if self.pending_since else 0.0}
 
     def run(self, every_s: float, stop: threading.Event) -> None:
         """Poll every ``every_s`` seconds until ``stop`` is set (a failed poll is logged, not fatal)."""
@@ -195,22 +254,23 @@ class Alerter:
             try:
                 self.poll()
             except Exception as exc:  # noqa: BLE001 - a busy or unreachable database: try next time
-                log.warning("alert poll failed: %s", str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                _log("warning", "alert_poll_failed", error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             stop.wait(every_s)
 
     def close(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._queue.put(None)
+        self._wake.set()
         self._sender.join(timeout)
 
     def wait_idle(self, timeout: float) -> bool:
-        """True once every queued alert was delivered or given up on (tests, shutdown)."""
+        """True once every alert found was delivered or refused (tests, shutdown)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not self._queue.unfinished_tasks:
-                return True
+            with self._lock:
+                if not self.pending:
+                    return True
             time.sleep(0.02)
         return False
 
 
-__all__ = ["Alerter", "alert_body", "webhook_host"]
+__all__ = ["Alerter", "alert_body", "alertmanager_body", "signature", "webhook_host"]

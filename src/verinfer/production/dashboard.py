@@ -132,7 +132,7 @@ def create_app(store: Store, token: str | None = None, alerter=None, alert_every
 
     @app.get("/metrics")
     def prometheus() -> Response:
-        body, content_type = metrics.history_exposition(engine)
+        body, content_type = metrics.history_exposition(engine, alerter.stats if alerter is not None else None)
         return Response(body, media_type=content_type)
 
     @app.get("/health")

@@ -39,13 +39,13 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
 from typing import Any, Callable, Mapping
 
 from verinfer.auditing.client import ProviderError, has_choices
 from verinfer.auditing.responses import claim_traces
 from verinfer.auditing.responses import parse_generation
 from verinfer.auditing.stream import StreamError, assemble, events
+from verinfer.production.logs import iso
 from verinfer.prompts import Prompt, render
 from verinfer.sampling.params import GREEDY_TEMPERATURE, SamplingParams
 from verinfer.sampling.profile_names import canonical_profile
@@ -220,10 +220,6 @@ class Recording:
 class Recorded:
     traces: list[Trace] = field(default_factory=list)  # verifiable
     unverifiable: list[Trace] = field(default_factory=list)  # meta["unverifiable"] says why
-
-
-def iso(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _response(ex: Exchange) -> dict[str, Any]:

@@ -30,10 +30,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import os
 import secrets
-import sys
 import threading
 import time
 import uuid
@@ -45,8 +43,9 @@ from urllib.parse import urlsplit
 
 from verinfer.files import running, write_atomic
 from verinfer.production.access import authorized, unauthorized_body
+from verinfer.production.logs import json_log
 from verinfer.production.exchange import (ENDPOINTS, SEED_RANGE, EventSplitter, Exchange, Prepared, Recording,
-                                          ends_done, iso, prepare, stream_error_event, strip_ids, without_ids_request,
+                                          ends_done, prepare, stream_error_event, strip_ids, without_ids_request,
                                           writes_nulls)
 from verinfer.production.recorder import FSYNC, POLICIES, Counters, Recorder
 from verinfer.production.upstream import Response, Upstream, UpstreamError
@@ -106,43 +105,6 @@ class GatewayConfig:
     @property
     def base(self) -> str:
         return self.upstream.rstrip("/").removesuffix("/v1")
-
-
-class JsonLines(logging.Formatter):
-    """One JSON object per record: ``ts``, ``level``, ``event`` and the record's fields; a record from
-    another library (uvicorn) also names its ``logger`` and carries its traceback as ``error``."""
-
-    def format(self, r: logging.LogRecord) -> str:
-        out = {"ts": iso(r.created), "level": r.levelname.lower(), "event": r.getMessage(), **getattr(r, "fields", {})}
-        if not r.name.startswith("verinfer"):
-            out["logger"] = r.name
-        if r.exc_info:
-            out["error"] = self.formatException(r.exc_info)
-        return json.dumps(out, default=str)
-
-
-def uvicorn_log_config(level: str = "warning") -> dict[str, Any]:
-    """uvicorn's ``log_config``: its own messages (start-up, errors, tracebacks) as JSON lines on stderr too."""
-    return {"version": 1, "disable_existing_loggers": False,
-            "formatters": {"json": {"()": f"{__name__}.JsonLines"}},
-            "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "json", "stream": "ext://sys.stderr"}},
-            "loggers": {name: {"handlers": ["stderr"], "level": level.upper(), "propagate": False}
-                        for name in ("uvicorn", "uvicorn.error", "uvicorn.access")}}
-
-
-def json_log(stream=None) -> Callable[..., None]:
-    """``log(level, event, **fields)``: one JSON object per line on ``stream`` (stderr by default)."""
-    logger = logging.getLogger("verinfer.gateway")
-    if not logger.handlers:
-        handler = logging.StreamHandler(stream or sys.stderr)
-        handler.setFormatter(JsonLines())
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-
-    def log(level: str, event: str, **fields: Any) -> None:
-        logger.log(getattr(logging, level.upper()), event, extra={"fields": fields})
-    return log
 
 
 class ClientGone(Exception):

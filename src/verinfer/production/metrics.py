@@ -43,7 +43,8 @@ GATEWAY = {
     "unverifiable": ("records_unverifiable_total", "Traces written to unverifiable/ shards."),
     "unrecordable": ("exchanges_unrecordable_total", "Exchanges that yielded no trace (logged with the reason)."),
     "dropped": ("records_dropped_total", "Exchanges or traces lost: full queue, or recording stopped."),
-    "recovered": ("records_recovered_total", "Traces sealed at start from the write-ahead files of a gateway that died."),
+    "recovered": ("records_recovered_total", "Traces sealed from write-ahead files: a dead gateway's at start, "
+                                             "or its own when recording resumed."),
     "shards_written": ("shards_written_total", "Trace shards written."),
     "write_errors": ("write_errors_total", "Shard writes that failed (recording stopped)."),
 }
@@ -147,12 +148,34 @@ def exposition(collect: Callable[[], list[Metric]]) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-def history_exposition(engine: Engine) -> tuple[bytes, str]:
+def alert_metrics(stats: dict[str, float]) -> list[Metric]:
+    """The dashboard's alert delivery (``Alerter.stats``): alerts waiting, for how long, delivered,
+    refused, and attempts that failed and will be retried (``verinfer_alerts_pending > 0`` for long is
+    a receiver down: ``verinfer_alerts_backlog_seconds``)."""
+    pending = GaugeMetricFamily("verinfer_alerts_pending", "Verdict-change alerts found and not yet delivered.")
+    pending.add_metric([], stats["pending"])
+    backlog = GaugeMetricFamily("verinfer_alerts_backlog_seconds",
+                                "Seconds alerts have been waiting for delivery (0 when none waits).")
+    backlog.add_metric([], stats["backlog_seconds"])
+    out: list[Metric] = [pending, backlog]
+    for field, name, help_ in (("delivered", "verinfer_alerts_delivered", "Alerts the receiver accepted (2xx)."),
+                               ("refused", "verinfer_alerts_refused", "Alerts the receiver refused (4xx but 429; "
+                                                                      "not retried)."),
+                               ("failed_attempts", "verinfer_alert_attempts_failed",
+                                "Delivery attempts that failed and were retried (network error, 5xx, 429).")):
+        family = CounterMetricFamily(name, help_)
+        family.add_metric([], stats[field])
+        out.append(family)
+    return out
+
+
+def history_exposition(engine: Engine, alerts: Callable[[], dict[str, float]] | None = None) -> tuple[bytes, str]:
+    """The dashboard's scrape: the history and, with an alerter, its delivery (``alerts``: its ``stats``)."""
     def collect() -> list[Metric]:
         with Session(engine) as s:
-            return history_metrics(s)
+            return history_metrics(s) + (alert_metrics(alerts()) if alerts else [])
 
     return exposition(collect)
 
 
-__all__ = ["CONTENT_TYPE_LATEST", "audit_metrics", "exposition", "gateway_metrics", "history_exposition", "history_metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "alert_metrics", "audit_metrics", "exposition", "gateway_metrics", "history_exposition", "history_metrics"]

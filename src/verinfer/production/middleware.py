@@ -33,7 +33,8 @@ from pathlib import Path
 
 from verinfer.production.exchange import (ENDPOINTS, SEED_RANGE, EventSplitter, Exchange, Recording, ends_done,
                                           prepare, strip_ids)
-from verinfer.production.gateway import ClientGone, json_log, read_body
+from verinfer.production.gateway import ClientGone, read_body
+from verinfer.production.logs import json_log
 from verinfer.production.recorder import Counters, Recorder
 
 ENV = "VERINFER_"
