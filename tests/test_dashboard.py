@@ -328,6 +328,11 @@ def test_drill_down_names_what_it_cannot_show(db):
     assert page.status_code == 200 and page.text.count('class="trace-row"') == 3
     assert page.text.count("tokens not shown: ") == 3 and "traces-1.parquet" in page.text and "t&lt;0&gt;" in page.text
     assert 'id="next"' in page.text and 'id="previous"' not in page.text  # the series' first window
+    assert re.search(r'id="verified-traces">4<', page.text)  # every trace verified: just the count
+    with db.transaction() as s:
+        s.get(Window, window_id).offered = 40  # a monitor with --sample 0.1 verified 4 of 40
+    page = TestClient(create_app(db)).get(f"/window/{window_id}")
+    assert re.search(r'id="verified-traces">4 of 40 \(10% verified', page.text), page.text
 
 
 def test_the_shared_token_partial_escapes_provider_text():

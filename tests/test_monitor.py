@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 from sqlalchemy import create_engine, text
@@ -23,6 +24,7 @@ from typer.testing import CliRunner
 from tests.audit_servers import free_port
 from tests.postgres_server import db_url, postgres_server  # noqa: F401 - fixtures
 from verinfer import api
+from verinfer.production.budget import Budget
 from verinfer.production.monitor import Judge, Monitor, parse_duration, window_start
 from verinfer.production.store import database_url, open_store
 from verinfer.stats.calibration import Calibrator
@@ -87,6 +89,49 @@ def test_traffic_no_shipped_calibration_fits_is_recorded_uncalibrated_with_how_t
     judged = Judge()(columns, {**sig, "sampling": [honest[0].sampling.signature()]})
     assert judged["verdict"] == "CONSISTENT" and "(shipped default)" in judged["judged_by"]
     assert Judge(defaults=False)(columns, {**sig, "sampling": [honest[0].sampling.signature()]})["verdict"] is None
+
+
+def test_the_budget_chooses_a_keyed_uniform_subset():
+    ids = [f"chatcmpl-{i}/0" for i in range(20000)]
+    for fraction in (0.01, 0.1, 0.5):
+        chosen = [i for i in ids if Budget(fraction, b"k" * 32).chosen(i)]
+        sd = (len(ids) * fraction * (1 - fraction)) ** 0.5
+        assert abs(len(chosen) - len(ids) * fraction) < 5 * sd, (fraction, len(chosen))
+    a, b = (set(filter(Budget(0.1, key).chosen, ids)) for key in (b"a" * 32, b"b" * 32))
+    assert a == set(filter(Budget(0.1, b"a" * 32).chosen, ids)) and len(a & b) < 0.2 * len(a)  # the key decides
+    assert all(Budget(1.0).chosen(i) for i in ids[:100])
+    for bad in (0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="--sample must be in"):
+            Budget(bad)
+
+
+def test_a_sampling_monitor_verifies_the_chosen_traces_and_records_what_it_left(db_url, backend, honest, wrong_seed,
+                                                                                 calibration, tmp_path):
+    """--sample 0.5: only the chosen traces are scored; each window records the traces it held (offered)
+    beside those verified, each shard its fraction; a window none of whose traces was chosen says so;
+    the wrong-seed provider is still flagged from the half it verified."""
+    d = tmp_path / "traces"
+    write_traces(timed(honest, "acme", T0, 20), d / "a.parquet")
+    write_traces(timed(wrong_seed, "cheat", T0, 20), d / "b.parquet")
+    budget = Budget(0.5, b"a-fixed-key-for-this-test-------")
+    store = open_store(db_url)
+    out = Monitor(d, store, window_s=60, backend=backend, budget=budget,
+                  judge=Judge(Calibrator.load(calibration), "cal.json")).run_once()
+    assert len(out.verified) == 2 and not out.failed
+    everything = honest + wrong_seed
+    chosen = {t.id for t in everything if budget.chosen(t.id)}
+    assert 0 < len(chosen) < len(everything)
+    assert {r[0] for r in query(db_url, "SELECT trace_id FROM window_traces")} == chosen
+    assert query(db_url, "SELECT SUM(offered), SUM(traces) FROM windows") == [(len(everything), len(chosen))]
+    assert query(db_url, "SELECT DISTINCT sample FROM shards") == [(0.5,)]
+    assert query(db_url, "SELECT SUM(offered), SUM(traces) FROM shards") == [(len(everything), len(chosen))]
+    for offered, traces, note in query(db_url, "SELECT offered, traces, note FROM windows"):
+        assert offered >= traces and (traces > 0 or note.startswith(f"not verified: none of its {offered} traces"))
+    cheat = query(db_url, "SELECT verdict FROM windows WHERE provider = 'cheat' AND traces > 0")
+    assert "INCONSISTENT" in {v for (v,) in cheat}
+    with pytest.raises(ValueError, match="--sample with --ray"):
+        Monitor(d, store, backend=backend, budget=budget, use_ray=True)
+    store.close()
 
 
 def test_durations_and_buckets():
@@ -210,6 +255,58 @@ def test_a_malformed_shard_is_recorded_failed_and_the_monitor_goes_on(backend, h
     assert [e["event"] for e in events if e["event"] in ("verified", "failed")] == ["failed", "verified"]
     again = CliRunner().invoke(_app(), ["monitor", str(d), "--db", url, "--once"])  # not retried: same bytes
     assert again.exit_code == 0 and query(url, "SELECT COUNT(*) FROM shards") == [(2,)]
+    # the failed shard is visible to Prometheus too (the dashboard's /metrics reads the same table)
+    from fastapi.testclient import TestClient
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from verinfer.production.dashboard import create_app
+
+    body = TestClient(create_app(open_store(url))).get("/metrics").text
+    shards = {s.labels["status"]: s.value for f in text_string_to_metric_families(body) for s in f.samples
+              if s.name == "verinfer_monitor_shards"}
+    assert shards == {"pending": 0, "claimed": 0, "done": 1, "failed": 1}
+
+
+def test_the_monitor_serves_its_own_metrics_while_it_samples(honest, tmp_path):
+    """`verinfer monitor --sample 0.5 --metrics-port P` as a process: /metrics counts the shards per status,
+    the backlog and its lag, the traces recorded beside those verified and the fraction; /health is ok;
+    beyond loopback it needs a token."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    d, url, port = tmp_path / "traces", f"sqlite:///{tmp_path}/h.db", free_port()
+    _write_shards(timed(honest, "acme", T0, 7), d, 2)
+    env_key = {"VERINFER_TEST_SAMPLE_KEY": "a-sampling-key-for-this-test"}
+    os.environ.update(env_key)
+    try:
+        proc = _monitor_process(d, url, "--poll", "0.5", "--sample", "0.5", "--sample-key-env", "VERINFER_TEST_SAMPLE_KEY",
+                                "--metrics-port", str(port), log=tmp_path / "monitor.log")
+    finally:
+        os.environ.pop("VERINFER_TEST_SAMPLE_KEY")
+    try:
+        deadline = time.monotonic() + 300  # a hang guard
+        samples: dict = {}
+        while time.monotonic() < deadline and samples.get(("verinfer_monitor_shards", "done")) != 2:
+            assert proc.poll() is None, (tmp_path / "monitor.log").read_text()[-2000:]
+            try:
+                body = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+                samples = {(s.name, s.labels.get("status")): s.value for f in text_string_to_metric_families(body)
+                           for s in f.samples}
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+    chosen = sum(Budget(0.5, env_key["VERINFER_TEST_SAMPLE_KEY"].encode()).chosen(t.id) for t in honest)
+    assert samples[("verinfer_monitor_shards", "done")] == 2 and samples[("verinfer_monitor_backlog_shards", None)] == 0
+    assert samples[("verinfer_monitor_lag_seconds", None)] == 0 and samples[("verinfer_monitor_sample_fraction", None)] == 0.5
+    assert samples[("verinfer_monitor_traces_recorded_total", None)] == len(honest)
+    assert samples[("verinfer_monitor_traces_verified_total", None)] == chosen
+    assert health.status_code == 200 and health.json()["status"] == "ok" and health.json()["sample"] == 0.5
+    refused = CliRunner().invoke(_app(), ["monitor", str(d), "--db", url, "--once", "--metrics-port", "0",
+                                          "--metrics-host", "0.0.0.0"])
+    assert refused.exit_code == 2 and "--metrics-host 0.0.0.0 is reachable beyond" in refused.output
 
 
 def _app():

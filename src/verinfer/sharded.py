@@ -87,18 +87,34 @@ def done_record(out_dir: Path, shard: Path) -> dict | None:
 
 
 def verify_shard(shard: Path, out_dir: Path, backend, skip_invalid: bool = False,
-                 allow_model_mismatch: bool = False) -> dict:
-    """Verify one shard into ``out_dir`` (scores, commit scores, then its record, each atomically)."""
+                 allow_model_mismatch: bool = False, keep: Callable[[str], bool] | None = None) -> dict:
+    """Verify one shard into ``out_dir`` (scores, commit scores, then its record, each atomically);
+    with ``keep`` only the traces whose id it accepts (the monitor's ``--sample``: the record says how
+    many the shard held, ``offered``). None kept: an empty score file, so the shard counts as done."""
     from verinfer import api
+    from verinfer.scoring.scores import ScoreWriter
+    from verinfer.trace import read_traces
 
     files = ShardFiles.of(out_dir, shard)
     digest = sha256(shard)
-    result = api.verify(shard, scores=files.scores, commit_scores_out=files.commits, backend=backend,
-                        skip_invalid=skip_invalid, allow_model_mismatch=allow_model_mismatch)
-    record = {"format": RECORD_FORMAT, "shard": str(shard), "sha256": digest, "signature": result.scored.signature,
-              "traces": result.summary.traces, "tokens": result.summary.tokens, "skipped": result.skipped,
-              "commits": result.summary.commits,
-              "commit_scores": str(result.scored.commits_path) if result.scored.commits_path else None}
+    source: Path | list = shard
+    offered = None
+    if keep is not None:
+        every = read_traces(shard)
+        source, offered = [t for t in every if keep(t.id)], len(every)
+    if offered is not None and not source:
+        with ScoreWriter(files.scores):
+            pass
+        record = {"format": RECORD_FORMAT, "shard": str(shard), "sha256": digest, "signature": None, "traces": 0,
+                  "tokens": 0, "skipped": [], "commits": None, "commit_scores": None, "offered": offered}
+    else:
+        result = api.verify(source, scores=files.scores, commit_scores_out=files.commits, backend=backend,
+                            skip_invalid=skip_invalid, allow_model_mismatch=allow_model_mismatch)
+        record = {"format": RECORD_FORMAT, "shard": str(shard), "sha256": digest, "signature": result.scored.signature,
+                  "traces": result.summary.traces, "tokens": result.summary.tokens, "skipped": result.skipped,
+                  "commits": result.summary.commits,
+                  "commit_scores": str(result.scored.commits_path) if result.scored.commits_path else None,
+                  "offered": offered if offered is not None else result.summary.traces}
     write_atomic(files.record, json.dumps(record, default=str))
     return record
 

@@ -8,6 +8,7 @@ cannot be opened, a missing directory) or a shard that could not be verified (re
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import signal
@@ -52,6 +53,17 @@ def monitor(
     every: str = typer.Option("60", help="--audits: interval (a bare number is minutes; or 30m, 2h)"),
     audit_mode: str = typer.Option("greedy", help="--audits: audit mode (verinfer audit run --mode)"),
     audit_n: int = typer.Option(16, help="--audits: prompts per provider"),
+    sample: float = typer.Option(1.0, help="verify this fraction of the traces, chosen by a keyed hash of their "
+                                 "ids the provider cannot predict (each window records how many it held and "
+                                 "how many were verified)"),
+    sample_key_env: Optional[str] = typer.Option(None, help="--sample: environment variable holding the key "
+                                                 "(default: a random one per process)"),
+    metrics_port: Optional[int] = typer.Option(None, help="serve this monitor's /metrics (Prometheus: backlog, "
+                                               "lag, shards per status, sampling) and /health on this port"),
+    metrics_host: str = typer.Option("127.0.0.1", help="--metrics-port: interface (beyond loopback it needs "
+                                     "--auth-token-env)"),
+    auth_token_env: Optional[str] = typer.Option(None, help="--metrics-port: environment variable holding the "
+                                                 "token /metrics asks for (Bearer, or the basic-auth password)"),
 ):
     """Verify each new trace shard in DIR exactly once and record per-shard and per-window verdicts."""
     from verinfer.extras import require
@@ -59,6 +71,8 @@ def monitor(
     require("production", "verinfer monitor")
     if ray:
         require("ray", "verinfer monitor --ray")
+    from verinfer.production.access import service_token
+    from verinfer.production.budget import Budget
     from verinfer.production.monitor import AuditSchedule, Judge, Monitor, parse_duration
     from verinfer.production.store import open_store, shown
     from verinfer.stats.calibration import Calibrator
@@ -72,6 +86,9 @@ def monitor(
         raise ValueError(f"--workers must be at least 1, got {workers}")
     if not 0 < alpha < 1:
         raise ValueError(f"--fpr must be in (0, 1), got {alpha}")
+    budget = Budget.from_options(sample, sample_key_env)
+    if ray and budget.fraction < 1:
+        raise ValueError("--sample with --ray: not supported yet (Ray verifies whole shards); drop one")
     calibrator = Calibrator.load(calibration) if calibration else None
     schedule = None
     if audits is not None:
@@ -80,12 +97,29 @@ def monitor(
         schedule = AuditSchedule(audits, parse_duration(every, "--every", unit="m"),
                                  (out_dir or Path(f"{directory.resolve()}.verinfer")) / "audits",
                                  {"mode": audit_mode, "n": audit_n, "fpr": alpha, "model": model})
+    token = service_token(metrics_host, auth_token_env, "--metrics-host") if metrics_port is not None else None
     store = open_store(db)
     mon = Monitor(directory, store, out_dir=out_dir, judge=Judge(calibrator, str(calibration or ""), alpha),
                   window_s=window_s, model=model, dtype=dtype, device=device, lease_s=lease, use_ray=ray,
-                  workers=workers, on_event=_event)
+                  workers=workers, on_event=_event, budget=budget)
     _event("start", {"directory": str(mon.directory), "db": shown(db), "owner": mon.owner, "window_s": window_s,
-                     "scores": str(mon.out_dir), "once": once, "ray": ray})
+                     "scores": str(mon.out_dir), "once": once, "ray": ray, "sample": budget.fraction})
+    exporter = contextlib.nullcontext()
+    if metrics_port is not None:
+        from verinfer.production.exporter import asgi_in_thread, exporter_app
+        from verinfer.production.logs import uvicorn_log_config
+        from verinfer.production.metrics import monitor_exposition
+        from verinfer.sockets import base_url, bind
+
+        sock = bind(metrics_host, metrics_port)
+        _event("metrics", {"url": base_url(sock).removesuffix("/v1") + "/metrics"})
+        exporter = asgi_in_thread(exporter_app(lambda: monitor_exposition(store.engine, budget.fraction), mon.health,
+                                               token), sock, log_config=uvicorn_log_config())
+    with exporter:
+        _run(mon, store, once, poll, schedule)
+
+
+def _run(mon, store, once: bool, poll: float, schedule) -> None:
     try:
         if once:
             if schedule is not None:

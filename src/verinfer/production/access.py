@@ -53,13 +53,13 @@ def secret_from_env(option: str, env_name: str) -> str:
     return value
 
 
-def service_token(host: str, env_name: str | None) -> str | None:
+def service_token(host: str, env_name: str | None, host_option: str = "--host") -> str | None:
     """The token a service started on ``host`` asks for: read from ``env_name``; a ValueError (the
     command's one-line refusal) for a missing or short one, or for a host beyond loopback without one."""
     if env_name:
         return secret_from_env("--auth-token-env", env_name)
     if not is_loopback(host):
-        raise ValueError(f"--host {host} is reachable beyond this machine: pass --auth-token-env NAME (an environment "
+        raise ValueError(f"{host_option} {host} is reachable beyond this machine: pass --auth-token-env NAME (an environment "
                          f"variable holding the token clients send) or bind 127.0.0.1")
     return None
 

@@ -32,7 +32,6 @@ import contextlib
 import json
 import os
 import secrets
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -523,24 +522,10 @@ async def _own_route(gateway: Gateway, token: str | None, scope: dict, send) -> 
 def gateway_in_thread(gateway: Gateway, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> Iterator[str]:
     """Serve ``gateway`` on a real socket in a background thread (tests, benchmarks); yields its base
     URL ending in ``/v1``. Leaving the block shuts it down as SIGTERM would (the open shard is written)."""
-    import uvicorn
-
+    from verinfer.production.exporter import asgi_in_thread
     from verinfer.sockets import base_url, bind
 
     sock = bind(host, port)
-    server = uvicorn.Server(uvicorn.Config(create_app(gateway, token), log_level="warning", access_log=False,
-                                          lifespan="on", timeout_graceful_shutdown=30))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="verinfer-gateway-http",
-                              daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the gateway did not start")
-            time.sleep(0.01)
-        yield base_url(sock)
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        sock.close()
+    url = base_url(sock)
+    with asgi_in_thread(create_app(gateway, token), sock, lifespan="on"):
+        yield url

@@ -25,7 +25,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from verinfer.production import views
-from verinfer.production.store import AuditResult
+from verinfer.production.store import AuditResult, Shard, utcnow
 
 LABELS = ["provider", "model", "profile", "window_seconds"]
 STATES = (*views.VERDICTS, "none")
@@ -88,7 +88,7 @@ def history_metrics(s: Session) -> list[Metric]:
                 fams[name].add_metric(labels, value)
         for v in STATES:
             fams["verdict"].add_metric(labels + [v], 1.0 if (st.verdict or "none") == v else 0.0)
-    return list(fams.values()) + audit_metrics(s)
+    return list(fams.values()) + audit_metrics(s) + monitor_metrics(s)
 
 
 def audit_metrics(s: Session) -> list[Metric]:
@@ -148,6 +148,42 @@ def exposition(collect: Callable[[], list[Metric]]) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
+SHARD_STATES = ("pending", "claimed", "done", "failed")
+
+
+def monitor_metrics(s: Session, sample: float | None = None) -> list[Metric]:
+    """The monitors' progress, from the database (so any process reports every monitor's work): shards
+    per status (``failed`` ones included: a shard that could not be verified is never silent), the
+    backlog (pending or claimed) and its age, traces recorded and verified, tokens verified; with
+    ``sample``, the fraction this monitor verifies (``--sample``)."""
+    by_status = dict(s.execute(select(Shard.status, func.count()).group_by(Shard.status)).all())
+    shards = GaugeMetricFamily("verinfer_monitor_shards", "Trace shards known to the monitors, per status.",
+                               labels=["status"])
+    for status in sorted(set(SHARD_STATES) | set(by_status)):
+        shards.add_metric([status], by_status.get(status, 0))
+    backlog = GaugeMetricFamily("verinfer_monitor_backlog_shards", "Shards found and not yet verified "
+                                "(pending or claimed).")
+    backlog.add_metric([], by_status.get("pending", 0) + by_status.get("claimed", 0))
+    oldest = s.scalar(select(func.min(Shard.discovered_at)).where(Shard.status.in_(("pending", "claimed"))))
+    lag = GaugeMetricFamily("verinfer_monitor_lag_seconds", "Age of the oldest shard not yet verified (0: none).")
+    lag.add_metric([], max(0.0, (utcnow() - oldest).total_seconds()) if oldest is not None else 0.0)
+    offered, traces, tokens = s.execute(select(func.coalesce(func.sum(Shard.offered), 0), func.coalesce(
+        func.sum(Shard.traces), 0), func.coalesce(func.sum(Shard.tokens), 0)).where(Shard.status == "done")).one()
+    out: list[Metric] = [shards, backlog, lag]
+    for name, help_, value in (("verinfer_monitor_traces_recorded", "Traces in verified shards (verified or "
+                                "left out by --sample).", offered),
+                               ("verinfer_monitor_traces_verified", "Traces verified.", traces),
+                               ("verinfer_monitor_tokens_verified", "Tokens verified.", tokens)):
+        family = CounterMetricFamily(name, help_)
+        family.add_metric([], value)
+        out.append(family)
+    if sample is not None:
+        fraction = GaugeMetricFamily("verinfer_monitor_sample_fraction", "Fraction of traces this monitor verifies.")
+        fraction.add_metric([], sample)
+        out.append(fraction)
+    return out
+
+
 def alert_metrics(stats: dict[str, float]) -> list[Metric]:
     """The dashboard's alert delivery (``Alerter.stats``): alerts waiting, for how long, delivered,
     refused, and attempts that failed and will be retried (``verinfer_alerts_pending > 0`` for long is
@@ -169,6 +205,15 @@ def alert_metrics(stats: dict[str, float]) -> list[Metric]:
     return out
 
 
+def monitor_exposition(engine: Engine, sample: float) -> tuple[bytes, str]:
+    """A monitor's own scrape (``verinfer monitor --metrics-port``): its progress and sampling fraction."""
+    def collect() -> list[Metric]:
+        with Session(engine) as s:
+            return monitor_metrics(s, sample)
+
+    return exposition(collect)
+
+
 def history_exposition(engine: Engine, alerts: Callable[[], dict[str, float]] | None = None) -> tuple[bytes, str]:
     """The dashboard's scrape: the history and, with an alerter, its delivery (``alerts``: its ``stats``)."""
     def collect() -> list[Metric]:
@@ -178,4 +223,5 @@ def history_exposition(engine: Engine, alerts: Callable[[], dict[str, float]] | 
     return exposition(collect)
 
 
-__all__ = ["CONTENT_TYPE_LATEST", "alert_metrics", "audit_metrics", "exposition", "gateway_metrics", "history_exposition", "history_metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "alert_metrics", "audit_metrics", "exposition", "gateway_metrics", "history_exposition", "history_metrics",
+           "monitor_exposition", "monitor_metrics"]

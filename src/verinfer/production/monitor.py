@@ -44,17 +44,18 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from sqlalchemy import and_, or_, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.exc import OperationalError
 
 from verinfer import sharded
 from verinfer.models.load import file_sha256 as sha256
+from verinfer.production.budget import Budget
 from verinfer.production.store import (AuditResult, AuditRun, Key, Shard, ShardResult, Store, Window, WindowTrace,
                                        advance_stream, dialect_insert, timeline, utcnow)
 from verinfer.scoring.scores import read_scores, read_signature, signature
 from verinfer.stats.calibration import Calibrator, signature_mismatch
-from verinfer.stats.shipped import find_calibration, no_default
 from verinfer.stats.pooling import sequence_stats
+from verinfer.stats.shipped import find_calibration, no_default
 from verinfer.stats.summary import UNCALIBRATED, summarize, token_statistics
 from verinfer.stats.verdict import Verdict, pooled_verdict, token_detector
 from verinfer.trace import Trace, read_traces
@@ -193,9 +194,10 @@ class ShardTraces:
     """A verified shard's per-token scores with each trace's group, window and request time."""
 
     columns: dict[str, np.ndarray]
-    traces: list[Trace]
+    traces: list[Trace]  # the verified ones (all, unless the monitor samples: ``budget``)
     times: dict[str, dt.datetime]
     verifier: dict  # the score file's signature: the verifier's model and dtype
+    unverified: list[Trace] = field(default_factory=list)  # recorded, not chosen for verification
 
     def select(self, ids: set[str]) -> dict[str, np.ndarray]:
         mask = np.isin(self.columns["trace_id"], list(ids))
@@ -265,11 +267,14 @@ class Monitor:
                  judge: Judge | None = None, window_s: int = 600, model: str | None = None,
                  dtype: str = "float32", device: str = "cpu", lease_s: float = 120.0, max_attempts: int = 3,
                  use_ray: bool = False, workers: int | None = None, backend=None,
-                 on_event: Callable[[str, dict], None] | None = None):
+                 on_event: Callable[[str, dict], None] | None = None, budget: Budget | None = None):
         self.directory = Path(directory).resolve()
         if not self.directory.is_dir():
             raise ValueError(f"{directory}: not a directory")
         self.store, self.judge, self.window_s = store, judge or Judge(), window_s
+        self.budget = budget if budget is not None and budget.fraction < 1 else None
+        if self.budget is not None and use_ray:
+            raise ValueError("--sample with --ray: not supported yet (Ray verifies whole shards); drop one")
         self.out_dir = Path(out_dir) if out_dir else Path(f"{self.directory}.verinfer")
         self.model, self.dtype, self.device, self.backend = model, dtype, device, backend
         self.lease = dt.timedelta(seconds=lease_s)
@@ -356,8 +361,8 @@ class Monitor:
         record = sharded.done_record(self.out_dir, path)
         model = self.model or read_traces(path)[0].model
         backend = self._backend(model)
-        if record is None or record.get("signature", {}).get("model") != backend.model_id:
-            sharded.verify_shard(path, self.out_dir, backend)
+        if record is None or (record.get("signature") or {}).get("model", backend.model_id) != backend.model_id:
+            sharded.verify_shard(path, self.out_dir, backend, keep=self.budget.chosen if self.budget else None)
 
     def load(self, path: Path) -> ShardTraces:
         """A verified shard's traces (with request times) and per-token scores."""
@@ -365,8 +370,11 @@ class Monitor:
         fallback = as_utc(dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc))
         times = {t.id: request_time(t, str(path), fallback) for t in traces}
         scores = sharded.ShardFiles.of(self.out_dir, path).scores
-        return ShardTraces(read_scores(scores), traces, times, read_signature(scores) or
-                           {"model": self.model or traces[0].model, "dtype": self.dtype})
+        columns = read_scores(scores)
+        scored = set(columns["trace_id"].tolist())
+        return ShardTraces(columns, [t for t in traces if t.id in scored], times, read_signature(scores) or
+                           {"model": self.model or traces[0].model, "dtype": self.dtype},
+                           [t for t in traces if t.id not in scored])
 
     def process(self, shard: Shard, verify: bool = True) -> tuple[str, list[str | None]]:
         """Verify (unless ``verify`` is False: scores already written) and record one claimed shard."""
@@ -420,6 +428,7 @@ class Monitor:
         got = s.execute(update(Shard).where(Shard.id == shard.id, Shard.owner == self.owner,
                                             Shard.status == "claimed").values(
             status="done", finished_at=utcnow(), lease_until=None, traces=len(data.traces), tokens=tokens,
+            offered=len(data.traces) + len(data.unverified), sample=self.budget.fraction if self.budget else None,
             verify_s=verify_s, error=None,
             scores_path=str(sharded.ShardFiles.of(self.out_dir, Path(shard.path)).scores))).rowcount
         if got != 1:
@@ -433,6 +442,11 @@ class Monitor:
                               **self.judge(data.select({t.id for t in traces}), sig)))
             for t in traces:
                 buckets.setdefault((key, window_start(data.times[t.id], self.window_s)), []).append(t)
+        offered: dict[tuple[Key, dt.datetime], int] = {}  # every recorded trace, verified or not (``budget``)
+        for t in data.traces + data.unverified:
+            bucket = (key_of(t, self.window_s), window_start(data.times[t.id], self.window_s))
+            buckets.setdefault(bucket, [])
+            offered[bucket] = offered.get(bucket, 0) + 1
         verdicts, windows = [], []
         added: dict[Key, list[int]] = {}  # per stream: new windows, change in tokens (its totals' counters)
         sorted_buckets = sorted(buckets, key=lambda b: (b[0].provider, b[0].model, b[0].profile, b[1]))
@@ -445,6 +459,7 @@ class Monitor:
                                    exact_matches=trace_stats[t.id][1], mean_margin=trace_stats[t.id][2])
                        for t in buckets[(key, start)]])
             s.flush()
+            window.offered = (window.offered or 0) + offered[(key, start)]
             self._recompute(s, window)
             delta = added.setdefault(key, [0, 0])
             delta[0], delta[1] = delta[0] + new, delta[1] + window.tokens - before
@@ -462,7 +477,7 @@ class Monitor:
         s.execute(self._insert(Window).values(
             provider=key.provider, model=key.model, profile=key.profile, seconds=key.seconds, start_time=start,
             end_time=start + dt.timedelta(seconds=key.seconds), shards=0, computed=0, traces=0, tokens=0,
-            updated_at=now).on_conflict_do_nothing(
+            offered=0, updated_at=now).on_conflict_do_nothing(
             index_elements=["provider", "model", "profile", "seconds", "start_time"]))
         return s.scalars(timeline(key, start, start).with_for_update()).one()
 
@@ -471,6 +486,11 @@ class Monitor:
         rows = s.execute(select(WindowTrace.trace_id, WindowTrace.request_time, WindowTrace.shard_id,
                                 Shard.scores_path).join(Shard, Shard.id == WindowTrace.shard_id)
                          .where(WindowTrace.window_id == window.id)).all()
+        if not rows:  # every trace it received so far was left out by the budget
+            window.note = (f"not verified: none of its {window.offered} traces was chosen for verification "
+                           f"(--sample {self.budget.fraction:g})" if self.budget else "not verified: no scored traces")
+            window.computed, window.updated_at = window.computed + 1, utcnow()
+            return
         by_shard: dict[int, tuple[str, dict[str, dt.datetime]]] = {}
         for trace_id, at, shard_id, scores_path in rows:
             by_shard.setdefault(shard_id, (scores_path, {}))[1][trace_id] = at
@@ -534,6 +554,18 @@ class Monitor:
                                  workers=self.workers, on_shard=finished)
         for path in result.resumed:  # scores already complete for these bytes (an earlier claim's)
             self._tally(outcome, by_path[path], *self.process(by_path[path], verify=False))
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``/health`` of ``--metrics-port``: 200 with the backlog while the database answers, else 503."""
+        try:
+            with self.store.transaction() as s:
+                pending = s.scalar(select(func.count()).select_from(Shard).where(
+                    Shard.status.in_(("pending", "claimed"))))
+        except Exception as exc:  # SQLAlchemyError or the driver's own: the monitor cannot record
+            return 503, {"status": "database_unreachable", "owner": self.owner,
+                         "reasons": [f"the database cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0]}"]}
+        return 200, {"status": "ok", "owner": self.owner, "backlog_shards": pending, "reasons": [],
+                     "sample": self.budget.fraction if self.budget else 1.0}
 
     def run(self, poll_s: float = 10.0, audits: "AuditSchedule | None" = None) -> None:
         """Pass after pass until ``self.stop`` is set (a pass finishes the shard it is on first)."""

@@ -86,6 +86,8 @@ class Shard(Base):
     traces: Mapped[int | None] = mapped_column(Integer)
     tokens: Mapped[int | None] = mapped_column(Integer)
     verify_s: Mapped[float | None] = mapped_column(Float)
+    offered: Mapped[int | None] = mapped_column(Integer)  # traces in the shard; ``traces`` of them verified
+    sample: Mapped[float | None] = mapped_column(Float)  # the monitor's --sample fraction (None: every trace)
     scores_path: Mapped[str | None] = mapped_column(String(1024))
     error: Mapped[str | None] = mapped_column(Text)
     __table_args__ = (UniqueConstraint("path", "sha256", name="uq_shards_identity"),
@@ -111,6 +113,7 @@ class Window(ResultColumns, Base):
     start_time: Mapped[dt.datetime] = mapped_column(DateTime)
     end_time: Mapped[dt.datetime] = mapped_column(DateTime)
     shards: Mapped[int] = mapped_column(Integer, default=0)
+    offered: Mapped[int] = mapped_column(Integer, default=0)  # traces recorded in it; ``traces`` of them verified
     computed: Mapped[int] = mapped_column(Integer, default=0)  # times recomputed (a later shard added traces)
     updated_at: Mapped[dt.datetime] = mapped_column(DateTime, default=utcnow)
     __table_args__ = (UniqueConstraint("provider", "model", "profile", "seconds", "start_time", name="uq_windows_key"),
