@@ -594,7 +594,8 @@ def test_workers_share_the_port_record_apart_and_report_as_one(tmp_path):
                 while True:
                     health = http.get(f"http://127.0.0.1:{port}/gateway/health").json()
                     # a sibling's counters are published every second
-                    if len(health.get("workers", [])) == 2 and health["requests"] == 24 or time.monotonic() > deadline:
+                    if len(health.get("workers", [])) == 2 and health["requests"] == health["exchanges"] == 24 \
+                            or time.monotonic() > deadline:  # a request is counted as it comes, its exchange once answered
                         break
                     time.sleep(0.2)
                 metrics = http.get(f"http://127.0.0.1:{port}/gateway/metrics").text

@@ -234,3 +234,23 @@ def test_exchanges_answered_while_the_recorder_loads_are_journaled_and_parsed_af
     assert [f["exchanges"] for e, f in logs if e == "journal_sealed"] == [3]
     contents = sorted(t.messages[0]["content"] for t in _traces(tmp_path))
     assert contents == ["m0", "m0", "m1", "m1", "m2", "m2"]  # once by the live gateway, once from the dead one's journal
+
+    # Killed while it parsed its journal: its write-ahead file already holds those exchanges' traces and
+    # its journal is still there. The next start seals the write-ahead file and records none of the
+    # journal's exchanges again (CI once found every record of a kill -9 under load twice).
+    from verinfer.production.exchange import record
+    from verinfer.production.recorder import read_journal
+
+    again = tmp_path / "again"
+    again.mkdir()
+    journal = again / dead.name
+    journal.write_text(journaled)
+    exchanges, _ = read_journal(journal)
+    wal = again / "traces-20260101T000000Z-999999999-000001.parquet.wal"
+    wal.write_text("".join(json.dumps(t.to_dict()) + "\n" for ex in exchanges for t in record(ex, Recording("fake")).traces))
+    logs = []
+    r = Recorder(again, Recording("fake"), lambda level, event, **f: logs.append((event, f)), Counters())
+    r.close()
+    assert sorted(t.messages[0]["content"] for t in _traces(again)) == ["m0", "m1", "m2"]
+    assert [(f["exchanges"], f["already_recorded"]) for e, f in logs if e == "journal_sealed"] == [(0, 3)]
+    assert r.counters.recovered == 3 and not journal.exists() and not wal.exists()

@@ -299,6 +299,8 @@ def test_completion_scores_centre_on_the_sampling_distributions_entropy(backend,
     lam = torch.as_tensor(TILTS, dtype=torch.float64)
     psi = (torch.logsumexp((1 + lam[:, None, None]) * logp[None], dim=-1) - lam[:, None] * mean[None]).sum(-1)
     assert s.cgf.shape == (2, len(TILTS)) and s.tilts == TILTS
-    np.testing.assert_allclose(s.cgf[0], psi.numpy(), rtol=1e-4, atol=1e-5)
+    # float32 scoring against float64 here: 4.2e-5 apart at the largest tilts on one CPU (its vector width
+    # orders the float32 sums), 1e-5 on another; a psi off by d moves the martingale's p by a factor e^d
+    np.testing.assert_allclose(s.cgf[0], psi.numpy(), rtol=1e-4, atol=1e-4)
     top = completion_scores(backend, prompts, outputs, CLAIMED.with_(temperature=0.8, top_k=5))
     assert (top.expected > s.expected).all()  # sampling among the top 5 expects likelier tokens

@@ -124,6 +124,7 @@ class Alerter:
         self.pending_since: float | None = None  # wall time since when alerts have been waiting (none: None)
         self._baseline = True
         self._lock = threading.Lock()
+        self._saving = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._load()
@@ -148,9 +149,13 @@ class Alerter:
         self._baseline = False
 
     def _save(self) -> None:
-        with self._lock:
-            doc = {"format": FORMAT, "seen": {k: asdict(v) for k, v in self.seen.items()}, "pending": self.pending}
-        write_atomic(self.state_file, json.dumps(doc, indent=1))
+        """Write the state file (the poll and the sender both do: one at a time, or their writes of one
+        temporary name collide and the second rename fails)."""
+        with self._saving:
+            with self._lock:
+                doc = {"format": FORMAT, "seen": {k: asdict(v) for k, v in self.seen.items()},
+                       "pending": list(self.pending)}
+            write_atomic(self.state_file, json.dumps(doc, indent=1))
 
     # -- detection ------------------------------------------------------------------------------------
 
@@ -178,7 +183,8 @@ class Alerter:
         if seen is None and self._baseline:
             latest = views.last_decided(s, key)
             if latest is not None:
-                self.seen[sid] = Seen(latest.verdict, latest.id, latest.start_time.isoformat())
+                with self._lock:  # the sender's _save reads it
+                    self.seen[sid] = Seen(latest.verdict, latest.id, latest.start_time.isoformat())
             return []
         if seen is not None:
             decided = decided.where(Window.start_time >= dt.datetime.fromisoformat(seen.start))
@@ -188,7 +194,8 @@ class Alerter:
             if w.verdict != last and (last is not None or w.verdict == "INCONSISTENT"):
                 out.append(alert_body(key, w, last, self.link(w.id)))
             last = w.verdict
-            self.seen[sid] = Seen(w.verdict, w.id, w.start_time.isoformat())
+            with self._lock:
+                self.seen[sid] = Seen(w.verdict, w.id, w.start_time.isoformat())
         return out
 
     # -- delivery -------------------------------------------------------------------------------------
@@ -203,7 +210,11 @@ class Alerter:
                 if head is None:
                     self._wake.wait(1.0)
                     continue
-                outcome = self._post(client, head)
+                try:
+                    outcome = self._post(client, head)
+                except Exception as exc:  # a bug must not stop delivery for good: logged, retried like a 5xx
+                    _log("error", "alert_error", error=f"{type(exc).__name__}: {exc}")
+                    outcome = None
                 if outcome is None:  # retried, after a wait, for as long as it takes
                     self.failed_attempts += 1
                     if self._stop.wait(delay):

@@ -260,25 +260,30 @@ def read_journal(path: Path) -> tuple[list[Exchange], int]:
     return exchanges, bad
 
 
-def seal_orphans(directory: Path, write: Callable[[list[Trace], Path], object], log: Callable[..., None]) -> int:
+def seal_orphans(directory: Path, write: Callable[[list[Trace], Path], object], log: Callable[..., None],
+                 seen: set[str] | None = None) -> int:
     """Seal every write-ahead file in ``directory`` whose process is gone into the shard it was to
-    become; returns the traces recovered. A file is claimed by renaming it first (several recorders
-    may start at once); a shard already in place (a crash between its rename and the deletion of its
-    write-ahead file) is not written twice."""
+    become; returns the traces recovered (their ids added to ``seen``). A file is claimed by renaming
+    it first (several recorders may start at once); a shard already in place (a crash between its
+    rename and the deletion of its write-ahead file) is not written twice."""
     recovered = 0
     for claimed, wal in _claim_orphans(directory, f"traces-*.parquet{WAL}", WAL):
         shard = wal.with_name(wal.name[:-len(WAL)])
-        traces, bad = seal(claimed, shard, write)
+        traces, bad = seal(claimed, shard, write, seen)
         recovered += traces
         log("warning" if traces else "info", "wal_sealed", path=str(shard), records=traces, unreadable_lines=bad,
             detail="a gateway that died left these answered exchanges in its write-ahead file")
     return recovered
 
 
-def seal(wal: Path, shard: Path, write: Callable[[list[Trace], Path], object]) -> tuple[int, int]:
+def seal(wal: Path, shard: Path, write: Callable[[list[Trace], Path], object],
+         seen: set[str] | None = None) -> tuple[int, int]:
     """Write a write-ahead file's traces into ``shard`` (unless a shard is already there: a crash between
-    its rename and the deletion of the write-ahead file), then delete it; (traces written, unreadable lines)."""
+    its rename and the deletion of the write-ahead file), then delete it; (traces written, unreadable lines).
+    ``seen`` collects the ids of its traces."""
     traces, bad = read_wal(wal)
+    if seen is not None:
+        seen.update(t.id for t in traces)
     written = 0
     if traces and not shard.exists():
         write(traces, shard)
@@ -321,11 +326,15 @@ class Recorder:
         self.directory, self.recording, self.log, self.counters = Path(directory), recording, log, counters
         self.directory.mkdir(parents=True, exist_ok=True)  # an impossible directory fails here, before any request
         write = write or functools.partial(write_traces, durable=fsync != "never")
+        # ids of the traces sealed from dead processes' write-ahead files: a dead process's journal may hold
+        # the same exchanges (killed while it parsed them, before the journal was deleted): not recorded twice
+        self.sealed_ids: set[str] = set()
         for d in (self.directory, self.directory / UNVERIFIABLE_DIR):
             if d.is_dir():
                 for tmp in remove_stale_temporaries_in(d):
                     self.log("info", "stale_tmp_removed", path=str(tmp))
-                counters.add(recovered=(n := seal_orphans(d, write, self.log)), shards_written=int(n > 0))
+                counters.add(recovered=(n := seal_orphans(d, write, self.log, self.sealed_ids)),
+                             shards_written=int(n > 0))
         self.shard_records, self.shard_seconds, self.on_full, self.fsync = shard_records, shard_seconds, on_full, fsync
         self.queue: queue.Queue[Exchange | None] = queue.Queue(queue_size)
         self.shards = ShardWriter(self.directory, write, fsync)
@@ -393,14 +402,15 @@ class Recorder:
         """Once ready: parse the exchanges dead gateways journaled, then those journaled while warming."""
         for claimed, original in _claim_orphans(self.directory, f"exchanges-*{JOURNAL}", JOURNAL):
             exchanges, bad = read_journal(claimed)
-            for ex in exchanges:
-                self._take(ex)
+            already = sum(not self._take(ex, skip=self.sealed_ids) for ex in exchanges)
             self._each(ShardWriter.sync)  # in this recorder's write-ahead files before the journal goes
-            self.counters.add(recovered=len(exchanges))
+            self.counters.add(recovered=len(exchanges) - already)
             claimed.unlink()
-            self.log("warning", "journal_sealed", path=str(original), exchanges=len(exchanges), unreadable_lines=bad,
+            self.log("warning", "journal_sealed", path=str(original), exchanges=len(exchanges) - already,
+                     already_recorded=already, unreadable_lines=bad,
                      detail="a gateway that died left these answered exchanges unparsed; they are parsed now "
-                            "with this gateway's claim (--profile, --model)")
+                            "with this gateway's claim (--profile, --model); already_recorded: parsed before it "
+                            "died and sealed from its write-ahead file")
         for ex in waiting:
             self._take(ex)
         waiting.clear()
@@ -459,25 +469,30 @@ class Recorder:
             if self.stopped and self.resumable and time.monotonic() - self.stopped_at >= RESUME_SECONDS:
                 self._resume()
 
-    def _take(self, ex: Exchange) -> None:
+    def _take(self, ex: Exchange, skip: set[str] = frozenset()) -> bool:
+        """Parse and write one exchange; False when every trace it yields is in ``skip`` (already sealed)."""
         try:
             recorded = record(ex, self.recording)
         except Unrecordable as exc:
             self.counters.add(unrecordable=1)
             self.log("warning", "unrecordable", request_id=ex.request_id, reason=str(exc))
-            return
+            return True
         except Exception as exc:  # a bug here must not stop the writer; the exchange is counted
             self.counters.add(unrecordable=1)
             self.log("error", "unrecordable", request_id=ex.request_id, reason=f"{type(exc).__name__}: {exc}")
-            return
+            return True
+        fresh = [[t for t in part if t.id not in skip] for part in (recorded.traces, recorded.unverifiable)]
+        if skip and (recorded.traces or recorded.unverifiable) and not any(fresh):
+            return False
         if self.stopped:
-            self.counters.add(dropped=len(recorded.traces) + len(recorded.unverifiable))
-            return
-        for writer, traces in ((self.shards, recorded.traces), (self.aside, recorded.unverifiable)):
+            self.counters.add(dropped=sum(map(len, fresh)))
+            return True
+        for writer, traces in zip((self.shards, self.aside), fresh):
             try:
                 writer.add(traces)
             except Exception as exc:  # OSError (ENOSPC, EACCES) on the write-ahead file
                 self._stop(writer, exc, len(traces))
+        return True
 
     def _each(self, step: Callable[[ShardWriter], object]) -> None:
         for writer in (self.shards, self.aside):
