@@ -37,3 +37,37 @@ def chat_prompts():
     from verinfer.prompts import load_prompts
 
     return load_prompts("chitchat", 12, seed=3)
+
+
+# The real engines' servers (tests marked ``engines``): one of each per session, shared by every module that
+# asks (a fixture imported into a second module would be a second definition, and a second start).
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory):
+    from tests.test_engine_vllm_server import vllm_server
+
+    with vllm_server(tmp_path_factory.mktemp("vllm")) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def engine_python():
+    from tests.test_engine_llama_server import llama_engine_python
+
+    return llama_engine_python()
+
+
+@pytest.fixture(scope="session")
+def f32_gguf(engine_python, tmp_path_factory):
+    from tests.test_engine_llama_server import build_f32_gguf
+
+    return build_f32_gguf(engine_python, tmp_path_factory.mktemp("gguf"))
+
+
+@pytest.fixture(scope="session")
+def llama_url(engine_python, f32_gguf, tmp_path_factory):
+    from tests.test_engine_llama_server import llama_server
+
+    with llama_server(engine_python, f32_gguf, tmp_path_factory.mktemp("llama")) as url:
+        yield url

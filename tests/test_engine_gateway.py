@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.audit_servers import seed_proxy
-from tests.test_engine_llama_server import NEUTRAL, engine_python, f32_gguf, llama_url  # noqa: F401 (fixtures)
-from tests.test_engine_vllm_server import vllm_url  # noqa: F401 (fixture)
+from tests.test_engine_llama_server import NEUTRAL  # (its llama_url and the vllm_url: tests/conftest.py, per session)
 from verinfer.production.exchange import Recording
 from verinfer.production.gateway import Gateway, GatewayConfig, gateway_in_thread
 
@@ -110,7 +109,7 @@ def monitor_once(backend, directory: Path, calibrator, shards: int):
     return windows
 
 
-def test_vllm_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(vllm_url, backend, tmp_path):  # noqa: F811
+def test_vllm_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(vllm_url, backend, tmp_path):
     calibrator = calibration(backend, "vllm-cpu")
     honest, answered, g = record_and_verify(backend, vllm_url, tmp_path / "vllm", calibrator, "vllm-cpu", True)
     print(f"\nvllm serve behind the gateway: " + "; ".join(f"{w.note} ({w.tokens} tokens)" for w in honest))
@@ -126,7 +125,7 @@ def test_vllm_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(vl
     assert any(w.verdict == "INCONSISTENT" and w.first_flagged.startswith("engine/") for w in dishonest)
 
 
-def test_llama_cpp_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(llama_url, backend,  # noqa: F811
+def test_llama_cpp_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(llama_url, backend,
                                                                                     tmp_path):
     from verinfer.auditing.run import stop_ids
 
@@ -147,7 +146,7 @@ def test_llama_cpp_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_n
     assert any(w.verdict == "INCONSISTENT" and w.first_flagged.startswith("llama/") for w in dishonest)
 
 
-def test_vllm_answers_reach_the_client_as_vllm_sends_them(vllm_url, tmp_path):  # noqa: F811
+def test_vllm_answers_reach_the_client_as_vllm_sends_them(vllm_url, tmp_path):
     """Byte for byte but the response id and time: the ids the gateway asked for come back as the
     ``null`` vLLM writes for fields nobody asked for, in whole responses and in every stream event."""
     import re

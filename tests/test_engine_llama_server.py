@@ -13,6 +13,7 @@ INCONSISTENT in seeded mode.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -32,17 +33,17 @@ READY_S = 300  # the F32 model (540 MB) loads in a few seconds on the idle machi
 NEUTRAL = {"top_k": 0, "min_p": 0, "repeat_penalty": 1}  # llama-cpp-python's server defaults otherwise apply
 
 
-@pytest.fixture(scope="module")
-def engine_python() -> Path:
+def llama_engine_python() -> Path:
+    """The engine's venv (tests/conftest.py's session fixture ``engine_python``)."""
     venv = subprocess.run(["bash", str(ENGINE / "setup.sh")], check=True, capture_output=True, text=True).stdout
     return Path(venv.strip().splitlines()[-1]) / "bin" / "python"
 
 
-@pytest.fixture(scope="module")
-def f32_gguf(engine_python, tmp_path_factory) -> Path:
+def build_f32_gguf(engine_python: Path, out_dir: Path) -> Path:
+    """The bundled model as an F32 GGUF (tests/conftest.py's session fixture ``f32_gguf``)."""
     from verinfer.models.load import resolve
 
-    out = tmp_path_factory.mktemp("gguf") / "smollm2-135m-f32.gguf"
+    out = out_dir / "smollm2-135m-f32.gguf"
     subprocess.run([str(engine_python), str(ENGINE / "f32_gguf.py"), str(resolve("smollm2-135m").path), str(out)],
                    check=True, capture_output=True, text=True)
     return out
@@ -70,13 +71,14 @@ def test_the_f32_copy_holds_the_reference_weights(f32_gguf):
         assert ours[g].dtype == np.float32 and np.array_equal(ours[g].reshape(ref[h].shape), ref[h]), g
 
 
-@pytest.fixture(scope="module")
-def llama_url(engine_python, f32_gguf, tmp_path_factory):
+@contextlib.contextmanager
+def llama_server(engine_python: Path, f32_gguf: Path, log_dir: Path):
+    """``llama_cpp.server`` on the F32 copy (tests/conftest.py's session fixture ``llama_url``)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     argv = lambda port: [str(engine_python), "-m", "llama_cpp.server", "--model", str(f32_gguf),  # noqa: E731
                          "--model_alias", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port),
                          "--n_threads", "1", "--n_ctx", "1024", "--logits_all", "False", "--verbose", "False"]
-    with openai_server(argv, tmp_path_factory.mktemp("llama"), env, READY_S) as url:
+    with openai_server(argv, log_dir, env, READY_S) as url:
         yield url
 
 

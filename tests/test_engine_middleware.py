@@ -1,5 +1,6 @@
 """verinfer's recorder inside vLLM's own OpenAI server (``--middleware``), marked ``engines``: a vLLM
-server of its own (not the one ``tests/test_engine_vllm_server.py`` shares), so two never load at once."""
+server of its own (not the one ``tests/test_engine_vllm_server.py`` shares for the session, which idles
+beside it)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ consistent and a smaller model of the same family (verinfer's own server, ``laye
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -33,15 +34,17 @@ def _run_module():
     return module
 
 
-@pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory):
+@contextlib.contextmanager
+def vllm_server(log_dir: Path):
+    """The engine's own OpenAI server on the bundled model in fp32 (tests/conftest.py's ``vllm_url``: one
+    per session for every engines module, as a start takes about 2.5 minutes)."""
     run = _run_module()
     python, directory = run.engine_python(), run.model_dir("smollm2-135m")
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     argv = lambda port: [str(python), "-m", "vllm.entrypoints.openai.api_server",  # noqa: E731
                          "--model", str(directory), "--served-model-name", "smollm2-135m", "--dtype", "float32",
                          "--enforce-eager", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port)]
-    with openai_server(argv, tmp_path_factory.mktemp("vllm"), env, READY_S) as url:
+    with openai_server(argv, log_dir, env, READY_S) as url:
         yield url
 
 
