@@ -103,7 +103,7 @@ def main() -> None:
                     for k, n in enumerate(found) if n is not None]
         med = f"{np.median(hits):.0f} ({min(hits)}-{max(hits)})" if hits else "-"
         rows.append(f"| {f:.0%} | {keys} | {len(hits)} of {keys} | {med} | "
-                    f"{np.median(verified):.0f} | {np.median(hits) / 10:.0f} |" if hits else
+                    f"{np.median(verified):.0f} | {np.median(hits) / 10:.1f} |" if hits else
                     f"| {f:.0%} | {keys} | 0 of {keys} | not within {len(traces)} | - | - |")
         print(rows[-1], flush=True)
     text = "\n".join(rows) + "\n"

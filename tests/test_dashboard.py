@@ -73,7 +73,7 @@ def db(db_url):
 
 
 def test_overview_shows_every_window_state_and_changes(db):
-    client = TestClient(create_app(db))
+    client = TestClient(create_app(db, stale_after_s=float("inf")))  # a history from March: not idle here
     page = client.get("/").text
     assert page.count('class="state-row"') == 2
     acme = page.split('<h2 class="series"')[1]
@@ -92,6 +92,24 @@ def test_overview_shows_every_window_state_and_changes(db):
     assert SECRET not in page and "provider.example" in page  # the audit's URL shown, its secrets redacted
     alone = page.split('id="audits-alone"')[1]  # an audited provider without traffic still shows
     assert alone.count('class="audit-row"') == 1 and "audited-only" in alone and "INCONSISTENT" in alone
+
+
+def test_a_series_with_nothing_recorded_lately_is_idle_not_green(db):
+    """A series whose newest window was recorded over --stale-after ago shows IDLE with how long and what
+    its last window said (it kept its green pill for ever)."""
+    page = TestClient(create_app(db)).get("/").text  # the fixture's windows were recorded in March
+    state = re.search(r'data-provider="acme" data-state="(\w+)">(.*?)</tr>', page, re.S)
+    assert state.group(1) == "idle" and 'class="state st-idle">IDLE<' in state.group(2)
+    assert "nothing verified for" in state.group(2) and "the last window said CONSISTENT" in state.group(2)
+    assert 'st-CONSISTENT">CONSISTENT<' not in page.split('id="states"')[1].split("</table>")[0]
+
+
+def test_bad_links_are_pages_not_json(db):
+    client = TestClient(create_app(db))
+    bad = client.get("/window/abc")
+    assert bad.status_code == 404 and "text/html" in bad.headers["content-type"] and "no such window" in bad.text
+    backwards = client.get("/?since=2026-03-02T00:00:00Z&until=2026-03-01T00:00:00Z")
+    assert backwards.status_code == 400 and "is later than until" in backwards.text
 
 
 def test_state_is_the_latest_window_with_since_when(db):

@@ -30,6 +30,8 @@ def dashboard(
     alert_every: float = typer.Option(30.0, help="--alert-url: seconds between checks for verdict changes"),
     public_url: Optional[str] = typer.Option(None, help="base URL of this dashboard in alert links "
                                              "(default: http://HOST:PORT)"),
+    stale_after: str = typer.Option("30m", help="a series with no window recorded for this long shows IDLE, not "
+                                    "its last verdict (e.g. 30m, 2h)"),
     alert_format: str = typer.Option("verinfer", help="--alert-url: the body's shape, verinfer (its own JSON) or "
                                      "alertmanager (Alertmanager's webhook: firing / resolved)"),
     alert_secret_env: Optional[str] = typer.Option(None, help="--alert-url: environment variable holding a secret; "
@@ -47,6 +49,7 @@ def dashboard(
     from verinfer.production.alerts import SHAPES
     from verinfer.production.dashboard import create_app
     from verinfer.production.logs import uvicorn_log_config
+    from verinfer.production.monitor import parse_duration
     from verinfer.production.store import open_store, shown
     from verinfer.sockets import bind
 
@@ -60,6 +63,7 @@ def dashboard(
     if alert_format not in SHAPES:
         raise ValueError(f"--alert-format must be one of {', '.join(SHAPES)}, got {alert_format!r}")
     secret = secret_from_env("--alert-secret-env", alert_secret_env) if alert_secret_env else None
+    stale_s = parse_duration(stale_after, "--stale-after")
     store = open_store(db)
     sock = bind(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
@@ -76,7 +80,7 @@ def dashboard(
         typer.echo(f"alerts: verdict changes to {webhook_host(alert_url)} (state {state})", err=True)
     typer.echo(f"verinfer dashboard of {shown(db)} on {base}/ (metrics at {base}/metrics)", err=True)
     try:
-        uvicorn.Server(uvicorn.Config(create_app(store, token, alerter, alert_every), log_level="warning",
+        uvicorn.Server(uvicorn.Config(create_app(store, token, alerter, alert_every, stale_s), log_level="warning",
                                       access_log=False, lifespan="on", timeout_graceful_shutdown=10,
                                       log_config=uvicorn_log_config())).run(sockets=[sock])
     finally:

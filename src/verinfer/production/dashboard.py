@@ -60,7 +60,8 @@ def _page(env: jinja2.Environment, name: str, status: int = 200, **context: Any)
     return HTMLResponse(redact_text(html), status_code=status)
 
 
-def create_app(store: Store, token: str | None = None, alerter=None, alert_every_s: float = 30.0) -> FastAPI:
+def create_app(store: Store, token: str | None = None, alerter=None, alert_every_s: float = 30.0,
+               stale_after_s: float = views.STALE_AFTER_S) -> FastAPI:
     """The dashboard over ``store`` (read through ``views.read_engine``); ``alerter``
     (``verinfer.production.alerts.Alerter``) polls for verdict changes on a thread while it runs."""
     engine = views.read_engine(store)
@@ -106,13 +107,16 @@ def create_app(store: Store, token: str | None = None, alerter=None, alert_every
         except ValueError as exc:
             return bad_request(str(exc))
         with Session(engine) as s:
-            view = views.overview(s, f)
+            view = views.overview(s, f, stale_after_s=stale_after_s)
         return _page(env, "dashboard.html.j2", f=f, series=view.series, choices=view.choices,
                      charts=[chart(x.points, x.audits) for x in view.series], audits_alone=view.audits_alone,
                      since_until=f.range())
 
-    @app.get("/window/{window_id}", response_class=HTMLResponse)
-    def window(request: Request, window_id: int) -> HTMLResponse:
+    @app.get("/window/{window_ref}", response_class=HTMLResponse)
+    def window(request: Request, window_ref: str) -> HTMLResponse:
+        if not window_ref.isdigit():  # a page, not FastAPI's 422 JSON, for a link typed wrong
+            return _page(env, "error.html.j2", 404, message=f"window {window_ref}: no such window (ids are numbers)")
+        window_id = int(window_ref)
         try:
             offset = int(request.query_params.get("offset") or 0)
             if offset < 0:

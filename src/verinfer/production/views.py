@@ -92,7 +92,9 @@ class Filters:
             if not (0 if name == "refresh" else 1) <= values[name] <= top:
                 raise ValueError(f"{name}={raw!r}: expected a number from {0 if name == 'refresh' else 1} to {top}")
         out = cls(**values)
-        out.range()  # a bad time fails here, with its name
+        since, until = out.range()  # a bad time fails here, with its name
+        if since is not None and until is not None and since > until:
+            raise ValueError(f"since={out.since!r} is later than until={out.until!r}: nothing can be in that range")
         return out
 
     def range(self, now: dt.datetime | None = None) -> tuple[dt.datetime | None, dt.datetime | None]:
@@ -227,10 +229,14 @@ class State:
     verdict: str | None  # the latest window's
     since: dt.datetime | None  # start of the first window of the current run of that verdict
     last_verdict: str | None  # the latest window with a verdict's (when the latest window has none)
+    idle_s: float | None = None  # seconds since a window of it was last recorded, when over the stale limit
 
     @property
     def label(self) -> str:
-        """CONSISTENT / INCONSISTENT / not enough tokens / no verdict (uncalibrated, no bands)."""
+        """IDLE (nothing verified for too long: a verdict that old is no news) / CONSISTENT / INCONSISTENT
+        / not enough tokens / no verdict (uncalibrated, no bands)."""
+        if self.idle_s is not None:
+            return "IDLE"
         if self.verdict:
             return self.verdict
         return "not enough tokens" if (self.latest.note or "").startswith("too few") else "no verdict"
@@ -330,8 +336,12 @@ class Overview:
     audits_alone: list[AuditResult]  # scheduled audits of providers/models without traffic windows
 
 
-def overview(s: Session, f: Filters, now: dt.datetime | None = None) -> Overview:
-    """Everything the main page shows: each series' state, timeline and the audits beside it."""
+STALE_AFTER_S = 1800.0  # a series with no window recorded for this long shows IDLE, not its old verdict
+
+
+def overview(s: Session, f: Filters, now: dt.datetime | None = None, stale_after_s: float = STALE_AFTER_S) -> Overview:
+    """Everything the main page shows: each series' state (IDLE when no window of it was recorded for
+    ``stale_after_s``), timeline and the audits beside it."""
     now = now or utcnow()
     found = audits(s, f, now)
     every = {Key.of(w): w for w in series(s, Filters())}  # all series: the filters' choices
@@ -340,7 +350,10 @@ def overview(s: Session, f: Filters, now: dt.datetime | None = None) -> Overview
         if not f.shows(key):
             continue
         points, count = timeline(s, key, f, now)
-        out.append(Series(key, state(s, key, *totals(s, key), newest), points, count,
+        st = state(s, key, *totals(s, key), newest)
+        if st.last_verified is not None and (idle := (now - st.last_verified).total_seconds()) > stale_after_s:
+            st.idle_s = idle
+        out.append(Series(key, st, points, count,
                           [a for a in found if (a.provider, a.model) == (key.provider, key.model)]))
     audited = s.execute(select(AuditResult.provider, AuditResult.model, AuditResult.profile).distinct()).all()
     choices = {name: sorted({getattr(k, name) for k in every} | {getattr(a, name) for a in audited})
