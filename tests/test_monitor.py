@@ -134,6 +134,46 @@ def test_a_sampling_monitor_verifies_the_chosen_traces_and_records_what_it_left(
     store.close()
 
 
+def test_retention_deletes_verified_shards_then_old_history_and_nothing_unverified(db_url, backend, honest, tmp_path):
+    """--retain-shards: shard files (and score files) verified longer ago go, rows kept and marked; an old
+    unverifiable/ shard goes; a shard not yet verified stays. --retain-history: windows, their traces and
+    the rows of deleted shards older than that go. A rescan registers nothing again."""
+    from verinfer.production.store import utcnow
+
+    d = tmp_path / "traces"
+    write_traces(timed(honest[:6], "acme", T0, 10), d / "a.parquet")
+    write_traces(timed(honest[6:], "acme", T0 + dt.timedelta(minutes=5), 10), d / "b.parquet")
+    (d / "unverifiable").mkdir()
+    write_traces(honest[:1], d / "unverifiable" / "old.parquet")
+    os.utime(d / "unverifiable" / "old.parquet", (time.time() - 9 * 86400,) * 2)
+    store = open_store(db_url)
+    day = 86400
+    mon = Monitor(d, store, window_s=60, backend=backend, retain_shards_s=7 * day)
+    assert len(mon.run_once().verified) == 2  # just verified: nothing is old enough yet
+    assert (d / "a.parquet").exists() and not (d / "unverifiable" / "old.parquet").exists()
+    write_traces(timed(honest[:2], "late", T0, 10), d / "c.parquet")  # found later, not verified yet
+    mon.scan()
+    scores = list((tmp_path / "traces.verinfer").glob("*.scores.parquet"))
+    assert len(scores) == 2
+    pruned = mon.prune(now=utcnow() + dt.timedelta(days=8))
+    assert pruned["shard_files_deleted"] == 2 and not (d / "a.parquet").exists() and not (d / "b.parquet").exists()
+    assert (d / "c.parquet").exists() and not any(p.exists() for p in scores)
+    assert query(db_url, "SELECT COUNT(*) FROM shards WHERE files_deleted_at IS NOT NULL") == [(2,)]
+    assert mon.scan() == 0 and query(db_url, "SELECT COUNT(*) FROM windows") == [(2,)]
+    history = Monitor(d, store, window_s=60, backend=backend, retain_shards_s=7 * day, retain_history_s=30 * day)
+    pruned = history.prune(now=utcnow() + dt.timedelta(days=8))  # the windows are from March: older than 30 days
+    assert pruned["windows_deleted"] == 2 and pruned["shard_rows_deleted"] == 0  # verified 8 days ago: kept
+    pruned = history.prune(now=utcnow() + dt.timedelta(days=31))
+    assert pruned["shard_rows_deleted"] == 2
+    assert query(db_url, "SELECT COUNT(*) FROM window_traces") == [(0,)]
+    assert query(db_url, "SELECT status FROM shards") == [("pending",)]  # c, still to verify
+    for kw, match in (({"retain_shards_s": 60}, "at least two windows"),
+                      ({"retain_shards_s": 7 * day, "retain_history_s": day}, "at least --retain-shards")):
+        with pytest.raises(ValueError, match=match):
+            Monitor(d, store, window_s=60, backend=backend, **kw)
+    store.close()
+
+
 def test_durations_and_buckets():
     assert [parse_duration(x) for x in ("90s", "10m", "1h", "2d", "45")] == [90, 600, 3600, 172800, 45]
     assert parse_duration("30", unit="m") == 1800

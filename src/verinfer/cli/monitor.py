@@ -58,6 +58,11 @@ def monitor(
                                  "how many were verified)"),
     sample_key_env: Optional[str] = typer.Option(None, help="--sample: environment variable holding the key "
                                                  "(default: a random one per process)"),
+    retain_shards: Optional[str] = typer.Option(None, help="delete trace shards (and their score files) verified "
+                                                "longer ago than this (e.g. 7d), and unverifiable/ shards as old; "
+                                                "default: keep them"),
+    retain_history: Optional[str] = typer.Option(None, help="delete windows, audits and the rows of deleted shards "
+                                                 "older than this (e.g. 180d); default: keep them"),
     metrics_port: Optional[int] = typer.Option(None, help="serve this monitor's /metrics (Prometheus: backlog, "
                                                "lag, shards per status, sampling) and /health on this port"),
     metrics_host: str = typer.Option("127.0.0.1", help="--metrics-port: interface (beyond loopback it needs "
@@ -101,7 +106,9 @@ def monitor(
     store = open_store(db)
     mon = Monitor(directory, store, out_dir=out_dir, judge=Judge(calibrator, str(calibration or ""), alpha),
                   window_s=window_s, model=model, dtype=dtype, device=device, lease_s=lease, use_ray=ray,
-                  workers=workers, on_event=_event, budget=budget)
+                  workers=workers, on_event=_event, budget=budget,
+                  retain_shards_s=parse_duration(retain_shards, "--retain-shards") if retain_shards else None,
+                  retain_history_s=parse_duration(retain_history, "--retain-history") if retain_history else None)
     _event("start", {"directory": str(mon.directory), "db": shown(db), "owner": mon.owner, "window_s": window_s,
                      "scores": str(mon.out_dir), "once": once, "ray": ray, "sample": budget.fraction})
     exporter = contextlib.nullcontext()

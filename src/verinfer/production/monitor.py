@@ -29,6 +29,7 @@ names what judged each window.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import json
@@ -44,7 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, delete, func, or_, select, update
 from sqlalchemy.exc import OperationalError
 
 from verinfer import sharded
@@ -267,12 +268,19 @@ class Monitor:
                  judge: Judge | None = None, window_s: int = 600, model: str | None = None,
                  dtype: str = "float32", device: str = "cpu", lease_s: float = 120.0, max_attempts: int = 3,
                  use_ray: bool = False, workers: int | None = None, backend=None,
-                 on_event: Callable[[str, dict], None] | None = None, budget: Budget | None = None):
+                 on_event: Callable[[str, dict], None] | None = None, budget: Budget | None = None,
+                 retain_shards_s: float | None = None, retain_history_s: float | None = None):
         self.directory = Path(directory).resolve()
         if not self.directory.is_dir():
             raise ValueError(f"{directory}: not a directory")
         self.store, self.judge, self.window_s = store, judge or Judge(), window_s
         self.budget = budget if budget is not None and budget.fraction < 1 else None
+        for name, value in (("--retain-shards", retain_shards_s), ("--retain-history", retain_history_s)):
+            if value is not None and value < 2 * window_s:  # a window still filling reads its shards' scores
+                raise ValueError(f"{name} must be at least two windows ({2 * window_s} s), got {value:g} s")
+        if retain_shards_s is not None and retain_history_s is not None and retain_history_s < retain_shards_s:
+            raise ValueError("--retain-history must be at least --retain-shards (a shard's row outlives its files)")
+        self.retain_shards_s, self.retain_history_s = retain_shards_s, retain_history_s
         if self.budget is not None and use_ray:
             raise ValueError("--sample with --ray: not supported yet (Ray verifies whole shards); drop one")
         self.out_dir = Path(out_dir) if out_dir else Path(f"{self.directory}.verinfer")
@@ -529,6 +537,8 @@ class Monitor:
         finally:
             self._beat.set()
             beat.join()
+        if self.retain_shards_s is not None or self.retain_history_s is not None:
+            self.prune()
         return outcome
 
     def _tally(self, outcome: Outcome, shard: Shard, status: str, verdicts: list) -> None:
@@ -554,6 +564,48 @@ class Monitor:
                                  workers=self.workers, on_shard=finished)
         for path in result.resumed:  # scores already complete for these bytes (an earlier claim's)
             self._tally(outcome, by_path[path], *self.process(by_path[path], verify=False))
+
+    # -- retention ------------------------------------------------------------------------------------
+
+    def prune(self, now: dt.datetime | None = None) -> dict[str, int]:
+        """Retention, after each pass. ``retain_shards_s``: the files of shards verified (or failed) longer
+        ago, and their score files, are deleted (the rows stay, marked ``files_deleted_at``, so the path is
+        never taken for a new shard; the drill-down says the tokens are gone); so are the gateway's
+        ``unverifiable/`` shards older than that (never verified: by file time). ``retain_history_s``:
+        windows that ended, audits run and shard rows whose files are gone, longer ago, are deleted
+        (with their traces and results). A shard not yet verified is never deleted."""
+        now = now or utcnow()
+        out = {"shard_files_deleted": 0, "unverifiable_deleted": 0, "windows_deleted": 0, "shard_rows_deleted": 0,
+               "audit_runs_deleted": 0}
+        if self.retain_shards_s is not None:
+            cutoff = now - dt.timedelta(seconds=self.retain_shards_s)
+            with self.store.transaction() as s:
+                old = s.execute(select(Shard.id, Shard.path).where(
+                    Shard.status.in_(("done", "failed")), Shard.finished_at < cutoff,
+                    Shard.files_deleted_at.is_(None))).all()
+            for shard_id, path in old:
+                files = sharded.ShardFiles.of(self.out_dir, Path(path))
+                for f in (Path(path), files.scores, files.commits, files.record):
+                    f.unlink(missing_ok=True)
+                with self.store.transaction() as s:
+                    s.execute(update(Shard).where(Shard.id == shard_id).values(files_deleted_at=now))
+                out["shard_files_deleted"] += 1
+            aside = self.directory / "unverifiable"
+            for f in sorted(aside.glob("*.parquet")) if aside.is_dir() else []:
+                with contextlib.suppress(OSError):
+                    if f.stat().st_mtime < cutoff.replace(tzinfo=dt.timezone.utc).timestamp():
+                        f.unlink()
+                        out["unverifiable_deleted"] += 1
+        if self.retain_history_s is not None:
+            cutoff = now - dt.timedelta(seconds=self.retain_history_s)
+            with self.store.transaction() as s:
+                out["windows_deleted"] = s.execute(delete(Window).where(Window.end_time < cutoff)).rowcount
+                out["shard_rows_deleted"] = s.execute(delete(Shard).where(
+                    Shard.finished_at < cutoff, Shard.files_deleted_at.is_not(None))).rowcount
+                out["audit_runs_deleted"] = s.execute(delete(AuditRun).where(AuditRun.slot < cutoff)).rowcount
+        if any(out.values()):
+            self.on_event("pruned", out)
+        return out
 
     def health(self) -> tuple[int, dict[str, Any]]:
         """``/health`` of ``--metrics-port``: 200 with the backlog while the database answers, else 503."""

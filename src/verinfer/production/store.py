@@ -88,6 +88,7 @@ class Shard(Base):
     verify_s: Mapped[float | None] = mapped_column(Float)
     offered: Mapped[int | None] = mapped_column(Integer)  # traces in the shard; ``traces`` of them verified
     sample: Mapped[float | None] = mapped_column(Float)  # the monitor's --sample fraction (None: every trace)
+    files_deleted_at: Mapped[dt.datetime | None] = mapped_column(DateTime)  # by retention (--retain-shards)
     scores_path: Mapped[str | None] = mapped_column(String(1024))
     error: Mapped[str | None] = mapped_column(Text)
     __table_args__ = (UniqueConstraint("path", "sha256", name="uq_shards_identity"),

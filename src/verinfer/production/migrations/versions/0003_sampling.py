@@ -1,5 +1,6 @@
 """The monitor's verification budget (``--sample``): how many traces each window and shard held beside
-how many were verified, and the fraction a shard was sampled at; existing rows verified every trace.
+how many were verified, and the fraction a shard was sampled at (existing rows verified every trace);
+and retention (``--retain-shards``): when a verified shard's files were deleted.
 
 Revision ID: 0003
 Revises: 0002
@@ -23,10 +24,12 @@ def upgrade() -> None:
     op.execute("UPDATE windows SET offered = traces")
     op.add_column('shards', sa.Column('offered', sa.Integer(), nullable=True))
     op.add_column('shards', sa.Column('sample', sa.Float(), nullable=True))
+    op.add_column('shards', sa.Column('files_deleted_at', sa.DateTime(), nullable=True))
     op.execute("UPDATE shards SET offered = traces")
 
 
 def downgrade() -> None:
+    op.drop_column('shards', 'files_deleted_at')
     op.drop_column('shards', 'sample')
     op.drop_column('shards', 'offered')
     op.drop_column('windows', 'offered')
