@@ -114,16 +114,20 @@ def test_a_sampling_monitor_verifies_the_chosen_traces_and_records_what_it_left(
     write_traces(timed(honest, "acme", T0, 20), d / "a.parquet")
     write_traces(timed(wrong_seed, "cheat", T0, 20), d / "b.parquet")
     budget = Budget(0.5, b"a-fixed-key-for-this-test-------")
+    left_out = [t for t in timed(honest, "quiet", T0 + dt.timedelta(minutes=30), 20) if not budget.chosen(t.id)]
+    write_traces(left_out, d / "c.parquet")  # a shard none of whose traces is chosen: done, nothing scored
     store = open_store(db_url)
     out = Monitor(d, store, window_s=60, backend=backend, budget=budget,
                   judge=Judge(Calibrator.load(calibration), "cal.json")).run_once()
-    assert len(out.verified) == 2 and not out.failed
-    everything = honest + wrong_seed
+    assert len(out.verified) == 3 and not out.failed
+    everything = honest + wrong_seed + left_out
     chosen = {t.id for t in everything if budget.chosen(t.id)}
     assert 0 < len(chosen) < len(everything)
     assert {r[0] for r in query(db_url, "SELECT trace_id FROM window_traces")} == chosen
     assert query(db_url, "SELECT SUM(offered), SUM(traces) FROM windows") == [(len(everything), len(chosen))]
     assert query(db_url, "SELECT DISTINCT sample FROM shards") == [(0.5,)]
+    assert left_out and query(db_url, "SELECT SUM(offered), SUM(traces), COUNT(verdict) FROM windows "
+                                      "WHERE provider = 'quiet'") == [(len(left_out), 0, 0)]
     assert query(db_url, "SELECT SUM(offered), SUM(traces) FROM shards") == [(len(everything), len(chosen))]
     for offered, traces, note in query(db_url, "SELECT offered, traces, note FROM windows"):
         assert offered >= traces and (traces > 0 or note.startswith(f"not verified: none of its {offered} traces"))

@@ -441,7 +441,7 @@ class Monitor:
             scores_path=str(sharded.ShardFiles.of(self.out_dir, Path(shard.path)).scores))).rowcount
         if got != 1:
             raise LeaseLost()
-        trace_stats = per_trace(data.columns)
+        trace_stats = per_trace(data.columns) if data.traces else {}  # none chosen by the budget: no scores
         buckets: dict[tuple[Key, dt.datetime], list[Trace]] = {}
         for key, traces in data.groups(self.window_s).items():
             sig = signature(traces, data.verifier["model"], data.verifier["dtype"])
