@@ -9,6 +9,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -268,6 +269,20 @@ def test_calibrated_windows_flag_the_wrong_seed_whatever_the_shard_order(db_url,
     assert rows[0][10] is None
     normalize = lambda rs: [tuple(round(x, 12) if isinstance(x, float) else x for x in r[2:]) for r in rs]  # noqa: E731
     assert normalize(results[1]) == normalize(rows)  # same tokens, verdicts and p-values in either order
+    # the dashboard's drill-down of the flagged window: its first flagged trace a link to that trace's row
+    # (with the prompt it was asked), and the verdict said once
+    from fastapi.testclient import TestClient
+
+    from verinfer.production.dashboard import create_app
+
+    store = open_store(db_url)
+    [(window_id,)] = query(db_url, "SELECT id FROM windows WHERE verdict = 'INCONSISTENT'")
+    page = TestClient(create_app(store)).get(f"/window/{window_id}").text
+    store.close()
+    link = re.search(r'<a href="([^"]*)" id="first-flagged">', page).group(1)
+    assert link.endswith(f"#trace-{flagged[10]}") and f'id="trace-{flagged[10]}"' in page
+    assert page.count('<div class="prompt"><div><b>user</b>: ') == flagged[2]
+    assert "INCONSISTENT INCONSISTENT" not in page and 'id="verdict">INCONSISTENT</span>' in page
 
 
 def test_greedy_traffic_of_the_bundled_model_is_judged_by_the_shipped_bands(backend, tmp_path):

@@ -129,10 +129,12 @@ def create_app(store: Store, token: str | None = None, alerter=None, alert_every
                 return _page(env, "error.html.j2", 404, message=f"window {window_id}: no such window")
             rows, count = views.window_traces(s, window_id, TRACES_PER_PAGE, offset)
             before, after = views.neighbours(s, w)
+            flagged_at = views.trace_position(s, window_id, w.first_flagged) if w.first_flagged else None
         traces = views.trace_views(rows, w.model)
         return _page(env, "window.html.j2", w=w, traces=traces, count=count, offset=offset, per_page=TRACES_PER_PAGE,
                      band=views.band_at(w.judged_by, views.band_size(w.tokens)) if w.tokens else None,
-                     before=before, after=after)
+                     before=before, after=after,
+                     flagged_page=None if flagged_at is None else flagged_at // TRACES_PER_PAGE * TRACES_PER_PAGE)
 
     @app.get("/metrics")
     def prometheus() -> Response:

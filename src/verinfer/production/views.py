@@ -27,13 +27,13 @@ from typing import Any, Mapping, Sequence
 from urllib.parse import urlencode
 
 import numpy as np
-from sqlalchemy import create_engine, select
+from sqlalchemy import and_, create_engine, func, or_, select
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from verinfer.production import store as reads
 from verinfer.production.monitor import as_utc, parse_duration
-from verinfer.production.store import AuditResult, Key, Store, Window, database_url, utcnow
+from verinfer.production.store import AuditResult, Key, Store, Window, WindowTrace, database_url, utcnow
 from verinfer.stats.pooling import MARGIN_CLIP
 
 VERDICTS = ("CONSISTENT", "INCONSISTENT")
@@ -376,6 +376,7 @@ class TraceView:
     shard: str
     pieces: list[tuple[str, float | None]] | None  # token text and margin; None: the files are gone
     missing: str | None = None  # why the tokens cannot be shown
+    prompt: list[tuple[str, str]] | None = None  # (role, text) as the trace stored it (messages or prompt text)
 
 
 def window(s: Session, window_id: int) -> Window | None:
@@ -393,6 +394,18 @@ def window_traces(s: Session, window_id: int, limit: int, offset: int = 0) -> tu
     return [tuple(r) for r in rows], int(s.scalar(reads.trace_count(window_id)))
 
 
+def trace_position(s: Session, window_id: int, trace_id: str) -> int | None:
+    """Where ``trace_id`` is in the window's request-time order (its page in the drill-down), or None."""
+    wt = s.scalars(select(WindowTrace).where(WindowTrace.window_id == window_id,
+                                             WindowTrace.trace_id == trace_id)).first()
+    if wt is None:
+        return None
+    before = or_(WindowTrace.request_time < wt.request_time,
+                 and_(WindowTrace.request_time == wt.request_time, WindowTrace.trace_id < wt.trace_id))
+    return int(s.scalar(select(func.count()).select_from(WindowTrace).where(WindowTrace.window_id == window_id,
+                                                                            before)))
+
+
 @functools.lru_cache(maxsize=4)
 def tokenizer(model: str):
     """The claimed model's tokenizer, offline (None when it is not available here: ids are shown)."""
@@ -404,6 +417,19 @@ def tokenizer(model: str):
         return AutoTokenizer.from_pretrained(str(local_dir(resolve(model))), local_files_only=True)
     except (OSError, ValueError, ModelNotAvailable):
         return None
+
+
+def prompt_of(trace, tok, limit: int = 2000) -> list[tuple[str, str]]:
+    """What the trace was asked: its chat messages, else its prompt text, else its prompt ids decoded
+    (a trace recorded with ``--store-text false`` keeps ids only); each text cut at ``limit`` characters."""
+    cut = (lambda text: text if len(text) <= limit else text[:limit] + " …")
+    if trace.messages:
+        return [(str(m.get("role", "")), cut(str(m.get("content", "")))) for m in trace.messages]
+    if trace.prompt_text:
+        return [("prompt", cut(trace.prompt_text))]
+    if tok is not None:
+        return [("prompt ids, decoded", cut(tok.decode(trace.prompt_token_ids)))]
+    return [("prompt ids", cut(" ".join(map(str, trace.prompt_token_ids))))]
 
 
 def trace_views(rows: Sequence[tuple], model: str) -> list[TraceView]:
@@ -438,7 +464,8 @@ def trace_views(rows: Sequence[tuple], model: str) -> list[TraceView]:
                 texts = [tok.decode([t]) for t in ids] if tok is not None else [f"#{t} " for t in ids]
                 pieces = [(text, margin.get(i)) for i, text in enumerate(texts)]
             views[shard.id, wt.trace_id] = TraceView(wt.trace_id, wt.request_time, wt.tokens, wt.exact_matches,
-                                                     wt.mean_margin, shard.path, pieces, missing)
+                                                     wt.mean_margin, shard.path, pieces, missing,
+                                                     prompt_of(trace, tok) if trace is not None else None)
     return [views[shard.id, wt.trace_id] for wt, shard in rows]
 
 
