@@ -104,6 +104,24 @@ def test_a_series_with_nothing_recorded_lately_is_idle_not_green(db):
     assert 'st-CONSISTENT">CONSISTENT<' not in page.split('id="states"')[1].split("</table>")[0]
 
 
+def test_the_json_api_gives_scripts_what_the_pages_show(db):
+    client = TestClient(create_app(db, stale_after_s=float("inf")))
+    series = client.get("/api/series").json()["series"]
+    acme = next(x for x in series if x["provider"] == "acme")
+    assert acme["state"] == acme["verdict"] == "CONSISTENT" and acme["windows"] == len(ACME)
+    assert acme["since"] == "2026-03-01T12:50:00Z" and acme["idle_seconds"] is None
+    assert [x["provider"] for x in client.get("/api/series?provider=acme").json()["series"]] == ["acme"]
+    windows = client.get("/api/windows?provider=acme&limit=3").json()["windows"]
+    assert len(windows) == 3 and [w["start"] for w in windows] == sorted((w["start"] for w in windows), reverse=True)
+    assert windows[0]["id"] == acme["latest_window"] and {"verdict", "p_value", "offered", "judged_by"} <= set(windows[0])
+    ranged = client.get("/api/windows?provider=acme&since=2026-03-01T12:10:00Z&until=2026-03-01T12:20:00Z").json()
+    assert [w["start"] for w in ranged["windows"]] == ["2026-03-01T12:20:00Z", "2026-03-01T12:10:00Z"]
+    for bad in ("limit=0", "limit=many", "since=yesterday-ish"):
+        r = client.get(f"/api/windows?{bad}")
+        assert r.status_code == 400 and r.json()["error"]["code"] == "bad_request", bad
+    assert TestClient(create_app(db, "t0ken-for-the-dashboard-1234")).get("/api/series").status_code == 401
+
+
 def test_bad_links_are_pages_not_json(db):
     client = TestClient(create_app(db))
     bad = client.get("/window/abc")

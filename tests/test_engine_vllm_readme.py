@@ -17,6 +17,7 @@ import json
 
 import numpy as np
 import pytest
+import sqlalchemy
 
 from tests.test_readme import _environment, _stop, blocks, run_bash_block
 
@@ -43,6 +44,17 @@ def test_readme_vllm_section_runs_as_written(backend, tmp_path):
     print(f"\nREADME vLLM section: {verdict.get('text')}")
     assert verdict["consistent"], verdict
     assert verdict["exact_match_rate"] >= 0.99, verdict
+
+    # "Verify your own deployment": the gateway's traffic judged by the monitor with no calibration step,
+    # by the shipped vllm-cpu calibration (issue #39 item 1: it recorded NULL verdicts, "uncalibrated")
+    engine = sqlalchemy.create_engine(f"sqlite:///{tmp_path / 'verinfer.db'}")
+    with engine.connect() as conn:
+        windows = conn.execute(sqlalchemy.text("SELECT verdict, judged_by, traces, tokens, note FROM windows")).all()
+    engine.dispose()
+    print(f"README gateway and monitor: {[tuple(w[:4]) for w in windows]}")
+    assert windows and sum(w.traces for w in windows) == 6, windows
+    assert all(w.verdict == "CONSISTENT" and w.judged_by == "calibration calibration-smollm2-135m-vllm-cpu-t1-k50-"
+               "p0.95-minp0.json (shipped default)" for w in windows), windows
 
     stored = [json.loads(line) for line in (tmp_path / "vllm-audit" / "myvllm" / "responses.jsonl").open()]
     assert sorted((r["request"]["seed"], r["request"]["n"]) for r in stored) == [(1000 + 2 * i, 2) for i in range(6)]

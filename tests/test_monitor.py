@@ -320,10 +320,14 @@ def test_a_malformed_shard_is_recorded_failed_and_the_monitor_goes_on(backend, h
 
     from verinfer.production.dashboard import create_app
 
-    body = TestClient(create_app(open_store(url))).get("/metrics").text
+    client = TestClient(create_app(open_store(url)))
+    body = client.get("/metrics").text
     shards = {s.labels["status"]: s.value for f in text_string_to_metric_families(body) for s in f.samples
               if s.name == "verinfer_monitor_shards"}
     assert shards == {"pending": 0, "claimed": 0, "done": 1, "failed": 1}
+    page = client.get("/").text  # ... and on the page, with its error
+    failed = page.split('id="failed-shards"')[1]
+    assert "(1)" in failed.split("</h2>")[0] and failed.count('class="failed-row"') == 1 and "bad.jsonl:2" in failed
 
 
 def test_the_monitor_serves_its_own_metrics_while_it_samples(honest, tmp_path):

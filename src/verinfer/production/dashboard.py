@@ -110,7 +110,36 @@ def create_app(store: Store, token: str | None = None, alerter=None, alert_every
             view = views.overview(s, f, stale_after_s=stale_after_s)
         return _page(env, "dashboard.html.j2", f=f, series=view.series, choices=view.choices,
                      charts=[chart(x.points, x.audits) for x in view.series], audits_alone=view.audits_alone,
-                     since_until=f.range())
+                     since_until=f.range(), failed=view.failed, failed_count=view.failed_count)
+
+    def api_error(message: str, status: int = 400) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                       "code": "bad_request"}}, status_code=status)
+
+    @app.get("/api/series")
+    def api_series(request: Request) -> JSONResponse:
+        """Each series' current state, as the overview's table shows it (filters as the page's)."""
+        try:
+            f = views.Filters.parse(request.query_params)
+        except ValueError as exc:
+            return api_error(str(exc))
+        with Session(engine) as s:
+            return JSONResponse(views.series_json(views.overview(s, f, stale_after_s=stale_after_s)))
+
+    @app.get("/api/windows")
+    def api_windows(request: Request) -> JSONResponse:
+        """The newest windows (``limit``, at most 1,000) that pass the filters and ``since`` / ``until``."""
+        raw = request.query_params.get("limit") or "100"
+        try:
+            f = views.Filters.parse(request.query_params)
+            limit = int(raw)
+            if not 1 <= limit <= views.API_MAX_WINDOWS:
+                raise ValueError
+        except ValueError as exc:
+            return api_error(str(exc) if str(exc) else f"limit={raw!r}: expected a number from 1 to "
+                                                       f"{views.API_MAX_WINDOWS}")
+        with Session(engine) as s:
+            return JSONResponse(views.windows_json(s, f, limit))
 
     @app.get("/window/{window_ref}", response_class=HTMLResponse)
     def window(request: Request, window_ref: str) -> HTMLResponse:

@@ -33,7 +33,8 @@ from sqlalchemy.orm import Session
 
 from verinfer.production import store as reads
 from verinfer.production.monitor import as_utc, parse_duration
-from verinfer.production.store import AuditResult, Key, Store, Window, WindowTrace, database_url, utcnow
+from verinfer.production.store import (AuditResult, Key, Shard, Store, Window, WindowTrace, database_url,
+                                      utcnow)
 from verinfer.stats.pooling import MARGIN_CLIP
 
 VERDICTS = ("CONSISTENT", "INCONSISTENT")
@@ -334,6 +335,11 @@ class Overview:
     series: list[Series]
     choices: dict[str, list[str]]  # filter choices: every provider, model and profile in the history
     audits_alone: list[AuditResult]  # scheduled audits of providers/models without traffic windows
+    failed: list[Shard] = field(default_factory=list)  # the latest shards that could not be verified
+    failed_count: int = 0  # all of them
+
+
+FAILED_SHOWN = 10
 
 
 STALE_AFTER_S = 1800.0  # a series with no window recorded for this long shows IDLE, not its old verdict
@@ -359,7 +365,48 @@ def overview(s: Session, f: Filters, now: dt.datetime | None = None, stale_after
     choices = {name: sorted({getattr(k, name) for k in every} | {getattr(a, name) for a in audited})
                for name in ("provider", "model", "profile")}
     traffic = {(k.provider, k.model) for k in every}
-    return Overview(out, choices, [a for a in found if (a.provider, a.model) not in traffic])
+    failed = s.scalars(select(Shard).where(Shard.status == "failed").order_by(Shard.finished_at.desc(), Shard.id.desc())
+                       .limit(FAILED_SHOWN)).all()
+    failed_count = int(s.scalar(select(func.count()).select_from(Shard).where(Shard.status == "failed")))
+    return Overview(out, choices, [a for a in found if (a.provider, a.model) not in traffic], list(failed),
+                    failed_count)
+
+
+# --------------------------------------------------------------------------------------------------
+# the JSON status API (/api/series, /api/windows): what the pages show, for scripts
+
+API_MAX_WINDOWS = 1000
+
+
+def _iso(t: dt.datetime | None) -> str | None:
+    return None if t is None else t.isoformat() + "Z"
+
+
+def window_json(w: Window) -> dict[str, Any]:
+    return {"id": w.id, "provider": w.provider, "model": w.model, "profile": w.profile, "window_seconds": w.seconds,
+            "start": _iso(w.start_time), "end": _iso(w.end_time), "verdict": w.verdict, "p_value": w.p_value,
+            "traces": w.traces, "offered": w.offered, "tokens": w.tokens, "exact_match_rate": w.exact_match_rate,
+            "mean_margin": w.mean_margin, "tokens_needed": w.tokens_needed, "first_flagged": w.first_flagged,
+            "judged_by": w.judged_by, "note": w.note, "updated_at": _iso(w.updated_at)}
+
+
+def series_json(view: Overview) -> dict[str, Any]:
+    """``/api/series``: each series' state as the overview shows it (``state``: its pill's label)."""
+    return {"series": [{"provider": x.key.provider, "model": x.key.model, "profile": x.key.profile,
+                        "window_seconds": x.key.seconds, "state": x.state.label, "verdict": x.state.verdict,
+                        "since": _iso(x.state.since), "last_verified": _iso(x.state.last_verified),
+                        "idle_seconds": x.state.idle_s, "windows": x.state.windows, "tokens": x.state.tokens,
+                        "latest_window": x.state.latest.id} for x in view.series],
+            "failed_shards": view.failed_count}
+
+
+def windows_json(s: Session, f: Filters, limit: int) -> dict[str, Any]:
+    """``/api/windows``: the newest ``limit`` windows that pass the filters and the time range, newest first."""
+    since, until = f.range()
+    q = select(Window).where(*f.where(Window), *([Window.start_time >= since] if since else []),
+                             *([Window.start_time <= until] if until else []))
+    rows = s.scalars(q.order_by(Window.start_time.desc(), Window.id.desc()).limit(limit)).all()
+    return {"windows": [window_json(w) for w in rows], "limit": limit}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -470,5 +517,6 @@ def trace_views(rows: Sequence[tuple], model: str) -> list[TraceView]:
 
 
 __all__ = ["Band", "Filters", "Key", "Overview", "Point", "Series", "State", "TraceView", "audits", "band_at",
+           "series_json", "window_json", "windows_json",
            "band_size", "keys", "last_decided", "mark_changes", "neighbours", "overview", "parse_time", "read_engine",
            "series", "state", "timeline", "totals", "trace_views", "window", "window_traces"]
