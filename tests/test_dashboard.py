@@ -94,6 +94,20 @@ def test_overview_shows_every_window_state_and_changes(db):
     assert alone.count('class="audit-row"') == 1 and "audited-only" in alone and "INCONSISTENT" in alone
 
 
+def test_the_state_table_follows_the_time_range(db):
+    """With ``until``, each series' state is the one it had then (it showed today's whatever the range)."""
+    client = TestClient(create_app(db, stale_after_s=float("inf")))
+    inconsistent_at = next(i for i, v in enumerate(ACME) if v == "INCONSISTENT")
+    until = (T0 + dt.timedelta(minutes=10 * inconsistent_at)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    page = client.get(f"/?until={until}").text
+    state = re.search(r'data-provider="acme" data-state="(\w+)">(.*?)</tr>', page, re.S)
+    assert state.group(1) == "INCONSISTENT", state.group(0)
+    api = client.get(f"/api/series?provider=acme&until={until}").json()["series"][0]
+    assert api["verdict"] == "INCONSISTENT" and api["since"] == until
+    before_any = client.get("/?until=2026-02-01T00:00:00Z").text  # nothing recorded yet then
+    assert 'data-provider="acme"' not in before_any
+
+
 def test_a_series_with_nothing_recorded_lately_is_idle_not_green(db):
     """A series whose newest window was recorded over --stale-after ago shows IDLE with how long and what
     its last window said (it kept its green pill for ever)."""

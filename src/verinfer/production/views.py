@@ -284,11 +284,13 @@ def state(s: Session, key: Key, windows: int, tokens: int, last_verified: dt.dat
     """The series' current state from index lookups: its latest window (``latest`` when the caller
     has it), the latest window of each other verdict, the first window after them."""
     latest = latest or s.scalars(reads.timeline(key, newest=1)).one()
-    decided = latest if latest.verdict is not None else last_decided(s, key)
+    decided = latest if latest.verdict is not None else last_decided(s, key, latest.start_time)
     verdict = latest.verdict
-    # since: the first window after the latest one whose verdict differs (NULL counts as differing for
-    # the latest window's own state; a run of no-verdict windows has its own "since")
-    ends = [t for v in (*VERDICTS, None) if v != verdict and (t := s.scalar(reads.last_with(key, v))) is not None]
+    # since: the first window after the latest one (before ``latest``: the state as of it) whose verdict
+    # differs (NULL counts as differing for the latest window's own state; a run of no-verdict windows
+    # has its own "since")
+    ends = [t for v in (*VERDICTS, None)
+            if v != verdict and (t := s.scalar(reads.last_with(key, v, latest.start_time))) is not None]
     since = s.scalar(reads.first_after(key, max(ends) if ends else None))
     return State(key, windows, tokens, last_verified, _point(latest), verdict, since,
                  decided.verdict if decided is not None else None)
@@ -352,12 +354,18 @@ def overview(s: Session, f: Filters, now: dt.datetime | None = None, stale_after
     found = audits(s, f, now)
     every = {Key.of(w): w for w in series(s, Filters())}  # all series: the filters' choices
     out = []
+    until = f.range(now)[1]
     for key, newest in every.items():
         if not f.shows(key):
             continue
+        if until is not None:  # the state as of the range's end: its latest window there
+            newest = s.scalars(reads.timeline(key, None, until, newest=1)).first()
+            if newest is None:
+                continue
         points, count = timeline(s, key, f, now)
         st = state(s, key, *totals(s, key), newest)
-        if st.last_verified is not None and (idle := (now - st.last_verified).total_seconds()) > stale_after_s:
+        if until is None and st.last_verified is not None and \
+                (idle := (now - st.last_verified).total_seconds()) > stale_after_s:
             st.idle_s = idle
         out.append(Series(key, st, points, count,
                           [a for a in found if (a.provider, a.model) == (key.provider, key.model)]))
