@@ -2,14 +2,17 @@
 under traffic ``--speedup`` times its own verification rate, sampling ``--sample`` against every trace,
 side by side in one run.
 
-Usage: python benchmarks/monitor_budget.py [--speedup 10] [--sample 0.1] [--seconds 90] [--out FILE]
+Usage: python benchmarks/monitor_budget.py [--speedup 10] [--sample 0.1] [--seconds 90] [--shard-traces 100]
+       [--out FILE]
 
 First the monitor's own rate: the real command (``verinfer monitor DIR --once``, one torch thread) over
 ``--calibration-shards`` shards of 10 honest traces (24 tokens, vLLM's sampler at the shipped settings)
 gives R traces per second of wall time, its start-up excluded. Then, for each fraction (1.0, then
 ``--sample``): a fresh directory and database, the monitor as a long-running process (``--poll 0.5
---metrics-port``), and a writer that drops a shard of 10 traces (copies of the pool with fresh ids and
-request times) every ``10 / (speedup * R)`` seconds for ``--seconds`` seconds. Every 2 s the backlog
+--metrics-port``), and a writer that drops a shard of ``--shard-traces`` traces (copies of the pool with
+fresh ids and request times; the gateway closes a shard after 1,000 traces or 60 s) every
+``shard_traces / (speedup * R)`` seconds for ``--seconds`` seconds. A shard costs the monitor a fixed
+part (hashing, reading, files, one transaction) beside its verified traces: small shards show it. Every 2 s the backlog
 (``verinfer_monitor_backlog_shards`` from the monitor's own /metrics) is read. Printed per fraction: shards
 written, verified, the backlog at 25/50/75/100% of the run and its largest value; bounded means the
 backlog at the end is no larger than at the middle plus a shard or two of jitter.
@@ -42,9 +45,11 @@ def pool() -> list[Trace]:
     return api.generate("chitchat", n=40, max_tokens=24, seed=3000)
 
 
-def shard(traces: list[Trace], k: int, directory: Path) -> None:
+def shard(traces: list[Trace], k: int, directory: Path, size: int = 10) -> None:
+    """Shard ``k``: ``size`` copies of the pool's traces (cycled) with fresh ids and request times."""
     now = dt.datetime.now(dt.timezone.utc).isoformat().replace("+00:00", "Z")
-    copies = [dataclasses.replace(t, id=f"{t.id}#{k}", meta={**(t.meta or {}), "request_time": now}) for t in traces]
+    copies = [dataclasses.replace(t, id=f"{t.id}#{k}.{j}", meta={**(t.meta or {}), "request_time": now})
+              for j, t in enumerate(traces[(k * size + j) % len(traces)] for j in range(size))]
     write_traces(copies, directory / f"traces-{k:06d}.parquet")
 
 
@@ -60,7 +65,7 @@ def own_rate(traces: list[Trace], shards: int, work: Path) -> float:
         d = work / f"rate-{n}"
         d.mkdir(parents=True)
         for k in range(n):
-            shard(traces[(k % 4) * 10:(k % 4) * 10 + 10], k, d)
+            shard(traces, k, d)
         began = time.monotonic()
         subprocess.run([sys.executable, "-m", "verinfer.cli", "monitor", str(d), "--db", f"sqlite:///{d}/h.db",
                         "--once", "--threads", "1"], env=env(), check=False, capture_output=True)
@@ -68,7 +73,8 @@ def own_rate(traces: list[Trace], shards: int, work: Path) -> float:
     return shards * 10 / (times[1] - times[0])
 
 
-def backlog_run(traces: list[Trace], fraction: float, interval: float, seconds: float, work: Path) -> dict:
+def backlog_run(traces: list[Trace], fraction: float, interval: float, seconds: float, work: Path,
+                size: int) -> dict:
     from verinfer.sockets import bind
 
     probe = bind("127.0.0.1", 0)  # a free port for the monitor's /metrics
@@ -90,7 +96,7 @@ def backlog_run(traces: list[Trace], fraction: float, interval: float, seconds: 
         began, k, samples, next_read = time.monotonic(), 0, [], 0.0
         while (now := time.monotonic() - began) < seconds:
             if now >= k * interval:
-                shard(traces[(k % 4) * 10:(k % 4) * 10 + 10], k, d)
+                shard(traces, k, d, size)
                 k += 1
             if now >= next_read:
                 text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
@@ -122,6 +128,7 @@ def main() -> None:
     parser.add_argument("--sample", type=float, default=0.1)
     parser.add_argument("--seconds", type=float, default=90.0)
     parser.add_argument("--calibration-shards", type=int, default=6)
+    parser.add_argument("--shard-traces", type=int, default=100)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     traces = pool()
@@ -129,16 +136,17 @@ def main() -> None:
         work = Path(tmp)
         rate = own_rate(traces, args.calibration_shards, work)
         print(f"the monitor verifies {rate:.2f} traces/s", flush=True)
-        interval = 10 / (args.speedup * rate)
+        interval = args.shard_traces / (args.speedup * rate)
         lines = [f"# Monitor backlog under traffic {args.speedup:g}x its verification rate\n",
                  f"`{' '.join(shlex.quote(a) for a in ['python', *sys.argv])}` on {describe(1)}, "
                  f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC. The monitor verifies {rate:.2f} traces/s "
-                 f"(24 tokens each); traffic: a shard of 10 traces every {interval:.2f} s = {10 / interval:.1f} "
+                 f"(24 tokens each); traffic: a shard of {args.shard_traces} traces every {interval:.2f} s = "
+                 f"{args.shard_traces / interval:.1f} "
                  f"traces/s for {args.seconds:g} s.\n",
                  "| sampled | shards written | shards verified | backlog (shards) at 25% / 50% / 75% / 100% of the run "
                  "| largest | bounded |", "|---|---|---|---|---|---|"]
         for fraction in (1.0, args.sample):
-            r = backlog_run(traces, fraction, interval, args.seconds, work)
+            r = backlog_run(traces, fraction, interval, args.seconds, work, args.shard_traces)
             s = r["samples"]
             at = [min(s, key=lambda x: abs(x[0] - q * args.seconds))[1] for q in (0.25, 0.5, 0.75, 1.0)]
             lines.append(f"| {fraction:.0%} | {r['written']} | {r['done']:.0f} | "

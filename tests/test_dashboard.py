@@ -394,6 +394,22 @@ def test_the_shared_token_partial_escapes_provider_text():
     assert html.count('<mark class="div lo" title="margin 3">') == 1 and "⏎<br>" in html
 
 
+def test_axis_ticks_are_round_numbers_and_times_with_the_date_once_a_day():
+    from verinfer.production.timeline import nice_range, time_ticks
+
+    lo, hi, ticks = nice_range(0.9612, 1.0)
+    assert (lo, hi) == (0.96, 1.0) and [t for _, t in ticks] == ["0.96", "0.97", "0.98", "0.99", "1.00"]
+    assert [t for _, t in nice_range(0.0, 3.4)[2]] == ["0", "1", "2", "3", "4"]
+    for a, b in ((0.0, 0.04), (0.2, 0.9), (0.0, 17.3), (0.5, 0.5)):  # always a nice step, covering the data
+        lo, hi, ticks = nice_range(a, b)
+        steps = {round(ticks[i + 1][0] - ticks[i][0], 9) for i in range(len(ticks) - 1)}
+        assert lo <= a and hi >= b and len(steps) == 1 and f"{steps.pop():.0e}"[0] in "125" and len(ticks) <= 6
+    night = time_ticks(dt.datetime(2026, 3, 1, 20, 7), dt.datetime(2026, 3, 2, 9, 0))
+    assert [label for _, label in night] == ["2026-03-01 21:00Z", "2026-03-02 00:00", "03:00", "06:00", "09:00"]
+    hour = time_ticks(T0, T0 + dt.timedelta(minutes=60))  # the window edges of 10-minute windows
+    assert [t.minute for t, _ in hour] == [0, 10, 20, 30, 40, 50, 0] and hour[1][1] == "12:10"
+
+
 def test_verdict_changes_and_bands():
     pts = [views.Point(i, T0, T0, 1, 10, 1.0, 0.0, v, None, None, None) for i, v in
            enumerate([None, "CONSISTENT", None, "INCONSISTENT", "INCONSISTENT", "CONSISTENT"])]

@@ -126,6 +126,8 @@ def test_dashboard_in_chromium_follows_a_verdict_change(backend, traffic, page, 
         assert drill.count('class="trace-row"') == 2 and page.locator("mark.div").count() >= 3
         assert re.search(r'id="verdict">INCONSISTENT<', drill)
         assert page.title() != "pwned" and "<script" not in drill and "wrong-&lt;script&gt;" in drill  # escaped, never run
+        page.set_viewport_size({"width": 1400, "height": 800})  # nothing wider than the window (it overflowed)
+        assert page.evaluate("document.documentElement.scrollWidth") <= 1400
         page.set_viewport_size({"width": 1200, "height": 800})
         screenshot(page, tmp_path / "dashboard-window.png")
         calm = dom(page, f"{base}/window/{ids[0][1]}")
