@@ -6,8 +6,8 @@ Usage: python benchmarks/monitor_budget.py [--speedup 10] [--sample 0.1] [--seco
        [--out FILE]
 
 First the monitor's own rate: the real command (``verinfer monitor DIR --once``, one torch thread) over
-``--calibration-shards`` shards of 10 honest traces (24 tokens, vLLM's sampler at the shipped settings)
-gives R traces per second of wall time, its start-up excluded. Then, for each fraction (1.0, then
+``--calibration-shards`` shards of ``--shard-traces`` honest traces (24 tokens, vLLM's sampler at the
+shipped settings) gives R traces per second of wall time, its start-up excluded. Then, for each fraction (1.0, then
 ``--sample``): a fresh directory and database, the monitor as a long-running process (``--poll 0.5
 --metrics-port``), and a writer that drops a shard of ``--shard-traces`` traces (copies of the pool with
 fresh ids and request times; the gateway closes a shard after 1,000 traces or 60 s) every
@@ -57,7 +57,7 @@ def env() -> dict:
     return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def own_rate(traces: list[Trace], shards: int, work: Path) -> float:
+def own_rate(traces: list[Trace], shards: int, work: Path, size: int) -> float:
     """Traces per second the real command verifies (wall time of its pass, start-up excluded: two runs,
     one shard and ``shards`` shards, the difference over the extra traces)."""
     times = []
@@ -65,12 +65,12 @@ def own_rate(traces: list[Trace], shards: int, work: Path) -> float:
         d = work / f"rate-{n}"
         d.mkdir(parents=True)
         for k in range(n):
-            shard(traces, k, d)
+            shard(traces, k, d, size)
         began = time.monotonic()
         subprocess.run([sys.executable, "-m", "verinfer.cli", "monitor", str(d), "--db", f"sqlite:///{d}/h.db",
                         "--once", "--threads", "1"], env=env(), check=False, capture_output=True)
         times.append(time.monotonic() - began)
-    return shards * 10 / (times[1] - times[0])
+    return shards * size / (times[1] - times[0])
 
 
 def backlog_run(traces: list[Trace], fraction: float, interval: float, seconds: float, work: Path,
@@ -127,14 +127,14 @@ def main() -> None:
     parser.add_argument("--speedup", type=float, default=10.0)
     parser.add_argument("--sample", type=float, default=0.1)
     parser.add_argument("--seconds", type=float, default=90.0)
-    parser.add_argument("--calibration-shards", type=int, default=6)
+    parser.add_argument("--calibration-shards", type=int, default=2)
     parser.add_argument("--shard-traces", type=int, default=100)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     traces = pool()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        rate = own_rate(traces, args.calibration_shards, work)
+        rate = own_rate(traces, args.calibration_shards, work, args.shard_traces)
         print(f"the monitor verifies {rate:.2f} traces/s", flush=True)
         interval = args.shard_traces / (args.speedup * rate)
         lines = [f"# Monitor backlog under traffic {args.speedup:g}x its verification rate\n",
