@@ -56,6 +56,7 @@ MEANINGS = {
     "--min-p": "min-p",
     "--timeout": "seconds per network operation",
     "--token-ids": "token ids",
+    "--auth-token-env": "environment variable holding the token",  # dashboard, gateway, monitor --metrics-port
     "--top-k": "top-k",
     "--top-p": "top-p",
     "--workers": "",  # verify/monitor --ray: model replicas; gateway: processes sharing its port (uvicorn's word)
