@@ -16,7 +16,7 @@ from scipy.stats import fisher_exact
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import RowKeys, get_profile
 from verinfer.sampling.sampler import replay
-from verinfer.scoring.sampler_shape import DEPTH_CAP, depth, depth_shift
+from verinfer.sampling.depth import DEPTH_CAP, depth
 from verinfer.stats.summary import fit_calibrator
 from verinfer.stats.sides import detectors, fisher_greater, oriented, side_counts, side_p_value
 from verinfer.stats.verdict import calibrated_verdict, can_reject, default_batch_size, flag_verdict, minimum_evidence
@@ -45,7 +45,7 @@ def columns(n: int, seed: int, served: SamplingParams = CLAIM, noise: float = 0.
     out = replay(x, [claim] * n, get_profile(claim.profile), keys, claimed=claimed)
     verifier, claimed = out.token.numpy(), claimed.numpy()
     return {"margin": out.margin.numpy(), "cross_entropy": -out.logprob.numpy(), "exact_match": verifier == claimed,
-            "depth_shift": depth_shift(x, claimed, verifier, [claim] * n)}
+            "depth_shift": out.depth_shift.numpy()}
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,51 @@ def test_depth_places_tokens_in_the_claimed_kept_set():
     kept = [float(depth(x, torch.tensor([t]), min_p)) for t in range(6)]  # min-p 0.07 keeps x >= 5 + log 0.07
     assert max(kept[:3]) < 1.0 <= kept[3] == pytest.approx(0.07 * float(torch.exp(torch.tensor(3.0))), rel=1e-6)
     assert kept[5] == DEPTH_CAP
+
+
+def _depth_by_the_definition(row: torch.Tensor, token: int, p: SamplingParams) -> float:
+    """The module docstring's definition on one whole row, sorted plainly (the test's own oracle)."""
+    x, vocab = row.double(), row.numel()
+    tau = float("-inf")
+    if p.min_p > 0:
+        tau = float(x.max()) + float(np.log(p.min_p))
+    if 0 < p.top_k < vocab:
+        tau = max(tau, float(torch.sort(x, descending=True).values[p.top_k - 1]))
+    kept = x >= tau
+    probs = torch.softmax(x.masked_fill(~kept, float("-inf")), 0)
+    xt = x[token]
+    d = float(probs[(x > xt) & kept].sum()) / p.top_p
+    if 0 < p.top_k < vocab:
+        d = max(d, float((x > xt).sum()) / p.top_k)
+    if p.min_p > 0:
+        d = max(d, p.min_p * float(torch.exp(x.max() - xt)))
+    return min(max(d, 0.0), DEPTH_CAP)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_depth_from_the_samplers_view_equals_the_definition_on_the_whole_row(seed):
+    """Issue #40: depth is read from the replay's top view (and the row only where the view cannot tell);
+    mixed filters in one block (top-k off as -1 or >= the vocabulary, which used to index past the
+    view), tied logits, tokens deep below the view and filtered ones."""
+    from verinfer.sampling.filters import kept_set
+
+    g = torch.Generator().manual_seed(seed)
+    n, vocab = 24, 3000
+    x = torch.randn(n, vocab, generator=g) * (1 + 3 * torch.rand(n, 1, generator=g))
+    x[::3] = x[::3].round()  # ties, at the k-th value too
+    params = [SamplingParams("vllm", 1.0, [-1, 5, 50, 200, vocab, vocab + 3][i % 6], [1.0, 0.9, 0.5][i % 3],
+                             min_p=[0.0, 0.0, 0.05][(i // 3) % 3]) for i in range(n)]
+    tokens = torch.stack([x.argmax(-1), torch.randint(0, vocab, (n,), generator=g)], 1)
+    tokens[1::2, 0] = x[1::2].topk(70, dim=-1).indices[:, 66]  # just below a 64-wide view
+    want = torch.tensor([[_depth_by_the_definition(x[i], int(tokens[i, j]), params[i]) for j in range(2)]
+                         for i in range(n)], dtype=torch.float64)
+    assert torch.allclose(depth(x, tokens, params), want, atol=1e-6)
+    kept = kept_set(x, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+                    torch.tensor([p.min_p for p in params]))
+    rows = torch.arange(1, n, 2)
+    got = depth(x, tokens[rows], [params[i] for i in rows.tolist()], kept.view[rows], rows)
+    assert torch.allclose(got, want[rows], atol=1e-6)
+    assert (want[:, 1] >= 1.0).any() and (want[:, 1] < 1.0).any()  # filtered and kept claims both tested
 
 
 @pytest.mark.parametrize("served, sign", [

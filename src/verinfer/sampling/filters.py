@@ -40,7 +40,7 @@ class KeptSet:
         return self.view >= self.threshold[:, None]
 
 
-def _masked_logsumexp(x: torch.Tensor, threshold: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+def masked_logsumexp(x: torch.Tensor, threshold: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     """logsumexp of the entries ``>= threshold`` from fp32 exponentials of ``x - max`` and torch's
     fp32 cascade sum (relative error ~1e-7, as the engines' own fp32 softmax): an fp64 copy of the
     whole row cost more than the rest of the scoring."""
@@ -86,7 +86,7 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
     log_norm[inside] = torch.logsumexp(top_vals[inside].double().masked_fill(~in_view[inside], NEG_INF), dim=-1)
     if bool((~inside).any()):
         log_norm[~inside] = (base_norm[~inside] if base_norm is not None
-                             else _masked_logsumexp(x[~inside], tau[~inside], top_vals[~inside, 0]))
+                             else masked_logsumexp(x[~inside], tau[~inside], top_vals[~inside, 0]))
     base_norm = log_norm.clone()
 
     needs_wider = torch.zeros(n, dtype=torch.bool, device=x.device)

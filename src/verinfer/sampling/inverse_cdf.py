@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from scipy.special import ndtr
 
+from verinfer.sampling.depth import depth_shift
 from verinfer.sampling.filters import kept_set, rank_in_row
 from verinfer.sampling.profiles.base import RowKeys
 from verinfer.sampling.replay import Replay
@@ -47,7 +48,7 @@ def replay_into(logits, params, profile, keys, claimed, s_idx: torch.Tensor, out
     out.token[s_idx] = sub.token.to(dev)
     if claimed is None:
         return
-    for name in ("margin", "filter_distance", "logprob", "logit_rank", "gumbel_rank"):
+    for name in ("margin", "filter_distance", "logprob", "logit_rank", "gumbel_rank", "depth_shift"):
         getattr(out, name)[s_idx] = getattr(sub, name).to(dev)
     if getattr(out, "ipt_distance", None) is None:
         out.ipt_distance = torch.full((logits.shape[0],), float("nan"), dtype=torch.float64, device=dev)
@@ -110,6 +111,7 @@ def replay(logits: torch.Tensor, params, profile, keys, claimed: torch.Tensor | 
     # Candidates between the claim and the pick in the engine's order (0 = the claim was picked).
     n_kept = (x >= kept.threshold[:, None]).sum(-1)
     out.gumbel_rank = torch.where(is_kept, torch.from_numpy(np.abs(claim_pos - pick_pos)), n_kept)
+    out.depth_shift = depth_shift(x, token, claimed, params, kept.view)
     out.ipt_distance = out.margin.clone()
     out.ipt_interval = (lo, hi, u)
     return out

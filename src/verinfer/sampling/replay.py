@@ -22,3 +22,4 @@ class Replay:
     logprob: torch.Tensor | None = None  # [N] log-prob of the claim under the processed distribution
     logit_rank: torch.Tensor | None = None  # [N] claims' rank among raw logits (0 = top)
     gumbel_rank: torch.Tensor | None = None  # [N] claims' rank among kept x + G (0 = sampled)
+    depth_shift: torch.Tensor | None = None  # [N] fp64 depth(picked) - depth(claim), 0 at matches (depth.py)

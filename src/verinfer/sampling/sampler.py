@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from verinfer.sampling import inverse_cdf
+from verinfer.sampling.depth import depth_shift
 from verinfer.sampling.filters import kept_set, rank_in_row
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import Profile, RowKeys
@@ -64,6 +65,7 @@ def replay(
         out.logprob = torch.empty(n, dtype=torch.float64, device=dev)
         out.logit_rank = torch.empty(n, dtype=torch.int64, device=dev)
         out.gumbel_rank = torch.empty(n, dtype=torch.int64, device=dev)
+        out.depth_shift = torch.zeros(n, dtype=torch.float64, device=dev)  # greedy rows keep 0
 
     for idx, replay_rows in ((greedy.nonzero().squeeze(1), _replay_greedy),
                              ((~greedy).nonzero().squeeze(1), _replay_seeded)):
@@ -151,6 +153,7 @@ def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -
     if count.numel():
         n_kept[count] = (x[count] >= kept.threshold[count, None]).sum(-1)
     out.gumbel_rank[s_idx] = torch.where(is_kept, rank, n_kept)
+    out.depth_shift[s_idx] = depth_shift(x, winner, c, sub, kept.view)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], profile: Profile, keys: RowKeys) -> torch.Tensor:

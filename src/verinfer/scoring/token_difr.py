@@ -15,7 +15,7 @@ Per-token scores (one row per output token, higher = more divergent unless noted
     accept_slack    speculative traces only, else NaN: ``log p - log u - log q`` of the acceptance test
                     at the row (of the claim for ``a``, of the verifier's rejected proposal for ``r``)
     depth_shift     at mismatches, how much deeper in the claimed sampler's kept set the verifier's token
-                    lies than the claim (``scoring/sampler_shape.py``; > 0: the provider looks narrower or
+                    lies than the claim (``sampling/depth.py``, from the replay; > 0: the provider looks narrower or
                     colder than claimed); 0 at matches, for greedy rows and for speculative traces
 The likelihood variant (DiFR appendix A) is derived from the margin by ``likelihood``.
 """
@@ -35,7 +35,6 @@ from verinfer.models.derived import draft_backend
 from verinfer.sampling.profiles import Profile, RowKeys, get_profile
 from verinfer.sampling.sampler import replay
 from verinfer.scoring import speculative
-from verinfer.scoring.sampler_shape import depth_shift
 from verinfer.sampling.speculative import is_speculative
 from verinfer.trace import Trace
 
@@ -82,7 +81,7 @@ def score_block(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, trac
         "verifier_token": np.empty(n, np.int64), "margin": np.empty(n), "filter_distance": np.empty(n),
         "cross_entropy": np.empty(n), "logit_rank": np.empty(n, np.int64), "gumbel_rank": np.empty(n, np.int64),
         "ipt_distance": np.full(n, np.nan), "spec_mode": np.full(n, None, dtype=object),
-        "accept_slack": np.full(n, np.nan),
+        "accept_slack": np.full(n, np.nan), "depth_shift": np.empty(n),
     }
     groups: dict[str, list[int]] = defaultdict(list)
     for r, i in enumerate(items):
@@ -101,12 +100,11 @@ def score_block(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, trac
         cols["cross_entropy"][idx] = -out.logprob.cpu().numpy()
         cols["logit_rank"][idx] = out.logit_rank.cpu().numpy()
         cols["gumbel_rank"][idx] = out.gumbel_rank.cpu().numpy()
+        cols["depth_shift"][idx] = out.depth_shift.cpu().numpy()
         if getattr(out, "ipt_distance", None) is not None:  # inverse-CDF profiles (sampling/inverse_cdf.py)
             cols["ipt_distance"][idx] = out.ipt_distance.cpu().numpy()
     cols["claimed"] = claimed.cpu().numpy()
     cols["exact_match"] = cols["verifier_token"] == cols["claimed"]
-    cols["depth_shift"] = depth_shift(logits, cols["claimed"], cols["verifier_token"],
-                                      [traces[i].sampling for i in items])
     cols["filtered"] = np.isinf(cols["margin"]) & (cols["filter_distance"] > 0)
     cols["trace_id"] = np.array([traces[i].id for i in items], dtype=object)
     cols["position"] = steps.astype(np.int64)

@@ -1,6 +1,6 @@
 """The sampler-shape tests: do a provider's mismatches fall where honest noise rarely puts them? (issue #28)
 
-``depth_shift`` (``verinfer.scoring.sampler_shape``) puts every mismatch on one side of the
+``depth_shift`` (``verinfer.sampling.depth``) puts every mismatch on one side of the
 verifier's token: positive when the claim is shallower in the claimed sampler's kept set (a
 narrower filter or a colder temperature does this at every mismatch it makes), negative when it is
 deeper (wider, hotter). Honest numerical noise puts mismatches on both sides, but not exactly half
