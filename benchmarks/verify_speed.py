@@ -1,6 +1,13 @@
 """Verification throughput against a bare forward pass, and against generating the same tokens.
 
-Usage: python benchmarks/verify_speed.py [--prompts N] [--new-tokens N] [--rounds N] [--no-cache]
+Usage: python benchmarks/verify_speed.py [--model M] [--claims KIND] [--prompts N] [--new-tokens N] [--rounds N]
+       [--no-cache]
+
+``--model`` picks the reference (``gemma3-270m``: a 262,144-token vocabulary); ``--claims`` what the
+traces claim (issue #40: scoring must cost about a prefill on off-policy claims too):
+    honest      the settings the traces were generated with (default)
+    wrong-seed  the same tokens claimed under another seed (about half of them mismatch)
+    top-k-5     claimed as sampled with top-k 5 (sampled tokens beyond the top 5 are filtered out)
 
 (a) For each sampler case, the same traces go through
       bare:   ``Backend.prefill`` (hidden + lm_head, same micro-batches and row blocks), blocks discarded
@@ -22,6 +29,7 @@ Traces are generated once and cached in the temp dir (``--no-cache`` regenerates
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import hashlib
 import json
@@ -70,6 +78,15 @@ CASES = [
     ("llama.cpp, no filters", SamplingParams("llama.cpp", 1.0, -1, 1.0)),
 ]
 GEN_CASE = 0  # the case whose generation is re-timed for (b)
+CLAIMS = ("honest", "wrong-seed", "top-k-5")
+
+
+def claimed(trace, kind: str):
+    """The trace as ``--claims`` has it claim its sampling (greedy traces stay as they are)."""
+    s = trace.sampling
+    if kind == "honest" or s.is_greedy:
+        return trace
+    return dataclasses.replace(trace, sampling=s.with_(seed=s.seed + 1) if kind == "wrong-seed" else s.with_(top_k=5))
 
 
 def machine() -> str:
@@ -176,6 +193,8 @@ def main() -> None:
     parser.add_argument("--no-cache", action="store_true", help="generate traces afresh instead of the temp-dir cache")
     parser.add_argument("--cases", default=None,
                         help="case names to run, separated by ';' (default: all), e.g. 'vllm, top-k 50, top-p 0.95'")
+    parser.add_argument("--model", default="smollm2-135m", help="reference model (default smollm2-135m)")
+    parser.add_argument("--claims", choices=CLAIMS, default="honest", help="what the traces claim (docstring)")
     parser.add_argument("--out", type=Path, default=RESULTS / "verify_speed.md")
     args = parser.parse_args()
     if args.rounds < 1:
@@ -193,7 +212,7 @@ def main() -> None:
     load_before = load_avg()
     print(f"# {machine()}\n# load average at start {load_before}", flush=True)
 
-    be = Backend.load()
+    be = Backend.load(args.model)
     prompts = load_prompts("chitchat", args.prompts, seed=args.prompt_seed)
     cache_dir = None if args.no_cache else Path(tempfile.gettempdir()) / "verinfer-bench-cache"
     if cache_dir:
@@ -204,6 +223,7 @@ def main() -> None:
         if params.stream is not None and "vocab" not in params.stream and params.profile == "transformers":
             params = params.with_(stream={**params.stream, "vocab": be.vocab_size})
         reqs, traces, gen_s, cached = cached_traces(be, prompts, params, args, cache_dir)
+        traces = [claimed(t, args.claims) for t in traces]
         seqs = [t.prompt_token_ids + t.output_token_ids for t in traces]
         starts = [len(t.prompt_token_ids) for t in traces]
         n_out = sum(len(t.output_token_ids) for t in traces)
@@ -280,7 +300,7 @@ def main() -> None:
         f"Date: {started:%Y-%m-%d %H:%M %Z}  ",
         f"Machine: {machine()}  ",
         f"Load average (1/5/15 min) at start {load_before}, at end {load_avg()}  ",
-        f"Setup: {be.model_id} fp32, vocab {be.vocab_size}; {len(prompts)} chitchat prompts (sample seed "
+        f"Setup: {be.model_id} fp32, vocab {be.vocab_size}; claims: {args.claims}; {len(prompts)} chitchat prompts (sample seed "
         f"{args.prompt_seed}), up to {args.new_tokens} new tokens each, request seeds from {args.seed}; prefill "
         f"token budget {args.token_budget}, row block {args.row_block}; {args.rounds} rounds, A/B order alternating "
         f"by round; traces {traces_note}.",

@@ -72,13 +72,19 @@ def _claim(ids: list[int], source: str = "returned") -> Claim:
 
 
 def test_tests_follow_the_form_of_the_responses():
-    spec = AuditSpec(mode="auto", choices=2)
+    spec = AuditSpec(mode="auto", choices=2, seeds=True)
     lp = {"content": []}
     full = [_record([{"logprobs": lp}, {"logprobs": lp}])] * 3
     claims = [_claim([5, 6])] * 6
-    assert plan_tests(spec, full, claims, True, True, "bands") == dict.fromkeys(("seeded", "logprobs", "rank", "mmd"))
+    why = plan_tests(spec, full, claims, True, True, "bands")
+    assert {n for n, w in why.items() if w is None} == {"seeded", "surprise", "logprobs", "mmd"}
+    assert "surprise ran" in why["rank"]  # rank's draws would multiply the cost for a weaker test
+    api = plan_tests(spec, full, claims, True, False, "bands")  # a reference API: no surprise, rank instead
+    assert api["rank"] is None and "reference API" in api["surprise"] and "reference API" in api["seeded"]
+    assert "no seeds were sent" in plan_tests(AuditSpec(mode="auto", choices=2), full, claims, True, True,
+                                              "bands")["seeded"]
     why = plan_tests(spec, [_record([{"logprobs": None}])] * 3, [_claim([5], "retokenized")] * 3, True, True, "bands")
-    assert why["rank"] is None
+    assert why["surprise"] is None
     assert "no logprobs" in why["logprobs"] and "fewer than 2 completions per prompt" in why["mmd"]
     assert "no token ids" in why["seeded"]
     assert "does not honour seeds" in plan_tests(spec, full, claims, False, True, "bands")["seeded"]
@@ -86,8 +92,13 @@ def test_tests_follow_the_form_of_the_responses():
     assert "reference API" in plan_tests(spec, full, claims, True, False, "bands")["seeded"]
 
 
-def test_seed_probe_is_the_same_request_under_another_key(backend):
-    spec = AuditSpec(mode="auto", choices=2, seed=7)
+def test_auto_sends_seeds_only_when_asked_and_then_probes_them(backend):
+    """Issue #42 item 2: customers' traffic carries no seed, and neither does auto's unless --seeds."""
+    plain = generation_calls(AuditSpec(mode="auto", choices=2, seed=7), load_prompts("chitchat", 3, seed=11),
+                             backend.tokenizer, "m")
+    assert all("seed" not in c.body for c in plain) and plain[1].body["n"] == 2 and plain[1].body["logprobs"]
+    assert "--seeds applies to --mode auto" in AuditSpec(mode="rank", seeds=True).problems()[0]
+    spec = AuditSpec(mode="auto", choices=2, seed=7, seeds=True)
     calls = generation_calls(spec, load_prompts("chitchat", 3, seed=11), backend.tokenizer, "m")
     body = calls[1].body
     assert body["seed"] == 7 + 2 and body["n"] == 2 and body["logprobs"] is True and body["return_token_ids"]
@@ -119,22 +130,24 @@ def servers(backend):
 
 
 def test_auto_runs_every_test_the_responses_allow_and_names_the_carrier(servers, backend, tmp_path):
-    spec = AuditSpec(mode="auto", max_tokens=8, samples=3, choices=2, seed=3)
+    """The seed in the request body (the audit sends none of its own) keeps the served tokens independent
+    of the tests run before on the shared servers."""
+    spec = AuditSpec(mode="auto", max_tokens=8, samples=3, choices=2, seed=3, extra_body={"seed": 11})
     endpoints = [Endpoint(n, u, backend.model_id, None) for n, u in servers.items()]
     result = run_audit(endpoints, SHORT, spec, LocalReference(backend), tmp_path)
     honest, w4 = result.providers
     assert honest.verdict.consistent, honest.verdict.text
     assert not w4.verdict.consistent, w4.verdict.text
     ran = {t["test"]: t for t in w4.tests if t["ran"]}
-    assert set(ran) == {"logprobs", "rank", "mmd"}  # no bands for the seeded settings: not run, and said why
+    assert set(ran) == {"surprise", "logprobs", "mmd"}  # no seeds sent: no seeded test; surprise, not rank
     carrier = min(ran.values(), key=lambda t: t["p_holm"])["test"]
     assert f"[{carrier}]" in w4.verdict.text and f"{carrier} carried the decision" in w4.verdict.method
     assert w4.verdict.p_value == pytest.approx(min(1.0, 3 * min(t["p_value"] for t in ran.values())))
     stored = [json.loads(x) for x in (tmp_path / "honest" / "responses.jsonl").read_text().splitlines()]
-    assert sum(r.get("kind") == "seed-probe" for r in stored) == 2 and len(stored) == 8
+    assert len(stored) == 6 and {r["request"]["seed"] for r in stored} == {11}  # the body's own: no probes
     json_path, html_path = write_reports(result, backend.tokenizer)
     doc = json.loads(json_path.read_text())
-    assert [t["test"] for t in doc["providers"][1]["tests"]] == ["seeded", "logprobs", "rank", "mmd"]
+    assert [t["test"] for t in doc["providers"][1]["tests"]] == ["seeded", "surprise", "logprobs", "rank", "mmd"]
     assert f"[{carrier}]" in html_path.read_text()
 
 
@@ -144,7 +157,7 @@ def test_auto_adds_the_seeded_test_when_bands_judge_it_and_it_alone_sees_a_seed_
     from tests.audit_servers import seed_proxy
     from verinfer.auditing.bands import Bands, build_bands
 
-    spec = AuditSpec(mode="auto", max_tokens=8, samples=4, seed=3)
+    spec = AuditSpec(mode="auto", max_tokens=8, samples=4, seed=3, seeds=True)
     path = tmp_path / "bands.json"
     path.write_text(json.dumps(build_bands(backend, SHORT,
                                            AuditSpec(mode="seeded", max_tokens=24, seed=3), variants=("honest", "bf16"))))
@@ -155,11 +168,11 @@ def test_auto_adds_the_seeded_test_when_bands_judge_it_and_it_alone_sees_a_seed_
         result = run_audit(endpoints, SHORT, spec, LocalReference(backend),
                            tmp_path / "audit", bands=Bands.load(path))
     honest, proxy = result.providers
-    assert {t["test"] for t in honest.tests if t["ran"]} == {"seeded", "logprobs", "rank"}
+    assert {t["test"] for t in honest.tests if t["ran"]} == {"seeded", "surprise", "logprobs"}
     assert honest.verdict.consistent, honest.verdict.text
     assert not proxy.verdict.consistent and "[seeded]" in proxy.verdict.text, proxy.verdict.text
     by = {t["test"]: t for t in proxy.tests}
-    assert by["seeded"]["rejects"] and not by["rank"]["rejects"] and not by["logprobs"]["rejects"]
+    assert by["seeded"]["rejects"] and not by["surprise"]["rejects"] and not by["logprobs"]["rejects"]
 
 
 def test_the_command_line_prints_each_test_of_an_auto_audit(servers, tmp_path):
@@ -170,8 +183,19 @@ def test_the_command_line_prints_each_test_of_an_auto_audit(servers, tmp_path):
     out = tmp_path / "audit"
     result = CliRunner().invoke(app, ["audit", "run", "-p", f"honest={servers['honest']}", "--mode", "auto", "--n", "2",
                                       "--max-tokens", "4", "--samples", "2", "--out", str(out),
-                                      "--api-key-env", "VERINFER_NO_KEY"])
+                                      "--api-key-env", "VERINFER_NO_KEY", "--extra-body", '{"seed": 5}'])
     assert result.exit_code == 0, result.output
-    assert "logprobs: p " in result.output and "rank: p " in result.output
-    assert "seeded: not run (no bands or calibration" in result.output and "mmd: not run" in result.output
+    assert "logprobs: p " in result.output and "surprise: p " in result.output
+    assert "seeded: not run (no seeds were sent" in result.output and "mmd: not run" in result.output
+    assert "rank: not run (surprise ran" in result.output
     assert json.loads((out / "audit.json").read_text())["providers"][0]["tests"][0]["test"] == "seeded"
+
+
+def test_verdict_lines_print_no_zero_width_interval_and_bound_an_underflowed_p():
+    """Issue #42 item 4: "95% CI -21.3593--21.3593" and "p = 0" were printed."""
+    flat = Verdict(False, 0.0, 0.01, 10, 2, "sequence", -21.3593, "surprise z", -21.3593, -21.3593, 1, 5, "m",
+                   interval=False)  # as the surprise, logprobs and MMD tests give it: no interval
+    assert "95% CI" not in flat.text and "p < 2e-308" in flat.text and "p = 0" not in flat.text
+    assert "(95% CI 0.4000-0.6000)" in _verdict(0.5, 0.01).text and "p = 0.5" in _verdict(0.5, 0.01).text
+    negative = Verdict(True, 0.5, 0.01, 10, 2, "sequence", -1.0, "s", -1.5, -0.5, 1, None, "m")
+    assert "(95% CI -1.5000 to -0.5000)" in negative.text

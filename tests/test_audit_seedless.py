@@ -148,6 +148,10 @@ def test_surprise_audit_judges_every_completion_without_reference_draws(servers,
     assert "test martingale" in honest.verdict.method
     assert not cheat.verdict.consistent and cheat.verdict.statistic < 0, cheat.verdict.text
     assert not (tmp_path / "reference").exists()  # no draws
+    from verinfer.auditing.report import write_reports  # audit.json names no draws file (issue #42 item 4)
+
+    doc = json.loads(write_reports(result, backend.tokenizer)[0].read_text())
+    assert all("reference_draws" not in p for p in doc["providers"])
 
 
 def test_mmd_audit_asks_for_n_completions_and_resumes(servers, prompts, backend, tmp_path):

@@ -324,7 +324,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
           reference_api_model: str | None = None, reference_api_key_env: str | None = None,
           backend: Backend | None = None, on_stage: Callable[[str], None] | None = None, samples: int = 16,
           stream: bool = False, top_logprobs: int = 5, extra_body: Mapping[str, Any] | None = None,
-          choices: int = 1, reference_model: str | None = None, sampler: str | None = None):
+          choices: int = 1, reference_model: str | None = None, sampler: str | None = None, seeds: bool = False):
     """Audit OpenAI-compatible providers against a trusted reference.
 
     ``providers`` maps names to base URLs (ending in ``/v1``), or is a list of
@@ -338,7 +338,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     bands, or from a calibration, by the one verdict rule; both are checked against the audit's
     settings before any request is paid for (``mode="rank"`` / ``"mmd"`` audit sampled traffic without
     seeds against ``samples`` reference draws per prompt and need neither; ``mode="auto"`` runs every
-    test the responses allow and combines them by Holm, ``verinfer.auditing.auto``; with ``reference_url``
+    test the responses allow and combines them by Holm, ``verinfer.auditing.auto``, sending seeds only with
+    ``seeds=True``; with ``reference_url``
     the seedless modes draw and score with that API, ``verinfer.auditing.remote_reference``; a seeded audit with ``choices > 1``
     asks ``n`` completions per request, choice j claiming seed + j as vLLM seeds it). ``extra_body`` adds fields to
     every generation request (``verinfer.auditing.plan``; the audit's own fields win). ``timeout`` bounds
@@ -364,7 +365,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
         served_model, model = served_model or (model if model != DEFAULT_MODEL else None), reference_model
     spec = AuditSpec(mode=mode, profile=profile, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                      seed=seed, max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids, samples=samples,
-                     stream=stream, top_logprobs=top_logprobs, extra_body=extra_body, choices=choices)
+                     stream=stream, top_logprobs=top_logprobs, extra_body=extra_body, choices=choices, seeds=seeds)
     if spec.problems():
         raise ValueError(spec.problems()[0])
     if not 0 < fpr < 1:
@@ -391,7 +392,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     calibrator = Calibrator.load(calibration) if isinstance(calibration, (str, Path)) else calibration
     check_batch_size(batch_size, calibrator, str(calibration) if isinstance(calibration, (str, Path)) else "calibration")
     band_set = None
-    if calibrator is None and not spec.seedless:  # the bands a verdict needs, found before any request is paid for
+    if calibrator is None and (spec.mode == "greedy" or spec.replays):  # the bands a verdict needs, found before
+        # any request is paid for
         band_set = Bands.load(bands) if bands else find_bands(backend.model_id, spec.signature())
         if band_set is None and spec.mode != "auto":  # auto runs its seeded test only with them
             raise ValueError(f"no bands for {backend.model_id} with {spec.signature()} "

@@ -1,18 +1,25 @@
 """``--mode auto``: every test a provider's responses allow, combined into one verdict.
 
-One request per prompt asks for everything at once: sampling at the claimed settings with the
-audit's seed (``seed + i * choices``), ``choices`` completions (``n``), the top logprobs and, unless
-``--text-only``, the token ids. What comes back decides which tests can run:
+One request per prompt asks for everything at once: sampling at the claimed settings without a seed
+(customers' traffic carries none; with ``--seeds``, the audit's seed ``seed + i * choices``),
+``choices`` completions (``n``), the top logprobs and, unless ``--text-only``, the token ids. What
+comes back decides which tests can run:
 
-- ``rank`` (RUT on every completion against the reference's draws): always, from sampled text;
-- ``mmd`` (Model Equality Testing): when every response holds at least 2 completions;
+- ``surprise`` (each completion's reference log-probability against its expectation, an exact test
+  martingale with no reference draws, ``verinfer.auditing.surprise``): with a local reference, on
+  every completion; the most powerful seedless test at a prefill's cost (RESULTS.md section 21);
 - ``logprobs`` (LOGIC): when every response returns logprobs;
-- ``seeded`` (Token-DiFR replay of the seeded sampler, judged by bands or a calibration): when the
-  provider returns token ids, honours seeds, the reference is local (a reference API cannot replay
-  a seeded sampler) and bands or a calibration for the seeded settings exist (they name the claimed
-  sampler profile: without them the test is not run, rather than claim a sampler the user did not).
-  Seeds are honoured when the first ``PROBES`` prompts, asked a second time with the same seed (the
-  request differs only in ``user``), return the same non-empty completion both times.
+- ``rank`` (RUT against ``--samples`` reference draws per completion): only where surprise cannot
+  run (a reference API's top-20 logprobs cannot give surprise's exact null), as each draw costs a
+  generation: with surprise beside it, rank would multiply the audit's cost for a weaker test;
+- ``mmd`` (Model Equality Testing): when every response holds at least 2 completions (``--choices``);
+- ``seeded`` (Token-DiFR replay of the seeded sampler, judged by bands or a calibration): only with
+  ``--seeds``, when the provider returns token ids, honours seeds, the reference is local (a
+  reference API cannot replay a seeded sampler) and bands or a calibration for the seeded settings
+  exist (they name the claimed sampler profile: without them the test is not run, rather than claim a
+  sampler the user did not). Seeds are honoured when the first ``PROBES`` prompts, asked a second
+  time with the same seed (the request differs only in ``user``), return the same non-empty
+  completion both times.
 
 Which tests run depends only on the form of the responses (and the probe), never on a p-value. The
 K tests run are combined by Holm's procedure (``verinfer.stats.verdict.holm``): the provider is
@@ -35,7 +42,7 @@ from verinfer.auditing.responses import Claim, parse_generation
 from verinfer.auditing.seedless import judge_logprobs, judge_sampled
 from verinfer.stats.verdict import Verdict, holm
 
-TESTS = ("seeded", "logprobs", "rank", "mmd")  # the order ties are broken in
+TESTS = ("seeded", "surprise", "logprobs", "rank", "mmd")  # the order ties are broken in
 PROBES = 2  # prompts asked twice to learn whether seeds are honoured
 PROBE_USER = "verinfer-seed-probe"
 
@@ -110,6 +117,7 @@ def plan_tests(spec: AuditSpec, records: Sequence[dict], claims: Sequence[Claim]
     counts = [len(r["response"]["choices"]) for r in records]
     why: dict[str, str | None] = {}
     why["seeded"] = (
+        "no seeds were sent (--seeds sends them and adds this test)" if not spec.seeds else
         "a reference API cannot replay a seeded sampler (use a local reference model)" if not local else
         "no bands or calibration for the seeded settings (build them with `verinfer audit bands --mode seeded`)"
         if judged_by is None else
@@ -118,7 +126,9 @@ def plan_tests(spec: AuditSpec, records: Sequence[dict], claims: Sequence[Claim]
         "different)" if not honoured else None)
     why["logprobs"] = (None if all(isinstance(c.get("logprobs"), dict) for c in firsts)
                        else "the provider returned no logprobs")
-    why["rank"] = None if len(claims) >= 2 else "fewer than 2 completions"
+    why["surprise"] = None if local else "a reference API's top-20 logprobs cannot give its exact null"
+    why["rank"] = ("surprise ran: the stronger test needs no reference draws (--mode rank runs this one)" if local
+                   else None if len(claims) >= 2 else "fewer than 2 completions")
     why["mmd"] = (None if min(counts) >= 2 and len(records) >= 2 else
                   f"fewer than 2 completions per prompt (asked n={spec.choices}; --choices 2 or more enables it)")
     return why
@@ -134,7 +144,7 @@ class AutoJudgement:
     verdict: Verdict
     tests: list[AutoTest]
     claims: list[Claim]  # every completion returned (up to ``choices`` per prompt)
-    prompts: list[dict]  # per-prompt rows of the rank test (or of logprobs when rank could not run)
+    prompts: list[dict]  # per-prompt rows of surprise (or rank with a reference API), else of logprobs
     seeds_honoured: bool
 
 
@@ -167,6 +177,9 @@ def judge_auto(records: Sequence[dict], probes: Sequence[dict], spec: AuditSpec,
         stage(f"{provider}: auto: {name} test at {alpha:.3g} ({k} test(s))")
         if name == "seeded":
             verdict = seeded(alpha)
+        elif name == "surprise":
+            judged = judge_sampled(claims, component_spec(spec, name), backend, out_dir, alpha, on_stage)
+            verdict, rows = judged.verdict, judged.prompts
         elif name == "logprobs":
             judged = judge_logprobs(firsts, records, component_spec(spec, name), backend, alpha, provider, store,
                                     remote=remote)

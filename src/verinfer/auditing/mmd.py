@@ -117,4 +117,4 @@ def mmd_verdict(provider: Sequence[Sequence[Sequence[int]]], reference: Sequence
               f"between {int(ends[-1])} provider and as many reference completions (Model Equality Testing)")
     return Verdict(p >= alpha, p, alpha, int(tokens.sum()), int(ends[-1]), "sequence", stat, "MMD^2", stat, stat,
                    len(looks), None if first is None else int(tokens[:first].sum()), method,
-                   sequences=int(ends[-1]))
+                   sequences=int(ends[-1]), interval=False)

@@ -13,8 +13,10 @@ customers do: ``rank`` one completion per prompt, ranked among ``samples`` refer
 compared with as many reference draws (Model Equality Testing, ``verinfer.auditing.mmd``);
 ``logprobs`` one completion per prompt with its top-k logprobs, compared with the reference's at
 the same positions (LOGIC, ``verinfer.auditing.logprobs``).
-``auto`` asks for all of it in one request per prompt (the seeded request with ``choices`` as ``n``,
-top logprobs and token ids) and runs every test the responses allow (``verinfer.auditing.auto``).
+``auto`` asks for all of it in one request per prompt (sampling at the claimed settings with
+``choices`` as ``n``, top logprobs and token ids) and runs every test the responses allow
+(``verinfer.auditing.auto``); it sends no seed, as customers' traffic carries none, unless ``seeds``
+asks it to (then as seeded mode does, for its seeded test).
 Chat requests are what customers send (the provider applies its chat template, which is part of
 what gets audited); completion requests send our rendering as token ids, fixing the prompt exactly.
 ``extra_body`` adds fields to every generation request, for servers whose defaults sample
@@ -59,10 +61,16 @@ class AuditSpec:
     top_logprobs: int = 5  # logprobs mode: alternatives per position
     extra_body: Mapping[str, Any] | None = None  # more request fields; the audit's own fields win
     choices: int = 1  # seeded: completions per request (n); choice j claims the request's seed + j
+    seeds: bool = False  # auto: send seeds (and probe whether they are honoured) for its seeded test
 
     @property
     def seedless(self) -> bool:
         return self.mode in SEEDLESS
+
+    @property
+    def replays(self) -> bool:
+        """Whether the requests carry seeds for a seeded replay (seeded mode, and auto with ``seeds``)."""
+        return self.mode == "seeded" or (self.mode == "auto" and self.seeds)
 
     def problems(self) -> list[str]:
         out = []
@@ -93,7 +101,10 @@ class AuditSpec:
             if self.temperature < 1e-5:
                 out.append(f"--mode {self.mode} audits sampled traffic and needs a temperature > 0 "
                            "(use --mode greedy for argmax spot checks)")
-        if self.mode in ("seeded", "auto"):
+        if self.seeds and self.mode != "auto":
+            out.append(f"--seeds applies to --mode auto (--mode {self.mode} "
+                       + ("always sends seeds)" if self.mode == "seeded" else "sends none)"))
+        if self.replays:
             try:
                 get_profile(self.profile)
             except (KeyError, ValueError) as exc:
@@ -109,7 +120,7 @@ class AuditSpec:
         if self.mode == "greedy":
             return SamplingParams(profile="greedy", temperature=0.0)
         return SamplingParams(profile=self.profile, temperature=self.temperature, top_k=self.top_k,
-                              top_p=self.top_p, min_p=self.min_p, seed=None if self.seedless else self.seed + index)
+                              top_p=self.top_p, min_p=self.min_p, seed=self.seed + index if self.replays else None)
 
     def claim_index(self, prompt_index: int, choice: int = 0) -> int:
         """The claim (and seed offset) of choice ``choice`` of prompt ``prompt_index``'s request."""

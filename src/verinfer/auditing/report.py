@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from verinfer.auditing.bands import HIST_EDGES, histogram
+from verinfer.auditing.draws import store_path
 from verinfer.auditing.run import AuditResult, ProviderAudit
 from verinfer.auditing.secrets import redact, redact_text
 from verinfer.files import write_atomic
@@ -177,8 +178,8 @@ def to_json(result: AuditResult, tokenizer) -> dict:
             "responses_stored": a.responses_stored, "damaged_lines": a.damaged_lines, "empty_outputs": a.empty_outputs,
             "prompts": [{k: v for k, v in r.items() if k != "pieces"} for r in prompt_rows(a, tokenizer, clip)],
             **({"tests": a.tests} if a.tests is not None else {}),  # auto mode (verinfer.auditing.auto)
-            **({"reference_draws": display_path(result.out_dir / "reference" / "draws.jsonl", result.out_dir)}
-               if a.prompts is not None else {}),
+            **({"reference_draws": display_path(store_path(result.out_dir), result.out_dir)}
+               if a.prompts is not None and store_path(result.out_dir).exists() else {}),  # surprise draws none
         } for a in result.providers],
     })
 

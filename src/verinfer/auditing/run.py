@@ -116,6 +116,9 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     if spec.seedless and (bands is not None or calibrator is not None):
         raise ValueError(f"--mode {spec.mode} is exact without bands or a calibration (its null is the "
                          "reference's own sampling distribution); drop --bands / --calibration")
+    if spec.mode == "auto" and not spec.seeds and (bands is not None or calibrator is not None):
+        raise ValueError("bands or a calibration judge auto's seeded test, which needs seeds: add --seeds, or drop "
+                         "--bands / --calibration")
     if not spec.seedless and (bands is None) == (calibrator is None) and not (spec.mode == "auto" and bands is None):
         raise ValueError("give exactly one of bands or a calibration file for the verdict" +
                          (" (auto: they judge its seeded test)" if spec.mode == "auto" else ""))
@@ -136,7 +139,7 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         asked = generation_calls(spec, prompts, tokenizer, e.model)
         calls = list({c.key: c for c in asked[::-1]}.values())  # identical prompts: asked and counted once,
         calls.sort(key=lambda c: c.meta["index"])  # keeping the first of each
-        if spec.mode == "auto":  # are seeds honoured? (verinfer.auditing.auto)
+        if spec.mode == "auto" and spec.seeds:  # are seeds honoured? (verinfer.auditing.auto)
             calls += probe_calls(calls)
         stage(f"{e.name}: {sum(c.key not in store for c in calls)} of {len(calls)} requests to send"
               + (f" ({len(asked) - len(calls)} duplicate prompt(s) skipped)" if len(asked) > len(calls) else ""))

@@ -73,4 +73,5 @@ def surprise_verdict(scores, alpha: float = 0.01) -> Verdict:
               f"{len(scores.tilts)} tilts = temperature likelihood ratios), checked after every completion; "
               "p = 1 / its maximum (Ville's inequality: valid at every size, no reference draws)")
     return Verdict(p >= alpha, p, alpha, int(tokens.sum()), n, "sequence", z, "surprise z", z, z, n,
-                   None if crossed.size == 0 else int(tokens[: crossed[0] + 1].sum()), method, sequences=n)
+                   None if crossed.size == 0 else int(tokens[: crossed[0] + 1].sum()), method, sequences=n,
+                   interval=False)

@@ -168,13 +168,16 @@ def run(
                              "reference log-probabilities against their expected value, no draws), rank (one completion "
                              "ranked among reference draws), mmd (many completions per prompt), logprobs (the "
                              "provider's returned logprobs against the reference's), or auto (every test the responses "
-                             "allow, combined by Holm's procedure)"),
+                             "allow, combined by Holm's procedure; no seeds unless --seeds)"),
     samples: int = typer.Option(16, help="rank: reference draws per prompt; mmd: completions per prompt from the "
                                 "provider (one request with n) and from the reference"),
     stream: bool = typer.Option(False, help="ask for streamed responses (stream: true, server-sent events)"),
     choices: int = typer.Option(1, help="seeded and auto modes: completions per request (sent as n; auto runs mmd "
                                 "from 2 on); choice j claims the "
                                 "request's seed + j, as vLLM seeds it (prompt i is sent seed + i x choices)"),
+    seeds: bool = typer.Option(False, help="auto mode: also send seeds (and ask the first prompts twice to learn "
+                               "whether they are honoured), adding the seeded test; default: no seeds, as customers "
+                               "send none"),
     top_logprobs: int = typer.Option(5, help="logprobs mode: alternatives asked for per position (0-20; the "
                                      "sampled token's own logprob is always compared)"),
     sampling: Optional[dict] = None,
@@ -223,7 +226,7 @@ def run(
                        reference_api_model=reference_api_model, reference_api_key_env=reference_api_key_env,
                        backend=backend, on_stage=lambda s: err.print(s), samples=samples, stream=stream,
                        top_logprobs=top_logprobs, extra_body=opt.json_object("--extra-body", extra_body),
-                       choices=choices)
+                       choices=choices, seeds=seeds)
     json_path, html_path = result.reports
     for a in result.providers:
         style = "green" if a.verdict.consistent else "red"

@@ -94,6 +94,7 @@ class Verdict:
     band_ranges: dict = field(default_factory=dict)  # band -> [2.5%, 50%, 97.5%] of pseudo-audits
     pool_sequences: int | None = None  # pooled: honest sequences per band behind the p-value
     p_adjusted: float | None = None  # Holm-adjusted, when several sets are judged together
+    interval: bool = True  # False: the statistic has no interval (ci_low == ci_high == statistic)
     detectors: dict = field(default_factory=dict)  # detector -> {"flagged", "p"} or, sides, {"on_side", "mismatches",
     #                                                "honest_share", "p"} (each with its own sequential p)
     decided_by: str | None = None  # flags: the detector with the smallest p-value
@@ -129,8 +130,10 @@ class Verdict:
             evidence = (f"{self.flagged}/{self.units} batches of {self.batch_size} tokens flagged{by} "
                         f"(flag rate 95% CI {self.ci_low:.0%}-{self.ci_high:.0%})")
         else:
-            evidence = (f"{self.statistic_name} {self.statistic:.4f} (95% CI {self.ci_low:.4f}-{self.ci_high:.4f}) "
-                        f"over {self.tokens} tokens in {self.units} sequences")
+            to = " to " if self.ci_low < 0 else "-"  # "-21.3-20.1", not "-21.3--20.1"
+            interval = f" (95% CI {self.ci_low:.4f}{to}{self.ci_high:.4f})" if self.interval else ""
+            evidence = (f"{self.statistic_name} {self.statistic:.4f}{interval} over {self.tokens} tokens in "
+                        f"{self.units} sequences")
         beyond = (f" (beyond what {self.pool_sequences} sequences per honest band show: a bootstrap extrapolation)"
                   if self.beyond_pool else "")
         needed = (f"; detected after {self.tokens_needed} tokens"
@@ -140,10 +143,15 @@ class Verdict:
             self.unjudged_tokens and f"the last {self.unjudged_tokens} tokens (less than a batch) were not judged",
             self.minimum_evidence, self.note) if part)
         return (f"{self.label} with {self.subject} at {self.alpha:.0%} FPR: {evidence}, "
-                f"{which} = {p:.3g}{beyond}{needed}{like}{rest}")
+                f"{which} {p_text(p)}{beyond}{needed}{like}{rest}")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "verdict": self.label, "beyond_pool": self.beyond_pool, "text": self.text}
+
+
+def p_text(p: float) -> str:
+    """``= 0.0123``, or a bound where the p-value underflowed to 0 (``< 2e-308``: no test here claims 0)."""
+    return f"< {np.finfo(np.float64).tiny:.0e}" if p <= 0 else f"= {p:.3g}"
 
 
 def look_sizes(n: int) -> list[int]:
