@@ -148,8 +148,6 @@ def test_surprise_audit_judges_every_completion_without_reference_draws(servers,
     assert "test martingale" in honest.verdict.method
     assert not cheat.verdict.consistent and cheat.verdict.statistic < 0, cheat.verdict.text
     assert not (tmp_path / "reference").exists()  # no draws
-    from verinfer.auditing.report import write_reports  # audit.json names no draws file (issue #42 item 4)
-
     doc = json.loads(write_reports(result, backend.tokenizer)[0].read_text())
     assert all("reference_draws" not in p for p in doc["providers"])
 
@@ -225,3 +223,28 @@ def test_a_provider_that_ignores_n_is_named(backend, tmp_path, prompts):
         with pytest.raises(ValueError, match="asked for n=3 completions, got 1"):
             run_audit([Endpoint("one", url, backend.model_id, None)], prompts[:2],
                       AuditSpec(mode="mmd", samples=3, max_tokens=4), LocalReference(backend), tmp_path)
+
+
+def test_logprobs_reference_values_from_surprises_prefill_equal_their_own_prefill(backend):
+    """``--mode auto`` fills the logprobs test's reference values from surprise's prefill (issue #42 item 2:
+    one prefill for both): the same values as a prefill of their own, for completions the prefilled
+    sequences continue; a completion whose returned ids are not a prefix is prefilled on its own."""
+    from verinfer.auditing.draws import completion_scores
+    from verinfer.auditing.logprobs import ReferenceValues, ReturnedLogprobs, reference_values
+    from verinfer.sampling.params import SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, backend.vocab_size, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    outs = [torch.randint(0, backend.vocab_size, (n,), generator=g).tolist() for n in (6, 4, 8)]
+    returned = [ReturnedLogprobs(str(i), p, o[:n], [([t, 17], [0.0, 0.0]) for t in o[:n]], 0)
+                for i, (p, o, n) in enumerate(zip(prompts, outs, (6, 3, 8)))]
+    returned[2] = ReturnedLogprobs("2", prompts[2], [1] + outs[2][1:], returned[2].entries, 0)  # not a prefix
+    own = reference_values(backend, returned)
+    sink = ReferenceValues(returned)
+    which = [0, 1, None, None]  # sequence 3 (another completion) fills nothing; returned[2] is not a prefix
+    completion_scores(backend, prompts + [prompts[0]], outs + [outs[1]], SamplingParams("vllm", 1.0, seed=1),
+                      on_block=lambda block: sink.add(block, which))
+    assert sink.missing() == [2]
+    shared = reference_values(backend, returned, sink)
+    for a, b in zip(own, shared):
+        np.testing.assert_allclose(a, b, atol=1e-5)

@@ -39,7 +39,8 @@ from typing import Callable, Sequence
 from verinfer.auditing.client import Call
 from verinfer.auditing.plan import AuditSpec
 from verinfer.auditing.responses import Claim, parse_generation
-from verinfer.auditing.seedless import judge_logprobs, judge_sampled
+from verinfer.auditing.logprobs import ReferenceValues, token_table
+from verinfer.auditing.seedless import judge_logprobs, judge_sampled, returned_logprobs_of
 from verinfer.stats.verdict import Verdict, holm
 
 TESTS = ("seeded", "surprise", "logprobs", "rank", "mmd")  # the order ties are broken in
@@ -134,6 +135,20 @@ def plan_tests(spec: AuditSpec, records: Sequence[dict], claims: Sequence[Claim]
     return why
 
 
+def shared_rows(records: Sequence[dict], claims: Sequence[Claim], returned, choices: int) -> dict[int, int]:
+    """``id(claim)`` -> the returned logprobs it continues (``completions``' order: each response's first
+    ``choices`` claims): its response's first completion, when the returned ids are a prefix of the claim's
+    (a causal model's logits at those positions are then the same); the others are prefilled on their own."""
+    which: dict[int, int] = {}
+    at = 0
+    for k, (record, ret) in enumerate(zip(records, returned)):
+        c = claims[at]
+        if c.prompt_token_ids == ret.prompt_token_ids and c.output_token_ids[:len(ret.token_ids)] == ret.token_ids:
+            which[id(c)] = k
+        at += min(choices, len(record["response"]["choices"]))
+    return which
+
+
 def component_spec(spec: AuditSpec, mode: str) -> AuditSpec:
     """The single-mode settings of one component (the same claimed sampling settings)."""
     return replace(spec, mode=mode, choices=spec.choices if mode == "seeded" else 1)
@@ -169,6 +184,11 @@ def judge_auto(records: Sequence[dict], probes: Sequence[dict], spec: AuditSpec,
         raise ValueError(f"provider {provider!r}: no test can run on its responses: "
                          + "; ".join(f"{n}: {w}" for n, w in why.items()))
     alpha = fpr / k
+    sink, which = None, None
+    if why["surprise"] is None and why["logprobs"] is None:  # the logprobs test's reference values come from
+        # surprise's prefill of the same completions: one prefill for both tests
+        returned = returned_logprobs_of(firsts, records, token_table(reference.tokenizer), provider, store)
+        sink, which = ReferenceValues(returned), shared_rows(records, claims, returned, spec.choices)
     results, rows = [], None
     for name in TESTS:
         if why[name] is not None:
@@ -178,11 +198,13 @@ def judge_auto(records: Sequence[dict], probes: Sequence[dict], spec: AuditSpec,
         if name == "seeded":
             verdict = seeded(alpha)
         elif name == "surprise":
-            judged = judge_sampled(claims, component_spec(spec, name), backend, out_dir, alpha, on_stage)
+            judged = judge_sampled(claims, component_spec(spec, name), backend, out_dir, alpha, on_stage,
+                                   on_block=None if sink is None else
+                                   lambda block, judged: sink.add(block, [which.get(id(c)) for c in judged]))
             verdict, rows = judged.verdict, judged.prompts
         elif name == "logprobs":
             judged = judge_logprobs(firsts, records, component_spec(spec, name), backend, alpha, provider, store,
-                                    remote=remote)
+                                    remote=remote, sink=sink)
             verdict, rows = judged.verdict, rows if rows is not None else judged.prompts
         else:
             judged = judge_sampled(claims, component_spec(spec, name), backend, out_dir, alpha, on_stage,

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from verinfer.auditing.store import ResponseStore
+from verinfer.models.backend import PrefillBlock
 from verinfer.sampling.filters import kept_set
 from verinfer.sampling.params import SamplingParams
 from verinfer.simulate.generate import Request, decode_batch
@@ -123,9 +124,12 @@ class CompletionScores:
 @torch.inference_mode()
 def completion_scores(backend, prompt_ids: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
                       params: SamplingParams, token_budget: int = 4096,
-                      tilts: Sequence[float] = ()) -> CompletionScores:
+                      tilts: Sequence[float] = (), on_block: Callable[[PrefillBlock], None] | None = None
+                      ) -> CompletionScores:
     """Score ``outputs`` (after ``prompt_ids``) with one prefill of ``backend`` under ``params``; with
-    ``tilts``, also each completion's summed cumulant generating function at them (``cgf``)."""
+    ``tilts``, also each completion's summed cumulant generating function at them (``cgf``).
+    ``on_block`` sees each block of the prefill (raw logits), for other scores of the same rows
+    without a second prefill (``auditing.auto``: the logprobs test's reference values)."""
     if not params.temperature > 0:
         raise ValueError(f"completion scores need a temperature > 0, got {params.temperature}")
     sequences = [list(p) + list(o) for p, o in zip(prompt_ids, outputs)]
@@ -133,6 +137,8 @@ def completion_scores(backend, prompt_ids: Sequence[Sequence[int]], outputs: Seq
     sums, cgf = np.zeros((3, len(sequences))), np.zeros((len(sequences), len(tilts)))
     filtered = params.top_k > 0 or params.top_p < 1 or params.min_p > 0
     for block in backend.prefill(sequences, starts, token_budget=token_budget):
+        if on_block is not None:
+            on_block(block)
         x = block.logits.float() / params.temperature
         logp = torch.log_softmax(x, dim=-1)
         if filtered:  # the sampling distribution q: the kept tokens, renormalized

@@ -89,19 +89,44 @@ def parse_returned(record: dict, choice: int, table: dict[str, int], prompt_id: 
     return ReturnedLogprobs(prompt_id, prompt_token_ids, ids, entries, 0)
 
 
-@torch.inference_mode()
-def reference_values(backend, returned: Sequence[ReturnedLogprobs]) -> list[np.ndarray]:
-    """The reference's raw log-softmax at each returned position for each returned token."""
-    sequences = [r.prompt_token_ids + r.token_ids for r in returned]
-    starts = [len(r.prompt_token_ids) for r in returned]
-    out = [[None] * len(r.token_ids) for r in returned]
-    keep = [i for i, r in enumerate(returned) if r.token_ids]
-    for block in backend.prefill([sequences[i] for i in keep], [starts[i] for i in keep]):
+class ReferenceValues:
+    """The reference's raw log-softmax at each returned position for each returned token, filled from
+    prefill blocks (``add``): of the returned completions themselves (``reference_values``), or of
+    another scoring's prefill of the same sequences (``auditing.auto``: surprise's), so that the
+    logprobs test costs no prefill of its own."""
+
+    def __init__(self, returned: Sequence[ReturnedLogprobs]):
+        self.returned = returned
+        self.out: list[list] = [[None] * len(r.token_ids) for r in returned]
+
+    @torch.inference_mode()
+    def add(self, block, which: Sequence[int | None]) -> None:
+        """Values from ``block``, whose sequence ``j`` is prompt + a continuation of returned completion
+        ``which[j]`` (None: no returned completion), positions past the returned ones ignored."""
         lp = torch.log_softmax(block.logits.float(), dim=-1)
         for row, (item, step) in enumerate(zip(block.items.tolist(), block.steps.tolist())):
-            r = returned[keep[item]]
-            out[keep[item]][step] = lp[row, r.entries[step][0]].double().numpy()
-    return [np.concatenate(o) if o else np.zeros(0) for o in out]
+            i = which[item]
+            if i is not None and step < len(self.out[i]):
+                self.out[i][step] = lp[row, self.returned[i].entries[step][0]].double().numpy()
+
+    def missing(self) -> list[int]:
+        """The returned completions with a position no block has filled."""
+        return [i for i, o in enumerate(self.out) if any(v is None for v in o)]
+
+    def values(self) -> list[np.ndarray]:
+        return [np.concatenate(o) if o else np.zeros(0) for o in self.out]
+
+
+def reference_values(backend, returned: Sequence[ReturnedLogprobs], sink: ReferenceValues | None = None
+                     ) -> list[np.ndarray]:
+    """The reference's raw log-softmax at each returned position for each returned token: one prefill
+    of the completions ``sink`` (already partly filled, if given) lacks."""
+    sink = sink or ReferenceValues(returned)
+    keep = [i for i in sink.missing() if returned[i].token_ids]
+    for block in backend.prefill([returned[i].prompt_token_ids + returned[i].token_ids for i in keep],
+                                 [len(returned[i].prompt_token_ids) for i in keep]):
+        sink.add(block, keep)
+    return sink.values()
 
 
 @torch.inference_mode()

@@ -26,7 +26,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from verinfer.auditing.draws import completion_scores, reference_draws, retokenize, store_path
-from verinfer.auditing.logprobs import logprob_verdict, parse_returned, provider_values, reference_values, token_table
+from verinfer.auditing.logprobs import (ReferenceValues, ReturnedLogprobs, logprob_verdict, parse_returned,
+                                       provider_values, reference_values, token_table)
 from verinfer.auditing.mmd import mmd_verdict
 from verinfer.auditing.plan import AuditSpec
 from verinfer.auditing.rank import rank_p_values, rank_score, rank_verdict, split
@@ -44,14 +45,16 @@ class SampledJudgement:
 
 
 def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fpr: float,
-                  on_stage: Callable[[str], None] | None = None, remote=None) -> SampledJudgement:
+                  on_stage: Callable[[str], None] | None = None, remote=None,
+                  on_block: Callable | None = None) -> SampledJudgement:
     """The verdict on ``claims`` (each prompt's completions, choice order kept) as ``spec.mode`` asks.
 
     ``rank`` judges every completion (all ``n`` of each prompt), each against its own ``samples``
     reference draws; ``surprise`` judges every completion against the reference's own distribution (no
     draws); ``mmd`` compares each prompt's n completions with n reference draws. With
     ``remote`` (an ``ApiReference``) the draws and scores come from that API instead of ``backend``
-    (``verinfer.auditing.remote_reference``)."""
+    (``verinfer.auditing.remote_reference``). ``on_block(block, judged)`` sees each block of surprise's
+    prefill (``draws.completion_scores``) and the claims its sequences are, in order."""
     by_prompt: dict[str, list[Claim]] = {}
     for c in claims:
         by_prompt.setdefault(c.prompt_id, []).append(c)
@@ -76,7 +79,7 @@ def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fp
     if spec.mode == "surprise":  # no draws: the reference's own distribution at each position (a reference
         # API, which returns only its top logprobs, is refused before any request: ``auditing.run``)
         scores = completion_scores(backend, [c.prompt_token_ids for c in judged], [c.output_token_ids for c in judged],
-                                   params, tilts=TILTS)
+                                   params, tilts=TILTS, on_block=on_block and (lambda block: on_block(block, judged)))
         at = np.cumsum([0] + [len(cs) for cs in groups])
         for row, a, b in zip(rows, at[:-1], at[1:]):
             row["surprise_z"] = surprise_z(scores[a:b])
@@ -100,16 +103,25 @@ def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fp
     return SampledJudgement(verdict, rows)
 
 
+def returned_logprobs_of(claims: Sequence[Claim], records: Sequence[dict], table: dict[str, int], provider: str,
+                         store: ResponseStore) -> list[ReturnedLogprobs]:
+    """Each prompt's first completion's returned top-k logprobs, mapped to reference token ids (``table``:
+    ``logprobs.token_table``)."""
+    return [parse_returned(r, 0, table, c.prompt_id, c.prompt_token_ids,
+                           f"provider {provider!r}: {store.path} (prompt {c.prompt_id})")
+            for r, c in zip(records, claims)]
+
+
 def judge_logprobs(claims: Sequence[Claim], records: Sequence[dict], spec: AuditSpec, backend, fpr: float,
-                   provider: str, store: ResponseStore, remote=None) -> SampledJudgement:
+                   provider: str, store: ResponseStore, remote=None,
+                   sink: ReferenceValues | None = None) -> SampledJudgement:
     """The ``logprobs`` verdict on each prompt's first completion and its returned top-k logprobs
-    (against a reference API's prompt logprobs with ``remote``: ``remote_reference.remote_values``)."""
-    table = token_table((remote or backend).tokenizer)
-    returned = [parse_returned(r, 0, table, c.prompt_id, c.prompt_token_ids,
-                               f"provider {provider!r}: {store.path} (prompt {c.prompt_id})")
-                for r, c in zip(records, claims)]
+    (against a reference API's prompt logprobs with ``remote``: ``remote_reference.remote_values``).
+    ``sink``: the reference values another prefill already filled (``auditing.auto``)."""
+    table = token_table((remote or backend).tokenizer) if sink is None else {}
+    returned = sink.returned if sink is not None else returned_logprobs_of(claims, records, table, provider, store)
     if remote is None:
-        theirs, ours, bounded = provider_values(returned), reference_values(backend, returned), [0] * len(returned)
+        theirs, ours, bounded = provider_values(returned), reference_values(backend, returned, sink), [0] * len(returned)
     else:
         theirs, ours, bounded = remote_values(remote, returned, table)
     tokens = np.array([len(r.token_ids) for r in returned])
