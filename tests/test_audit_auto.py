@@ -199,3 +199,19 @@ def test_verdict_lines_print_no_zero_width_interval_and_bound_an_underflowed_p()
     assert "(95% CI 0.4000-0.6000)" in _verdict(0.5, 0.01).text and "p = 0.5" in _verdict(0.5, 0.01).text
     negative = Verdict(True, 0.5, 0.01, 10, 2, "sequence", -1.0, "s", -1.5, -0.5, 1, None, "m")
     assert "(95% CI -1.5000 to -0.5000)" in negative.text
+
+
+def test_long_stages_report_progress_with_an_estimate():
+    """Issue #42 item 4: draws and scoring printed nothing for up to 29 minutes."""
+    from verinfer.auditing.progress import StageProgress
+
+    now, lines = [0.0], []
+    progress = StageProgress(lines.append, "reference draws", 100, "completions", every=10, clock=lambda: now[0])
+    for t in (1, 5, 12, 14, 40):
+        now[0] = t
+        progress.advance(10)
+    assert lines == ["reference draws: 30/100 completions in 12 s, about 28 s left",
+                     "reference draws: 50/100 completions in 40 s, about 40 s left"]
+    now[0] = 400
+    progress.advance(50)
+    assert lines[-1] == "reference draws: 100/100 completions in 6.7 min, done"

@@ -248,3 +248,50 @@ def test_logprobs_reference_values_from_surprises_prefill_equal_their_own_prefil
     shared = reference_values(backend, returned, sink)
     for a, b in zip(own, shared):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_position_gaps_pair_each_returned_value_with_the_reference_value_of_the_same_token():
+    from verinfer.auditing.logprobs import AGREE, ReturnedLogprobs, gap_rows, position_gaps
+
+    r = ReturnedLogprobs("p", [1], [5, 6], [([5, 9, 8], [-0.1, -2.0, -3.0]), ([6, 7], [-0.5, -1.0])], 0)
+    theirs = [np.array([-0.1, -2.0, -3.0, -0.5, -1.0])]
+    ours = [np.array([-0.1, -2.3, -2.7, -0.5, -1.0])]  # the same values as two sets would be alike
+    (g,) = position_gaps([r], theirs, ours)
+    np.testing.assert_allclose(g, [0.2, 0.0])
+    np.testing.assert_allclose(gap_rows([g], clip=0.15), [[2, 0.15, 1]])  # clipped, one position agreeing
+    assert AGREE < 0.2
+
+
+@pytest.fixture(scope="module")
+def hidden_prompt_servers(backend):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with contextlib.ExitStack() as stack:
+        yield {name: stack.enter_context(serve_in_thread(backend, ServeConfig(sampler="torch-exponential",
+                                                                              misconfig=mis, max_batch=16)))
+               for name, mis in {"honest": (), "hidden": ("system-prompt:Answer briefly and formally.",),
+                                 "bf16": ("bf16",)}.items()}
+    torch.set_num_threads(threads)
+
+
+def test_logprobs_paired_gap_flags_a_hidden_system_prompt_and_passes_honest_bf16(hidden_prompt_servers, prompts,
+                                                                                 backend, tmp_path):
+    """Issue #42 item 1: the returned logprobs paired with the reference's, against the shipped logprob-gap
+    bands (honest fp32 and bf16). The request seed only fixes which tokens the servers sample."""
+    from verinfer.auditing.bands import find_bands
+    from verinfer.auditing.logprobs import GAP_STATISTIC, gap_signature
+
+    spec = AuditSpec(mode="logprobs", temperature=1.0, max_tokens=16, seed=3, extra_body={"seed": 5})
+    bands = find_bands(backend.model_id, gap_signature(spec.params(0)), kind="logprob-gap")
+    assert bands is not None and {b.name for b in bands.bands if b.honest} == {"honest", "bf16"}
+    endpoints = _endpoints(hidden_prompt_servers, backend.model_id)
+    result = run_audit(endpoints, prompts[:8], spec, LocalReference(backend), tmp_path / "paired", gap_bands=bands)
+    by = {a.endpoint.name: a for a in result.providers}
+    for name in ("honest", "bf16"):
+        assert by[name].verdict.consistent and by[name].verdict.statistic_name == GAP_STATISTIC, by[name].verdict.text
+    assert not by["hidden"].verdict.consistent, by["hidden"].verdict.text
+    assert all("mean_logprob_gap" in r for r in by["hidden"].prompts)
+    unpaired = run_audit(endpoints, prompts[:8], spec, LocalReference(backend), tmp_path / "unpaired")
+    ks = {a.endpoint.name: a.verdict for a in unpaired.providers}
+    assert "no logprob-gap bands" in ks["hidden"].method  # the KS fallback says what would judge the pairs
+    print(f"\nhidden system prompt: paired p {by['hidden'].verdict.p_value:.3g}, unpaired KS p {ks['hidden'].p_value:.3g}")

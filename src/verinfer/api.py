@@ -350,6 +350,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     """
     from verinfer.auditing.bands import Bands, bands_filename, find_bands
     from verinfer.auditing.client import Endpoint, ProviderClient, RetryPolicy
+    from verinfer.auditing.logprobs import gap_signature
     from verinfer.auditing.plan import AuditSpec
     from verinfer.auditing.reference import ApiReference, LocalReference
     from verinfer.auditing.report import write_reports
@@ -391,10 +392,18 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
         raise ValueError("no providers to audit: give at least one NAME=BASE_URL")
     calibrator = Calibrator.load(calibration) if isinstance(calibration, (str, Path)) else calibration
     check_batch_size(batch_size, calibrator, str(calibration) if isinstance(calibration, (str, Path)) else "calibration")
-    band_set = None
+    band_set = gap_bands = None
+    given = Bands.load(bands) if bands else None
+    if given is not None and given.kind == "logprob-gap":  # the logprobs test's bands (--mode logprobs, auto)
+        given, gap_bands = None, given
+    if spec.mode in ("logprobs", "auto") and gap_bands is None and not reference_url:
+        gap_bands = find_bands(backend.model_id, gap_signature(spec.params(0)), kind="logprob-gap")  # shipped, if any
+    if gap_bands is not None and gap_bands.signature != gap_signature(spec.params(0)):
+        raise ValueError(f"{gap_bands.source}: logprob-gap bands were built for sampling {gap_bands.signature}, the "
+                         f"audit claims {gap_signature(spec.params(0))}")
     if calibrator is None and (spec.mode == "greedy" or spec.replays):  # the bands a verdict needs, found before
         # any request is paid for
-        band_set = Bands.load(bands) if bands else find_bands(backend.model_id, spec.signature())
+        band_set = given or find_bands(backend.model_id, spec.signature())
         if band_set is None and spec.mode != "auto":  # auto runs its seeded test only with them
             raise ValueError(f"no bands for {backend.model_id} with {spec.signature()} "
                              f"(looked for {bands_filename(backend.model_id, spec.signature())}); build them with "
@@ -411,8 +420,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
         reference = LocalReference(backend)
     prompt_list = (load_prompts(prompts, n, seed=prompt_seed, distinct=True) if isinstance(prompts, str)
                    else list(prompts)[:n])  # distinct: --n 4 sends 4 requests
-    result = run_audit(endpoints, prompt_list, spec, reference, out, band_set, calibrator, batch_size, fpr,
-                       concurrency, policy, on_stage=on_stage)
+    result = run_audit(endpoints, prompt_list, spec, reference, out, band_set or given, calibrator, batch_size, fpr,
+                       concurrency, policy, on_stage=on_stage, gap_bands=gap_bands)
     result.reports = write_reports(result, backend.tokenizer)
     return result
 

@@ -165,7 +165,7 @@ class AutoJudgement:
 
 def judge_auto(records: Sequence[dict], probes: Sequence[dict], spec: AuditSpec, reference, out_dir, fpr: float,
                stops: set[int], provider: str, store, seeded: Callable[[float], Verdict] | None,
-               on_stage: Callable[[str], None] | None = None) -> AutoJudgement:
+               on_stage: Callable[[str], None] | None = None, gap_bands=None) -> AutoJudgement:
     """Run every test ``plan_tests`` allows at ``fpr / K`` and ``combine`` them.
 
     ``seeded(alpha)`` gives the seeded test's verdict on the same responses (``verinfer.auditing.run``
@@ -204,7 +204,7 @@ def judge_auto(records: Sequence[dict], probes: Sequence[dict], spec: AuditSpec,
             verdict, rows = judged.verdict, judged.prompts
         elif name == "logprobs":
             judged = judge_logprobs(firsts, records, component_spec(spec, name), backend, alpha, provider, store,
-                                    remote=remote, sink=sink)
+                                    remote=remote, sink=sink, bands=gap_bands)
             verdict, rows = judged.verdict, rows if rows is not None else judged.prompts
         else:
             judged = judge_sampled(claims, component_spec(spec, name), backend, out_dir, alpha, on_stage,

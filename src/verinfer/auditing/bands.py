@@ -83,6 +83,11 @@ class Bands:
         return self.data["model"]
 
     @property
+    def kind(self) -> str:
+        """``margin`` (Token-DiFR margins: greedy and seeded audits) or ``logprob-gap`` (``--mode logprobs``)."""
+        return self.data.get("kind", "margin")
+
+    @property
     def signature(self) -> dict:
         return self.data["sampling"]
 
@@ -105,21 +110,21 @@ class Bands:
             raise ValueError(f"{path}: cannot read bands file ({type(exc).__name__}: {exc})") from None
 
 
-def bands_filename(model: str, signature: dict) -> str:
+def bands_filename(model: str, signature: dict, kind: str = "margin") -> str:
     mode = "greedy" if signature["profile"] == "greedy" else (
         f"{signature['profile']}-t{signature['temperature']:g}-k{signature['top_k']}-p{signature['top_p']:g}"
         f"-minp{signature['min_p']:g}")
-    return f"bands-{model}-{mode}.json"
+    return f"bands-{model}-{'' if kind == 'margin' else kind + '-'}{mode}.json"
 
 
-def find_bands(model: str, signature: dict, extra_dirs: Sequence[Path] = ()) -> Bands | None:
-    """Bands for this model and sampling signature from ``extra_dirs`` or the shipped data."""
-    name = bands_filename(model, signature)
+def find_bands(model: str, signature: dict, extra_dirs: Sequence[Path] = (), kind: str = "margin") -> Bands | None:
+    """Bands of ``kind`` for this model and sampling signature from ``extra_dirs`` or the shipped data."""
+    name = bands_filename(model, signature, kind)
     for d in (*extra_dirs, DATA_DIR):
         path = Path(d) / name
         if path.exists():
             bands = Bands.load(path)
-            if bands.signature == signature and bands.model == model:
+            if bands.signature == signature and bands.model == model and bands.kind == kind:
                 return bands
     return None
 
@@ -132,6 +137,8 @@ def build_bands(backend, prompts, spec, variants: Sequence[str] = DEFAULT_VARIAN
     from verinfer.scoring.traces import score_traces
 
     stage = on_stage or (lambda _: None)
+    if spec.mode == "logprobs":
+        return _logprob_gap_bands(backend, prompts, spec, variants, batch_size, stage, command)
     requests = build_requests(backend, prompts, spec.params(0), id_prefix="band-")  # prompt i: seed + i
     columns = {}
     started = time.time()
@@ -158,4 +165,49 @@ def build_bands(backend, prompts, spec, variants: Sequence[str] = DEFAULT_VARIAN
         "bands": {n: Band(n, LABELS.get(n, n), get_variant(n).honest, get_variant(n).description,
                           sequence_stats(columns[n], clip), histogram(columns[n]["margin"])).to_dict()
                   for n in variants},
+    }
+
+
+def _logprob_gap_bands(backend, prompts, spec, variants: Sequence[str], batch_size: int, stage, command: str) -> dict:
+    """Bands of the logprobs test's paired gap (``auditing.logprobs.position_gaps``): each variant samples
+    one completion per prompt at the claimed settings (seeded ``torch-exponential``, the cheap sampler: which
+    engine sampled does not change the logprobs it returns), returns its top ``spec.top_logprobs`` raw
+    logprobs from its own model on the prompt it saw, and the reference scores the same tokens."""
+    from verinfer.auditing.logprobs import (AGREE, GAP_PROFILE, GAP_STATISTIC, gap_rows, gap_signature, position_gaps,
+                                            provider_values, reference_values, returned_logprobs)
+    from verinfer.simulate.generate import build_requests
+    from verinfer.simulate.variants import get_variant
+
+    claimed = spec.params(0).with_(profile=GAP_PROFILE, seed=spec.seed)
+    requests = build_requests(backend, prompts, claimed, id_prefix="band-")
+    ids = [list(r.prompt_token_ids) for r in requests]
+    gaps, started = {}, time.time()
+    for name in variants:
+        variant = get_variant(name)
+        stage(f"generating {name}")
+        built = variant.build(backend)
+        outputs = [list(t.output_token_ids) for t in variant.generate(backend, requests, spec.max_tokens, batch_size,
+                                                                         backend=built)]
+        seen = [list(variant.prompt(built, r).prompt_token_ids) for r in requests] if variant.prompt else ids
+        stage(f"scoring {name}")
+        returned = returned_logprobs(built, ids, outputs, seen, top=spec.top_logprobs)
+        gaps[name] = position_gaps(returned, provider_values(returned), reference_values(backend, returned))
+    honest = [n for n in variants if get_variant(n).honest]
+    if not honest:
+        raise ValueError("bands need at least one honest variant (e.g. honest, bf16)")
+    clip = float(np.percentile(np.concatenate([g for n in honest for g in gaps[n]]), CLIP_PERCENTILE))
+    if not clip > AGREE:
+        raise ValueError(f"every honest gap is within {AGREE} nats, so a clip at the {CLIP_PERCENTILE}th percentile "
+                         "keeps no signal; include an honest noise source such as bf16")
+    return {
+        "format": FORMAT, "kind": "logprob-gap", "model": backend.model_id, "sampling": gap_signature(claimed),
+        "clip": clip,
+        "statistic": f"{GAP_STATISTIC}: per position, the mean |provider - reference| raw logprob over the returned "
+                     f"top {spec.top_logprobs} and the sampled token (nats), clipped at the honest "
+                     f"{CLIP_PERCENTILE}th percentile",
+        "prompts": len(prompts), "max_tokens": spec.max_tokens, "seed": spec.seed, "top_logprobs": spec.top_logprobs,
+        "reference_dtype": backend.dtype_name, "command": command,
+        "built_s": round(time.time() - started, 1), "histogram_edges": HIST_EDGES,
+        "bands": {n: Band(n, LABELS.get(n, n), get_variant(n).honest, get_variant(n).description,
+                          gap_rows(gaps[n], clip), histogram(np.concatenate(gaps[n]))).to_dict() for n in variants},
     }

@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from verinfer.auditing.progress import StageProgress
 from verinfer.auditing.store import ResponseStore
 from verinfer.models.backend import PrefillBlock
 from verinfer.sampling.filters import kept_set
@@ -81,6 +82,7 @@ def reference_draws(backend, prompts: Sequence[tuple[str, Sequence[int]]], param
     missing = sorted({k: i for i, k in enumerate(keys) if k not in store}.values(), key=lambda i: len(prompts[i][1]))
     if missing and on_stage:
         on_stage(f"reference: drawing {m} samples for each of {len(missing)} completion(s)")
+    progress = StageProgress(on_stage, "reference draws", len(missing), "completions")
     per = max(1, batch_size // m)  # completions per decode batch, each prompt prefilled once
     stops, profiles = backend.stop_ids(), {}
     for lo in range(0, len(missing), per):
@@ -95,6 +97,7 @@ def reference_draws(backend, prompts: Sequence[tuple[str, Sequence[int]]], param
         for n, i in enumerate(chunk):
             outs = [d.tokens for d in decoded[n * m:(n + 1) * m]]
             store.append(keys[i], "reference-draws", {"prompt_id": prompts[i][0], "m": m, "seed": seed}, outs)
+        progress.advance(len(chunk))
     return [store.get(k)["response"] for k in keys]
 
 

@@ -104,8 +104,10 @@ def _unspeculative(sig: dict | None) -> dict | None:
 def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: AuditSpec, reference,
               out_dir: Path, bands: Bands | None = None, calibrator: Calibrator | None = None,
               batch_size: int | None = None, fpr: float = 0.01, concurrency: int = 4,
-              policy: RetryPolicy = RetryPolicy(), on_stage: Callable[[str], None] | None = None) -> AuditResult:
-    """Audit each endpoint with ``prompts`` as ``spec`` asks; verdicts from ``bands`` or ``calibrator``."""
+              policy: RetryPolicy = RetryPolicy(), on_stage: Callable[[str], None] | None = None,
+              gap_bands: Bands | None = None) -> AuditResult:
+    """Audit each endpoint with ``prompts`` as ``spec`` asks; verdicts from ``bands`` or ``calibrator``
+    (``gap_bands``: the logprobs test's, in ``--mode logprobs`` and ``auto``)."""
     stage = on_stage or (lambda _: None)
     if spec.problems():
         raise ValueError(spec.problems()[0])
@@ -114,8 +116,14 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
                          "API's top-20 logprobs only approximate (honest providers flagged: RESULTS.md section 22); "
                          "use --mode rank, which stays exact with the API's scores")
     if spec.seedless and (bands is not None or calibrator is not None):
-        raise ValueError(f"--mode {spec.mode} is exact without bands or a calibration (its null is the "
-                         "reference's own sampling distribution); drop --bands / --calibration")
+        raise ValueError(f"--mode {spec.mode} needs no margin bands or calibration" + (
+            " (its bands are logprob-gap bands: `verinfer audit bands --mode logprobs`)" if spec.mode == "logprobs" else
+            " (its null is the reference's own sampling distribution)") + "; drop --bands / --calibration")
+    for b, kind in ((bands, "margin"), (gap_bands, "logprob-gap")):
+        if b is not None and b.kind != kind:
+            raise ValueError(f"{b.source}: {b.kind} bands, where {kind} bands were expected")
+    if gap_bands is not None and spec.mode not in ("logprobs", "auto"):
+        raise ValueError(f"{gap_bands.source}: logprob-gap bands judge --mode logprobs and auto, not --mode {spec.mode}")
     if spec.mode == "auto" and not spec.seeds and (bands is not None or calibrator is not None):
         raise ValueError("bands or a calibration judge auto's seeded test, which needs seeds: add --seeds, or drop "
                          "--bands / --calibration")
@@ -149,11 +157,12 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     audits = []
     for e, store, client, records in fetched:
         if spec.seedless:
-            audits.append(_sampled_audit(e, store, client, records, spec, reference, out_dir, fpr, stops, stage))
+            audits.append(_sampled_audit(e, store, client, records, spec, reference, out_dir, fpr, stops, stage,
+                                         gap_bands if spec.mode == "logprobs" else None))
             continue
         if spec.mode == "auto":
             audits.append(_auto_audit(e, store, client, records, spec, reference, out_dir, bands, calibrator,
-                                      batch_size, fpr, stops, stage))
+                                      batch_size, fpr, stops, stage, gap_bands))
             continue
         audits.append(_replayed_audit(e, store, client, records, spec, reference, out_dir, bands, calibrator,
                                       batch_size, fpr, stops, stage))
@@ -232,8 +241,10 @@ def _seeded_claims(record: dict, spec: AuditSpec, tokenizer, stops: set[int], vo
 
 
 def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, records: list[dict], spec: AuditSpec,
-                   reference, out_dir: Path, fpr: float, stops: set[int], stage) -> ProviderAudit:
-    """A provider judged on sampled completions without seeds (``--mode rank`` / ``mmd``)."""
+                   reference, out_dir: Path, fpr: float, stops: set[int], stage,
+                   gap_bands: Bands | None = None) -> ProviderAudit:
+    """A provider judged on sampled completions without seeds (``--mode surprise`` / ``rank`` / ``mmd`` /
+    ``logprobs``, the last by ``gap_bands`` when given: ``seedless.judge_logprobs``)."""
     want = spec.samples if spec.mode == "mmd" else 1
     claims = []
     for r in records:
@@ -247,7 +258,7 @@ def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, re
     backend = getattr(reference, "backend", None)
     remote = None if backend is not None else reference  # a reference API (verinfer.auditing.remote_reference)
     if spec.mode == "logprobs":
-        judged = judge_logprobs(claims, records, spec, backend, fpr, e.name, store, remote=remote)
+        judged = judge_logprobs(claims, records, spec, backend, fpr, e.name, store, remote=remote, bands=gap_bands)
     else:
         judged = judge_sampled(claims, spec, backend, out_dir, fpr, stage, remote=remote)
     empty = sorted({c.prompt_id for c in claims if not c.output_token_ids})
@@ -257,7 +268,7 @@ def _sampled_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, re
 
 def _auto_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, records: list[dict], spec: AuditSpec,
                 reference, out_dir: Path, bands: Bands | None, calibrator: Calibrator | None, batch_size: int | None,
-                fpr: float, stops: set[int], stage) -> ProviderAudit:
+                fpr: float, stops: set[int], stage, gap_bands: Bands | None = None) -> ProviderAudit:
     """``--mode auto``: every test the responses allow, one verdict (``verinfer.auditing.auto``); the seeded
     test replays the same responses as ``--mode seeded`` would, when bands or a calibration judge it."""
     generated = [r for r in records if r.get("kind") != "seed-probe"]
@@ -267,7 +278,8 @@ def _auto_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, recor
         seeded = lambda alpha: _replayed_audit(e, store, client, generated, component_spec(spec, "seeded"),  # noqa: E731
                                                reference, out_dir, bands, calibrator, batch_size, alpha, stops,
                                                stage, alpha=alpha).verdict
-    judged = judge_auto(generated, probes, spec, reference, out_dir, fpr, stops, e.name, store, seeded, stage)
+    judged = judge_auto(generated, probes, spec, reference, out_dir, fpr, stops, e.name, store, seeded, stage,
+                        gap_bands)
     claims = judged.claims
     return ProviderAudit(e, claims, {}, np.zeros((0, 3)), judged.verdict, summarize_drift(claims), client.sent,
                          len(store), store.damaged_lines, sorted({c.prompt_id for c in claims if not c.output_token_ids}),

@@ -20,22 +20,24 @@ the returned top-k logprobs with the reference's at the same positions (``verinf
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 import numpy as np
 
+from verinfer.auditing.bands import Bands
 from verinfer.auditing.draws import completion_scores, reference_draws, retokenize, store_path
-from verinfer.auditing.logprobs import (ReferenceValues, ReturnedLogprobs, logprob_verdict, parse_returned,
-                                       provider_values, reference_values, token_table)
+from verinfer.auditing.logprobs import (GAP_STATISTIC, ReferenceValues, ReturnedLogprobs, gap_rows, logprob_verdict,
+                                       parse_returned, position_gaps, provider_values, reference_values, token_table)
 from verinfer.auditing.mmd import mmd_verdict
 from verinfer.auditing.plan import AuditSpec
+from verinfer.auditing.progress import StageProgress
 from verinfer.auditing.rank import rank_p_values, rank_score, rank_verdict, split
 from verinfer.auditing.remote_reference import remote_completion_scores, remote_draws, remote_values
 from verinfer.auditing.responses import Claim
 from verinfer.auditing.store import ResponseStore
 from verinfer.auditing.surprise import TILTS, surprise_verdict, surprise_z
-from verinfer.stats.verdict import Verdict
+from verinfer.stats.verdict import Verdict, pooled_verdict
 
 
 @dataclass
@@ -78,8 +80,15 @@ def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fp
     judged = [c for cs in groups for c in cs]  # every completion (each with draws of its own for rank)
     if spec.mode == "surprise":  # no draws: the reference's own distribution at each position (a reference
         # API, which returns only its top logprobs, is refused before any request: ``auditing.run``)
+        progress = StageProgress(on_stage, "surprise: scoring", sum(len(c.output_token_ids) for c in judged), "tokens")
+
+        def seen(block) -> None:
+            progress.advance(len(block.items))
+            if on_block is not None:
+                on_block(block, judged)
+
         scores = completion_scores(backend, [c.prompt_token_ids for c in judged], [c.output_token_ids for c in judged],
-                                   params, tilts=TILTS, on_block=on_block and (lambda block: on_block(block, judged)))
+                                   params, tilts=TILTS, on_block=seen)
         at = np.cumsum([0] + [len(cs) for cs in groups])
         for row, a, b in zip(rows, at[:-1], at[1:]):
             row["surprise_z"] = surprise_z(scores[a:b])
@@ -89,9 +98,11 @@ def judge_sampled(claims: Sequence[Claim], spec: AuditSpec, backend, out_dir, fp
     if on_stage:
         on_stage(f"scoring {len(judged)} provider completions and {sum(map(len, ref))} reference draws")
     prompts = [c.prompt_token_ids for c in judged]
-    scores = (completion_scores if remote is None else remote_completion_scores)(
-        remote or backend, prompts + [p for p, d in zip(prompts, ref) for _ in d],
-                               [c.output_token_ids for c in judged] + [o for d in ref for o in d], params)
+    ins, outs = prompts + [p for p, d in zip(prompts, ref) for _ in d], [c.output_token_ids for c in judged] + [
+        o for d in ref for o in d]
+    progress = StageProgress(on_stage, "rank: scoring", sum(map(len, outs)), "tokens")
+    scores = (completion_scores(backend, ins, outs, params, on_block=lambda block: progress.advance(len(block.items)))
+              if remote is None else remote_completion_scores(remote, ins, outs, params))
     u = rank_p_values(rank_score(scores[: len(judged)]),
                       split(rank_score(scores[len(judged):]), [len(d) for d in ref]),
                       np.random.default_rng(spec.seed))
@@ -114,10 +125,16 @@ def returned_logprobs_of(claims: Sequence[Claim], records: Sequence[dict], table
 
 def judge_logprobs(claims: Sequence[Claim], records: Sequence[dict], spec: AuditSpec, backend, fpr: float,
                    provider: str, store: ResponseStore, remote=None,
-                   sink: ReferenceValues | None = None) -> SampledJudgement:
-    """The ``logprobs`` verdict on each prompt's first completion and its returned top-k logprobs
-    (against a reference API's prompt logprobs with ``remote``: ``remote_reference.remote_values``).
-    ``sink``: the reference values another prefill already filled (``auditing.auto``)."""
+                   sink: ReferenceValues | None = None, bands: Bands | None = None) -> SampledJudgement:
+    """The ``logprobs`` verdict on each prompt's first completion and its returned top-k logprobs.
+
+    With logprob-gap ``bands`` (``auditing.bands``; shipped for the bundled model) and a local reference:
+    the paired test, the mean clipped gap between each returned value and the reference's for the same
+    token at the same position, against honest fp32 and bf16 providers' gaps (``pooled_verdict``).
+    Without them, or against a reference API's prompt logprobs (``remote``:
+    ``remote_reference.remote_values``, whose values for alternatives outside its top 20 are bounds,
+    not values to pair): the unpaired KS test (LOGIC). ``sink``: the reference values another prefill
+    already filled (``auditing.auto``)."""
     table = token_table((remote or backend).tokenizer) if sink is None else {}
     returned = sink.returned if sink is not None else returned_logprobs_of(claims, records, table, provider, store)
     if remote is None:
@@ -128,4 +145,15 @@ def judge_logprobs(claims: Sequence[Claim], records: Sequence[dict], spec: Audit
     rows = [{"prompt_id": r.prompt_id, "tokens": len(r.token_ids), "completions": 1, "unmapped_positions": r.unmapped,
              "mean_abs_logprob_diff": float(np.mean(np.abs(a - b))) if a.size else 0.0, "bounded_alternatives": d}
             for r, a, b, d in zip(returned, theirs, ours, bounded)]
-    return SampledJudgement(logprob_verdict(theirs, ours, tokens, fpr), rows)
+    if bands is None or remote is not None:
+        verdict = logprob_verdict(theirs, ours, tokens, fpr)
+        if remote is None:
+            verdict = replace(verdict, method=f"{verdict.method}; no logprob-gap bands for this model and settings "
+                              "(`verinfer audit bands --mode logprobs` builds them) judge the paired gap")
+        return SampledJudgement(verdict, rows)
+    gaps = position_gaps(returned, theirs, ours)
+    for row, g in zip(rows, gaps):
+        row["mean_logprob_gap"] = float(g.mean()) if g.size else 0.0
+    seq = gap_rows([g for g in gaps if g.size], bands.clip)
+    return SampledJudgement(pooled_verdict(seq, bands.honest_bands(), fpr, all_bands=bands.labelled(),
+                                           source=bands.source, clip=bands.clip, statistic=GAP_STATISTIC), rows)

@@ -65,7 +65,8 @@ def bands(
     prompt_seed: int = opt.prompt_seed(1, "which prompts a built-in set samples (default 1: another sample "
                                        "than the one `audit run` audits by default, 0)"),
     variants: str = typer.Option(",".join(("honest", "bf16", "w8", "fp8-kv", "w4")), help="comma-separated variants"),
-    mode: str = typer.Option("greedy", help="greedy or seeded (the seedless modes need no bands)"),
+    mode: str = typer.Option("greedy", help="greedy, seeded, or logprobs (the paired logprob-gap test of --mode "
+                             "logprobs and auto; the other seedless modes need no bands)"),
     sampling: Optional[dict] = None,
     max_tokens: int = opt.max_tokens(48),
     batch_size: int = opt.batch_size(16),
@@ -90,13 +91,17 @@ def bands(
                             *([f"--profile {sp['profile']}", f"--temperature {sp['temperature']:g}",
                                f"--top-k {sp['top_k']}", f"--top-p {sp['top_p']:g}", f"--min-p {sp['min_p']:g}",
                                f"--seed {sp['seed']}"]
-                              if mode == "seeded" else []), f"--max-tokens {max_tokens}"]))
-    out = out or fresh_path(bands_filename(backend.model_id, spec.signature()))  # never the package's data
+                              if mode == "seeded" else [f"--temperature {sp['temperature']:g}", f"--top-k {sp['top_k']}",
+                                                        f"--top-p {sp['top_p']:g}", f"--min-p {sp['min_p']:g}"]
+                              if mode == "logprobs" else []), f"--max-tokens {max_tokens}"]))
+    kind = data.get("kind", "margin")
+    out = out or fresh_path(bands_filename(backend.model_id, data["sampling"], kind))  # never the package's data
     write_atomic(out, json.dumps(data, indent=1))
     for name, b in data["bands"].items():
         toks = sum(s[0] for s in b["sequences"])
         console.print(f"{b['label']:>18}: {len(b['sequences'])} sequences, {toks} tokens, "
-                      f"mean clipped margin {sum(s[1] for s in b['sequences']) / max(toks, 1):.4f}")
+                      f"mean clipped {'margin' if kind == 'margin' else 'logprob gap'} "
+                      f"{sum(s[1] for s in b['sequences']) / max(toks, 1):.4f}")
     console.print(f"clip {data['clip']:.4g}; wrote {out} in {data['built_s']} s")
 
 

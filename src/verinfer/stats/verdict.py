@@ -437,10 +437,11 @@ def pooled_looks(seq: np.ndarray, honest: Sequence[np.ndarray]) -> list[int]:
 
 def pooled_verdict(seq: np.ndarray, honest: Sequence[np.ndarray], alpha: float = 0.01, seed: int = 0,
                    all_bands: dict[str, np.ndarray] | None = None, source: str = "",
-                   clip: float = MARGIN_CLIP) -> Verdict:
-    """Sequential composite-null test of per-sequence rows ``[tokens, clipped-margin sum, exact]``
+                   clip: float = MARGIN_CLIP, statistic: str = "mean clipped margin") -> Verdict:
+    """Sequential composite-null test of per-sequence rows ``[tokens, clipped-score sum, exact]``
     against ``honest`` bands' sequences; ``all_bands`` (label -> sequences, honest or not) gives
-    each band's range at this size and the band the statistic resembles."""
+    each band's range at this size and the band the statistic resembles. ``statistic`` names the
+    per-token score (the Token-DiFR margin, or the logprobs test's gap: ``auditing.logprobs``)."""
     seq = np.asarray(seq, dtype=np.float64)
     if len(seq) == 0 or seq[:, 0].sum() == 0:
         raise ValueError("no tokens to judge")
@@ -457,10 +458,10 @@ def pooled_verdict(seq: np.ndarray, honest: Sequence[np.ndarray], alpha: float =
         resembles = min(inside or list(ranges), key=lambda name: abs(ranges[name][1] - stat) if inside
                         else min(abs(ranges[name][0] - stat), abs(ranges[name][2] - stat)))
     lo, hi = sequence_ci(seq, seed)
-    method = (f"sequential test ({doubling_looks(len(looks))} of sequences, Bonferroni) of the mean clipped margin "
+    method = (f"sequential test ({doubling_looks(len(looks))} of sequences, Bonferroni) of the {statistic} "
               f"(per-token clip {clip:.4g}): largest over {len(honest)} honest band(s){f' ({source})' if source else ''} "
               f"of the bootstrap p-value among {draws} pseudo-audits resampled from the band's sequences")
-    return Verdict(p >= alpha, p, alpha, tokens, len(seq), "sequence", stat, "mean clipped margin", lo, hi,
+    return Verdict(p >= alpha, p, alpha, tokens, len(seq), "sequence", stat, statistic, lo, hi,
                    len(looks), None if first is None else int(seq[:first, 0].sum()), method,
                    exact_match_rate=float(seq[:, 2].sum() / tokens), sequences=len(seq), resembles=resembles,
                    band_ranges=ranges, pool_sequences=min(len(b) for b in honest))
