@@ -291,6 +291,8 @@ def test_logprobs_paired_gap_flags_a_hidden_system_prompt_and_passes_honest_bf16
         assert by[name].verdict.consistent and by[name].verdict.statistic_name == GAP_STATISTIC, by[name].verdict.text
     assert not by["hidden"].verdict.consistent, by["hidden"].verdict.text
     assert all("mean_logprob_gap" in r for r in by["hidden"].prompts)
+    doc = json.loads(write_reports(result, backend.tokenizer)[0].read_text())
+    assert doc["logprob_gap_bands"]["clip"] == bands.clip and "logprob gap" in doc["logprob_gap_bands"]["statistic"]
     unpaired = run_audit(endpoints, prompts[:8], spec, LocalReference(backend), tmp_path / "unpaired")
     ks = {a.endpoint.name: a.verdict for a in unpaired.providers}
     assert "no logprob-gap bands" in ks["hidden"].method  # the KS fallback says what would judge the pairs

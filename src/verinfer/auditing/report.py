@@ -171,6 +171,9 @@ def to_json(result: AuditResult, tokenizer) -> dict:
         "spec": result.spec.__dict__,
         "bands": None if result.bands is None else {"source": display_path(result.bands.source, result.out_dir), "clip": result.bands.clip,
                                                     "statistic": result.bands.data.get("statistic")},
+        "logprob_gap_bands": None if result.gap_bands is None else {
+            "source": display_path(result.gap_bands.source, result.out_dir), "clip": result.gap_bands.clip,
+            "statistic": result.gap_bands.data.get("statistic")},
         "providers": [{
             "name": a.endpoint.name, "base_url": a.endpoint.base_url, "model": a.endpoint.model,
             "verdict": a.verdict.to_dict(), "warnings": a.served.get("warnings", []), "served": a.served,

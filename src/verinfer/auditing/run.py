@@ -69,6 +69,7 @@ class AuditResult:
     started: float
     elapsed_s: float
     reports: tuple[Path, Path] | None = None  # (audit.json, audit.html) once written
+    gap_bands: Bands | None = None  # the logprobs test's bands, when they judged it
 
 
 def safe_name(name: str) -> str:
@@ -168,8 +169,7 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
                                       batch_size, fpr, stops, stage))
     adjust([a.verdict for a in audits])  # Holm over providers, whatever the mode
     return AuditResult(audits, spec, reference.describe(), calibrator.fpr if calibrator and spec.mode != "auto" else fpr,
-                       out_dir, bands,
-                       started, time.time() - started)
+                       out_dir, bands, started, time.time() - started, gap_bands=gap_bands)
 
 
 def _replayed_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, records: list[dict], spec: AuditSpec,
