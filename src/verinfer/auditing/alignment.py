@@ -37,7 +37,7 @@ def align_claims(claims: Sequence[Claim], replay: Callable[[list[Claim]], list[t
         return replay([replace(out[which[k]], output_token_ids=i) for k, i in zip(todo, ids)])
 
     for i, a in zip(which, align([(out[i].output_token_ids, out[i].text) for i in which], replay_ids, tokenizer,
-                                 limit)):
+                                 limit, [reported_counts(out[i]) for i in which])):
         c = replace(out[i], output_token_ids=a.ids, drift={**out[i].drift, "realigned": a.realigned})
         out[i] = _cut_at_break(count_mismatch(c), a)
     return out
@@ -65,14 +65,21 @@ def unscored(claims: Sequence[Claim], provider: str) -> dict[str, set[int]]:
     return out
 
 
+def reported_counts(claim: Claim) -> tuple[int, ...]:
+    """The output token counts the provider's ``usage.completion_tokens`` allows for this claim's text: the
+    count, and one less when the output stopped (a stop token leaves no text); none when not reported."""
+    reported = claim.served.get("completion_tokens")
+    if reported is None:
+        return ()
+    return (reported, reported - 1) if claim.finish_reason == "stop" else (reported,)
+
+
 def count_mismatch(claim: Claim) -> Claim:
     """A re-tokenized claim with ``drift["count_mismatch"]``: 1 when the provider's own output token
     count (``usage.completion_tokens``) disagrees with the (aligned) re-tokenized ids; a stop token
     leaves no text, so a count one higher is expected when the output finished with ``stop``. Other
     claims come back unchanged."""
-    reported = claim.served.get("completion_tokens")
-    if claim.source != "retokenized" or reported is None:
+    counts = reported_counts(claim)
+    if claim.source != "retokenized" or not counts:
         return claim
-    gap = reported - len(claim.output_token_ids)
-    agree = gap == 0 or (gap == 1 and claim.finish_reason == "stop")
-    return replace(claim, drift={**claim.drift, "count_mismatch": int(not agree)})
+    return replace(claim, drift={**claim.drift, "count_mismatch": int(len(claim.output_token_ids) not in counts)})

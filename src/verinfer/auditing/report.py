@@ -176,7 +176,7 @@ def to_json(result: AuditResult, tokenizer) -> dict:
             "statistic": result.gap_bands.data.get("statistic")},
         "providers": [{
             "name": a.endpoint.name, "base_url": a.endpoint.base_url, "model": a.endpoint.model,
-            "verdict": a.verdict.to_dict(), "warnings": a.served.get("warnings", []), "served": a.served,
+            "verdict": a.verdict.to_dict(), "warnings": warning_lines(a), "served": a.served,
             "drift": a.drift, "requests_sent": a.requests_sent,
             "responses_stored": a.responses_stored, "damaged_lines": a.damaged_lines, "empty_outputs": a.empty_outputs,
             "prompts": [{k: v for k, v in r.items() if k != "pieces"} for r in prompt_rows(a, tokenizer, clip)],

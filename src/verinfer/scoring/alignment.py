@@ -56,11 +56,18 @@ def resplit(tokenizer, ids: list[int], text: str, position: int, token: int) -> 
 
 
 def first_break(tokenizer, ids: list[int], text: str, claimed: np.ndarray, replayed: np.ndarray,
-                start: int) -> tuple[int, list[int]] | None:
-    """The first tokenization break at or after ``start``: (position, re-split ids), or None."""
+                start: int, counts: Sequence[int] = ()) -> tuple[int, list[int]] | None:
+    """The first tokenization break at or after ``start``: (position, re-split ids), or None.
+
+    ``counts``: the token counts the provider's own report allows (``usage.completion_tokens``; one
+    less when a stop token left no text). A re-split that takes the count further from them is no
+    break: the provider's tokenization already had that many tokens, and the replay's token is a
+    prefix of the text by chance (a wrong seed's token often is: " the" where " there" was served),
+    so the mismatch stays a mismatch, scored, and the output keeps its alignment."""
+    far = (lambda n: min(abs(n - c) for c in counts)) if counts else (lambda n: 0)  # noqa: E731
     for p in np.flatnonzero(claimed[start:] != replayed[start:]) + start:
         out = resplit(tokenizer, list(ids), text, int(p), int(replayed[p]))
-        if out is not None:
+        if out is not None and far(len(out)) <= far(len(ids)):
             return int(p), out
     return None
 
@@ -79,12 +86,14 @@ class Aligned:
 Replay = Callable[[list[list[int]], list[int]], list[tuple[np.ndarray, np.ndarray]]]
 
 
-def align(outputs: Sequence[tuple[list[int], str]], replay: Replay, tokenizer, limit: int = LIMIT) -> list[Aligned]:
+def align(outputs: Sequence[tuple[list[int], str]], replay: Replay, tokenizer, limit: int = LIMIT,
+          counts: Sequence[Sequence[int]] | None = None) -> list[Aligned]:
     """Each (re-tokenized ids, text) re-split at every tokenization break the reference's replay reveals.
 
     ``replay(ids_list, which)`` scores the outputs numbered ``which`` with the ids given and returns,
     per output, its claimed ids and the replay's tokens by position (score columns ``claimed`` and
-    ``verifier_token``). Only outputs that changed are replayed again.
+    ``verifier_token``). Only outputs that changed are replayed again. ``counts``: per output, the
+    token counts its provider's report allows (``first_break``), or none known.
     """
     ids = [list(i) for i, _ in outputs]
     realigned: list[list[int]] = [[] for _ in outputs]
@@ -95,7 +104,7 @@ def align(outputs: Sequence[tuple[list[int], str]], replay: Replay, tokenizer, l
         changed = []
         for i, (claimed, replayed) in zip(todo, replay([ids[i] for i in todo], todo)):
             last[i] = np.asarray(claimed), np.asarray(replayed)
-            found = first_break(tokenizer, ids[i], outputs[i][1], *last[i], start[i])
+            found = first_break(tokenizer, ids[i], outputs[i][1], *last[i], start[i], counts[i] if counts else ())
             if found is None:
                 continue
             p, ids[i] = found
