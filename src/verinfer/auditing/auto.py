@@ -160,7 +160,7 @@ class AutoJudgement:
     tests: list[AutoTest]
     claims: list[Claim]  # every completion returned (up to ``choices`` per prompt)
     prompts: list[dict]  # per-prompt rows of surprise (or rank with a reference API), else of logprobs
-    seeds_honoured: bool
+    seeds_honoured: bool | None  # None: no seeds were sent, so none were probed
 
 
 def judge_auto(records: Sequence[dict], probes: Sequence[dict], spec: AuditSpec, reference, out_dir, fpr: float,
@@ -213,4 +213,4 @@ def judge_auto(records: Sequence[dict], probes: Sequence[dict], spec: AuditSpec,
             if name == "rank":
                 rows = judged.prompts
         results.append(AutoTest(name, verdict, "ran"))
-    return AutoJudgement(combine(results, fpr), results, claims, rows or [], honoured)
+    return AutoJudgement(combine(results, fpr), results, claims, rows or [], honoured if spec.seeds else None)

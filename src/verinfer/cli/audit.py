@@ -74,6 +74,7 @@ def bands(
 ):
     """Build calibrated bands (honest, bf16-, 8-bit-, fp8-KV-, 4-bit-like) for an audit's settings."""
     from verinfer.auditing.bands import bands_filename, build_bands
+    from verinfer.auditing.logprobs import gap_signature
     from verinfer.auditing.plan import AuditSpec
     from verinfer.models.backend import Backend
     from verinfer.prompts import load_prompts
@@ -94,8 +95,9 @@ def bands(
                               if mode == "seeded" else [f"--temperature {sp['temperature']:g}", f"--top-k {sp['top_k']}",
                                                         f"--top-p {sp['top_p']:g}", f"--min-p {sp['min_p']:g}"]
                               if mode == "logprobs" else []), f"--max-tokens {max_tokens}"]))
-    kind = data.get("kind", "margin")
-    out = out or fresh_path(bands_filename(backend.model_id, data["sampling"], kind))  # never the package's data
+    kind = "logprob-gap" if mode == "logprobs" else "margin"
+    signature = gap_signature(spec.params(0)) if mode == "logprobs" else spec.signature()
+    out = out or fresh_path(bands_filename(backend.model_id, signature, kind))  # never the package's data
     write_atomic(out, json.dumps(data, indent=1))
     for name, b in data["bands"].items():
         toks = sum(s[0] for s in b["sequences"])
