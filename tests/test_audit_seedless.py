@@ -73,16 +73,23 @@ def test_mmd_detects_another_distribution_and_passes_the_same_one():
 # Over HTTP: the greedy-only cheat
 
 
-@pytest.fixture(scope="module")
-def servers(backend):
+@contextlib.contextmanager
+def serving(backend, misconfigs: dict[str, tuple[str, ...]]):
+    """``verinfer serve`` per name, misconfigured as given, on one torch thread each; yields their URLs.
+    The provider's sampler does not matter without seeds: the cheap one keeps the tests fast."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     with contextlib.ExitStack() as stack:
-        # The provider's sampler does not matter without seeds: the cheap one keeps the test fast.
         yield {name: stack.enter_context(serve_in_thread(backend, ServeConfig(sampler="torch-exponential",
                                                                               misconfig=mis, max_batch=16)))
-               for name, mis in {"honest": (), "cheat": ("greedy-honest:w4",)}.items()}
+               for name, mis in misconfigs.items()}
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def servers(backend):
+    with serving(backend, {"honest": (), "cheat": ("greedy-honest:w4",)}) as urls:
+        yield urls
 
 
 @pytest.fixture(scope="module")
@@ -264,14 +271,9 @@ def test_position_gaps_pair_each_returned_value_with_the_reference_value_of_the_
 
 @pytest.fixture(scope="module")
 def hidden_prompt_servers(backend):
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with contextlib.ExitStack() as stack:
-        yield {name: stack.enter_context(serve_in_thread(backend, ServeConfig(sampler="torch-exponential",
-                                                                              misconfig=mis, max_batch=16)))
-               for name, mis in {"honest": (), "hidden": ("system-prompt:Answer briefly and formally.",),
-                                 "bf16": ("bf16",)}.items()}
-    torch.set_num_threads(threads)
+    with serving(backend, {"honest": (), "hidden": ("system-prompt:Answer briefly and formally.",),
+                           "bf16": ("bf16",)}) as urls:
+        yield urls
 
 
 def test_logprobs_paired_gap_flags_a_hidden_system_prompt_and_passes_honest_bf16(hidden_prompt_servers, prompts,
