@@ -1,21 +1,22 @@
 """Does ``verinfer monitor --sample`` keep up with traffic faster than it verifies? Its backlog over time
 under traffic ``--speedup`` times its own verification rate, sampling ``--sample`` against every trace,
-side by side in one run.
+and ``--sample`` with ``--keep-up`` (each shard thinned by the shards waiting), side by side in one run.
 
 Usage: python benchmarks/monitor_budget.py [--speedup 10] [--sample 0.1] [--seconds 90] [--shard-traces 100]
        [--out FILE]
 
 First the monitor's own rate: the real command (``verinfer monitor DIR --once``, one torch thread) over
 ``--calibration-shards`` shards of ``--shard-traces`` honest traces (24 tokens, vLLM's sampler at the
-shipped settings) gives R traces per second of wall time, its start-up excluded. Then, for each fraction (1.0, then
-``--sample``): a fresh directory and database, the monitor as a long-running process (``--poll 0.5
+shipped settings) gives R traces per second of wall time, its start-up excluded. Then, for each setting (every trace, ``--sample``,
+``--sample --keep-up``): a fresh directory and database, the monitor as a long-running process (``--poll 0.5
 --metrics-port``), and a writer that drops a shard of ``--shard-traces`` traces (copies of the pool with
 fresh ids and request times; the gateway closes a shard after 1,000 traces or 60 s) every
 ``shard_traces / (speedup * R)`` seconds for ``--seconds`` seconds. A shard costs the monitor a fixed
 part (hashing, reading, files, one transaction) beside its verified traces: small shards show it. Every 2 s the backlog
 (``verinfer_monitor_backlog_shards`` from the monitor's own /metrics) is read. Printed per fraction: shards
 written, verified, the backlog at 25/50/75/100% of the run and its largest value; bounded means the
-backlog at the end is no larger than at the middle plus a shard or two of jitter.
+backlog at the end is no larger than at the middle plus a shard or two of jitter. With ``--keep-up``
+the mean fraction the shards were verified at (from the database) is printed too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import dataclasses
 import datetime as dt
 import os
 import shlex
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -74,16 +76,18 @@ def own_rate(traces: list[Trace], shards: int, work: Path, size: int) -> float:
 
 
 def backlog_run(traces: list[Trace], fraction: float, interval: float, seconds: float, work: Path,
-                size: int) -> dict:
+                size: int, keep_up: bool = False) -> dict:
     from verinfer.sockets import bind
 
     probe = bind("127.0.0.1", 0)  # a free port for the monitor's /metrics
-    d, port = work / f"run-{fraction:g}", probe.getsockname()[1]
+    name = f"{fraction:g}{'-keep-up' if keep_up else ''}"
+    d, port = work / f"run-{name}", probe.getsockname()[1]
     probe.close()
     d.mkdir(parents=True)
     proc = subprocess.Popen([sys.executable, "-m", "verinfer.cli", "monitor", str(d), "--db", f"sqlite:///{d}/h.db",
-                             "--threads", "1", "--poll", "0.5", "--sample", str(fraction), "--metrics-port", str(port)],
-                            env=env(), stdout=subprocess.DEVNULL, stderr=open(work / f"monitor-{fraction:g}.log", "w"))
+                             "--threads", "1", "--poll", "0.5", "--sample", str(fraction), "--metrics-port", str(port),
+                             *(["--keep-up"] if keep_up else [])],
+                            env=env(), stdout=subprocess.DEVNULL, stderr=open(work / f"monitor-{name}.log", "w"))
     try:
         deadline = time.monotonic() + 120
         while True:  # listening (the model loads after): then the clock starts
@@ -110,7 +114,9 @@ def backlog_run(traces: list[Trace], fraction: float, interval: float, seconds: 
     finally:
         proc.terminate()
         proc.wait(60)
-    return {"written": k, "done": done, "samples": samples}
+    with sqlite3.connect(d / "h.db") as db:  # the fraction each verified shard was verified at
+        mean_sample = db.execute("SELECT AVG(COALESCE(sample, 1.0)) FROM shards WHERE status = 'done'").fetchone()[0]
+    return {"written": k, "done": done, "samples": samples, "mean_sample": mean_sample}
 
 
 def _value(text: str, name: str) -> float:
@@ -143,13 +149,14 @@ def main() -> None:
                  f"(24 tokens each); traffic: a shard of {args.shard_traces} traces every {interval:.2f} s = "
                  f"{args.shard_traces / interval:.1f} "
                  f"traces/s for {args.seconds:g} s.\n",
-                 "| sampled | shards written | shards verified | backlog (shards) at 25% / 50% / 75% / 100% of the run "
-                 "| largest | bounded |", "|---|---|---|---|---|---|"]
-        for fraction in (1.0, args.sample):
-            r = backlog_run(traces, fraction, interval, args.seconds, work, args.shard_traces)
+                 "| sampled | mean fraction verified | shards written | shards verified | backlog (shards) at "
+                 "25% / 50% / 75% / 100% of the run | largest | bounded |", "|---|---|---|---|---|---|---|"]
+        for fraction, keep_up in ((1.0, False), (args.sample, False), (args.sample, True)):
+            r = backlog_run(traces, fraction, interval, args.seconds, work, args.shard_traces, keep_up)
             s = r["samples"]
             at = [min(s, key=lambda x: abs(x[0] - q * args.seconds))[1] for q in (0.25, 0.5, 0.75, 1.0)]
-            lines.append(f"| {fraction:.0%} | {r['written']} | {r['done']:.0f} | "
+            mean = "-" if r["mean_sample"] is None else f"{r['mean_sample']:.1%}"
+            lines.append(f"| {fraction:.0%}{' --keep-up' if keep_up else ''} | {mean} | {r['written']} | {r['done']:.0f} | "
                          f"{' / '.join(f'{v:.0f}' for v in at)} | {max(v for _, v in s):.0f} | "
                          f"{'yes' if at[3] <= at[1] + 2 else 'no: it grows'} |")
             print(lines[-1], flush=True)

@@ -93,7 +93,10 @@ def test_pooled_verdict_on_honest_and_shifted_sequences():
     honest = pooled_verdict(seqs(12, 0.01), [band], 0.01, all_bands={"honest": band})
     bad = pooled_verdict(seqs(12, 0.2), [band], 0.01, all_bands={"honest": band})
     assert honest.consistent and not bad.consistent and bad.tokens_needed is not None
-    assert bad.resembles == "honest" and bad.unit == "sequence"
+    assert honest.resembles == "honest" and bad.unit == "sequence"
+    lo, _, hi = bad.band_ranges["honest"]
+    assert not lo <= bad.statistic <= hi  # far outside the only band: it resembles nothing, and says so
+    assert bad.resembles is None and bad.nearest == "honest" and "outside every band's range (nearest: honest)" in bad.text
 
 
 def test_margingate_result_files_record_the_command_as_typed():

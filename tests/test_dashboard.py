@@ -186,6 +186,11 @@ def test_metrics_follow_prometheus_conventions(db):
     assert fams["verinfer_tokens_verified"].type == "counter"
     assert value("verinfer_tokens_verified") == 100 * len(ACME) and value("verinfer_windows") == len(ACME)
     assert value("verinfer_verdict", verdict="CONSISTENT") == 1 and value("verinfer_verdict", verdict="INCONSISTENT") == 0
+    states: dict[tuple, dict[str, float]] = {}  # each series: one state at 1 among three upper-case ones
+    for sample in fams["verinfer_verdict"].samples:
+        series = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "verdict"))
+        states.setdefault(series, {})[sample.labels["verdict"]] = sample.value
+    assert all(set(st) == {"CONSISTENT", "INCONSISTENT", "UNJUDGED"} and sum(st.values()) == 1 for st in states.values())
     assert value("verinfer_exact_match_rate") == pytest.approx(0.99) and value("verinfer_p_value") == 0.5
     assert value("verinfer_verdict_since_timestamp_seconds") == (T0 + dt.timedelta(minutes=50)).replace(
         tzinfo=dt.timezone.utc).timestamp()

@@ -134,8 +134,32 @@ def test_a_sampling_monitor_verifies_the_chosen_traces_and_records_what_it_left(
         assert offered >= traces and (traces > 0 or note.startswith(f"not verified: none of its {offered} traces"))
     cheat = query(db_url, "SELECT verdict FROM windows WHERE provider = 'cheat' AND traces > 0")
     assert "INCONSISTENT" in {v for (v,) in cheat}
-    with pytest.raises(ValueError, match="--sample with --ray"):
-        Monitor(d, store, backend=backend, budget=budget, use_ray=True)
+    store.close()
+
+
+def test_keep_up_thins_each_shard_by_the_shards_waiting_and_records_its_fraction(db_url, backend, honest, tmp_path):
+    """--keep-up: the shard claimed with k shards pending behind it is verified at --sample / (1 + k),
+    chosen by the same key (a thinner fraction's traces are a subset of a thicker one's); each shard
+    records that fraction, and the windows what they held beside what was verified."""
+    key = b"a-fixed-key-for-the-keep-up-test"
+    ids = [f"t{i}" for i in range(4000)]
+    half, quarter = Budget(0.5, key), Budget(0.5, key).thinned(1)
+    assert quarter.fraction == 0.25 and Budget(0.5, key).thinned(0) == half
+    assert set(filter(quarter.chosen, ids)) <= set(filter(half.chosen, ids))
+    d = tmp_path / "traces"
+    traces = timed([Trace(**{**t.__dict__, "id": f"{t.id}.{c}"}) for c in range(3) for t in honest], "acme", T0, 3)
+    _write_shards(traces, d, 4)
+    store = open_store(db_url)
+    mon = Monitor(d, store, window_s=60, backend=backend, budget=Budget(0.5, key), keep_up=True)
+    assert len(mon.run_once().verified) == 4
+    rows = query(db_url, "SELECT sample, offered, traces FROM shards ORDER BY id")
+    assert [r[0] for r in rows] == pytest.approx([0.5 / 4, 0.5 / 3, 0.5 / 2, 0.5])  # 3, 2, 1, 0 waiting
+    per_shard = np.array_split(np.arange(len(traces)), 4)
+    chosen = {traces[i].id for part, (fraction, _, _) in zip(per_shard, rows) for i in part
+              if Budget(fraction, key).chosen(traces[i].id)}
+    assert {r[0] for r in query(db_url, "SELECT trace_id FROM window_traces")} == chosen
+    assert sum(r[2] for r in rows) == len(chosen) and sum(r[1] for r in rows) == len(traces)
+    assert mon.fraction_now == 0.5 and mon.health()[1]["sample"] == 0.5
     store.close()
 
 
@@ -494,18 +518,25 @@ def test_two_monitors_on_one_directory_count_each_shard_once(db_url, honest, tmp
 
 def test_ray_records_what_the_in_process_monitor_records(backend, honest, tmp_path):
     """``--ray`` verifies the claimed shards on a local Ray cluster (``sharded.run_ray``, one worker) and
-    records the same windows, token for token, as the in-process monitor."""
+    records the same windows, token for token, as the in-process monitor, sampling included: the
+    ``--sample`` key travels to the Ray actors, which verify the same chosen traces."""
     d = tmp_path / "traces"
-    _write_shards(timed(honest[:6], "acme", T0, 15), d, 2)
+    traces = timed(honest[:8], "acme", T0, 15)
+    _write_shards(traces, d, 2)
+    budget = Budget(0.5, b"a-fixed-key-for-the-ray-test----")
+    chosen = [t for t in traces if budget.chosen(t.id)]
+    assert 0 < len(chosen) < len(traces)
     rows = []
     for name, kwargs in (("local", {}), ("ray", {"use_ray": True, "workers": 1})):
         url = f"sqlite:///{tmp_path}/{name}.db"
         store = open_store(url)
-        outcome = Monitor(d, store, out_dir=tmp_path / f"{name}.out", window_s=60, backend=backend, **kwargs).run_once()
+        outcome = Monitor(d, store, out_dir=tmp_path / f"{name}.out", window_s=60, backend=backend, budget=budget,
+                          **kwargs).run_once()
         assert len(outcome.verified) == 2 and not outcome.failed, outcome
         rows.append(window_rows(url))
+        assert query(url, "SELECT SUM(offered), SUM(traces) FROM shards") == [(len(traces), len(chosen))]
         store.close()
-    assert rows[1] == rows[0] and sum(r[3] for r in rows[0]) == sum(len(t.output_token_ids) for t in honest[:6])
+    assert rows[1] == rows[0] and sum(r[3] for r in rows[0]) == sum(len(t.output_token_ids) for t in chosen)
 
 
 def test_a_shard_whose_claims_keep_expiring_is_abandoned_not_retried_forever(backend, honest, tmp_path):

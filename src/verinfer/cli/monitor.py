@@ -58,6 +58,9 @@ def monitor(
                                  "how many were verified)"),
     sample_key_env: Optional[str] = typer.Option(None, help="--sample: environment variable holding the key "
                                                  "(default: a random one per process)"),
+    keep_up: bool = typer.Option(False, "--keep-up", help="never fall behind: verify each shard at --sample "
+                                 "divided by (1 + the shards waiting), so the backlog stays bounded under any "
+                                 "traffic (each shard records the fraction it was verified at)"),
     retain_shards: Optional[str] = typer.Option(None, help="delete trace shards (and their score files) verified "
                                                 "longer ago than this (e.g. 7d), and unverifiable/ shards as old; "
                                                 "default: keep them"),
@@ -92,8 +95,6 @@ def monitor(
     if not 0 < alpha < 1:
         raise ValueError(f"--fpr must be in (0, 1), got {alpha}")
     budget = Budget.from_options(sample, sample_key_env)
-    if ray and budget.fraction < 1:
-        raise ValueError("--sample with --ray: not supported yet (Ray verifies whole shards); drop one")
     calibrator = Calibrator.load(calibration) if calibration else None
     schedule = None
     if audits is not None:
@@ -106,11 +107,11 @@ def monitor(
     store = open_store(db)
     mon = Monitor(directory, store, out_dir=out_dir, judge=Judge(calibrator, str(calibration or ""), alpha),
                   window_s=window_s, model=model, dtype=dtype, device=device, lease_s=lease, use_ray=ray,
-                  workers=workers, on_event=_event, budget=budget,
+                  workers=workers, on_event=_event, budget=budget, keep_up=keep_up,
                   retain_shards_s=parse_duration(retain_shards, "--retain-shards") if retain_shards else None,
                   retain_history_s=parse_duration(retain_history, "--retain-history") if retain_history else None)
     _event("start", {"directory": str(mon.directory), "db": shown(db), "owner": mon.owner, "window_s": window_s,
-                     "scores": str(mon.out_dir), "once": once, "ray": ray, "sample": budget.fraction})
+                     "scores": str(mon.out_dir), "once": once, "ray": ray, "sample": budget.fraction, "keep_up": keep_up})
     exporter = contextlib.nullcontext()
     if metrics_port is not None:
         from verinfer.production.exporter import asgi_in_thread, exporter_app
@@ -120,7 +121,7 @@ def monitor(
 
         sock = bind(metrics_host, metrics_port)
         _event("metrics", {"url": base_url(sock).removesuffix("/v1") + "/metrics"})
-        exporter = asgi_in_thread(exporter_app(lambda: monitor_exposition(store.engine, budget.fraction), mon.health,
+        exporter = asgi_in_thread(exporter_app(lambda: monitor_exposition(store.engine, mon.fraction_now), mon.health,
                                                token), sock, log_config=uvicorn_log_config())
     with exporter:
         _run(mon, store, once, poll, schedule)

@@ -6,6 +6,13 @@ random subset: a trace is chosen when the HMAC-SHA256 of its id under a secret k
 in [0, 1), is below the fraction. Without the key a provider cannot tell which of its answers will
 be checked, so it cannot serve honestly only those; with the key (``--sample-key-env``) the choice
 is reproducible by whoever holds it. Without one a random key is drawn per process.
+
+At a fixed fraction the backlog grows without bound once traffic times the fraction exceeds what the
+monitor verifies (``benchmarks/monitor_budget.py``: 10% of traffic ten times its rate is exactly its
+rate, and it falls behind). ``--keep-up`` thins each shard by the shards waiting behind it
+(``Budget.thinned``): the fraction falls as 1/(1 + waiting), so under traffic rho times what the
+monitor verifies at ``--sample`` the backlog settles near rho - 1 shards instead of growing, and
+each shard records the fraction it was verified at.
 """
 
 from __future__ import annotations
@@ -34,6 +41,13 @@ class Budget:
             return True
         digest = hmac.new(self.key, trace_id.encode("utf-8", "surrogatepass"), hashlib.sha256).digest()
         return int.from_bytes(digest[:8], "big") < self.fraction * 2**64
+
+    def thinned(self, waiting: int) -> "Budget":
+        """The budget for a shard with ``waiting`` shards queued behind it (``--keep-up``): the same key
+        (the chosen traces of a thinner fraction are a subset of a thicker one's), fraction / (1 + waiting)."""
+        if waiting <= 0:
+            return self
+        return Budget(self.fraction / (1 + waiting), self.key)
 
     @classmethod
     def from_options(cls, fraction: float, key_env: str | None) -> "Budget":

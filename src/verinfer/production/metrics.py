@@ -28,7 +28,8 @@ from verinfer.production import views
 from verinfer.production.store import AuditResult, Shard, utcnow
 
 LABELS = ["provider", "model", "profile", "window_seconds"]
-STATES = (*views.VERDICTS, "none")
+UNJUDGED = "UNJUDGED"  # no verdict (uncalibrated, or nothing verified): upper-case beside the verdicts
+STATES = (*views.VERDICTS, UNJUDGED)
 
 # recorder.Counters field -> (metric name without the verinfer_gateway_ prefix, help)
 GATEWAY = {
@@ -87,7 +88,7 @@ def history_metrics(s: Session) -> list[Metric]:
             if value is not None:
                 fams[name].add_metric(labels, value)
         for v in STATES:
-            fams["verdict"].add_metric(labels + [v], 1.0 if (st.verdict or "none") == v else 0.0)
+            fams["verdict"].add_metric(labels + [v], 1.0 if (st.verdict or UNJUDGED) == v else 0.0)
     return list(fams.values()) + audit_metrics(s) + monitor_metrics(s)
 
 
@@ -107,7 +108,7 @@ def audit_metrics(s: Session) -> list[Metric]:
     for a in {(a.provider, a.model, a.profile): a for a in rows}.values():  # the last row of a tied time
         key = [a.provider, a.model, a.profile]
         for v in STATES:
-            verdict.add_metric(key + [v], 1.0 if (a.verdict or "none") == v else 0.0)
+            verdict.add_metric(key + [v], 1.0 if (a.verdict or UNJUDGED) == v else 0.0)
         if a.p_value is not None:
             p_value.add_metric(key, a.p_value)
         at.add_metric(key, _unix(a.at))
@@ -178,7 +179,8 @@ def monitor_metrics(s: Session, sample: float | None = None) -> list[Metric]:
         family.add_metric([], value)
         out.append(family)
     if sample is not None:
-        fraction = GaugeMetricFamily("verinfer_monitor_sample_fraction", "Fraction of traces this monitor verifies.")
+        fraction = GaugeMetricFamily("verinfer_monitor_sample_fraction", "Fraction of traces this monitor verifies "
+                                     "(--keep-up: the fraction of the last shard it verified).")
         fraction.add_metric([], sample)
         out.append(fraction)
     return out

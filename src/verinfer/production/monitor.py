@@ -199,6 +199,7 @@ class ShardTraces:
     times: dict[str, dt.datetime]
     verifier: dict  # the score file's signature: the verifier's model and dtype
     unverified: list[Trace] = field(default_factory=list)  # recorded, not chosen for verification
+    sample: float | None = None  # the fraction it was verified at (its score record's; None: every trace)
 
     def select(self, ids: set[str]) -> dict[str, np.ndarray]:
         mask = np.isin(self.columns["trace_id"], list(ids))
@@ -269,20 +270,23 @@ class Monitor:
                  dtype: str = "float32", device: str = "cpu", lease_s: float = 120.0, max_attempts: int = 3,
                  use_ray: bool = False, workers: int | None = None, backend=None,
                  on_event: Callable[[str, dict], None] | None = None, budget: Budget | None = None,
-                 retain_shards_s: float | None = None, retain_history_s: float | None = None):
+                 retain_shards_s: float | None = None, retain_history_s: float | None = None,
+                 keep_up: bool = False):
         self.directory = Path(directory).resolve()
         if not self.directory.is_dir():
             raise ValueError(f"{directory}: not a directory")
         self.store, self.judge, self.window_s = store, judge or Judge(), window_s
-        self.budget = budget if budget is not None and budget.fraction < 1 else None
+        if keep_up and budget is None:
+            budget = Budget()
+        self.budget = budget if budget is not None and (budget.fraction < 1 or keep_up) else None
+        self.keep_up = keep_up  # thin each shard's fraction by the backlog behind it (Budget.thinned)
+        self.fraction_now = self.budget.fraction if self.budget else 1.0  # the last shard's (``--keep-up``)
         for name, value in (("--retain-shards", retain_shards_s), ("--retain-history", retain_history_s)):
             if value is not None and value < 2 * window_s:  # a window still filling reads its shards' scores
                 raise ValueError(f"{name} must be at least two windows ({2 * window_s} s), got {value:g} s")
         if retain_shards_s is not None and retain_history_s is not None and retain_history_s < retain_shards_s:
             raise ValueError("--retain-history must be at least --retain-shards (a shard's row outlives its files)")
         self.retain_shards_s, self.retain_history_s = retain_shards_s, retain_history_s
-        if self.budget is not None and use_ray:
-            raise ValueError("--sample with --ray: not supported yet (Ray verifies whole shards); drop one")
         self.out_dir = Path(out_dir) if out_dir else Path(f"{self.directory}.verinfer")
         self.model, self.dtype, self.device, self.backend = model, dtype, device, backend
         self.lease = dt.timedelta(seconds=lease_s)
@@ -364,13 +368,24 @@ class Monitor:
             self.backend = load_model(model, self.dtype, self.device)
         return self.backend
 
-    def _verify_local(self, path: Path) -> None:
+    def shard_budget(self) -> Budget | None:
+        """The budget for the next shard: ``--sample``'s, thinned by the shards waiting (``--keep-up``)."""
+        if self.budget is None or not self.keep_up:
+            return self.budget
+        with self.store.transaction() as s:
+            waiting = s.scalar(select(func.count()).select_from(Shard).where(Shard.status == "pending")) or 0
+        budget = self.budget.thinned(waiting)
+        self.fraction_now = budget.fraction
+        return budget
+
+    def _verify_local(self, path: Path, budget: Budget | None) -> None:
         """Scores for the shard's current bytes in ``out_dir`` (reused when a killed claim wrote them)."""
         record = sharded.done_record(self.out_dir, path)
         model = self.model or read_traces(path)[0].model
         backend = self._backend(model)
         if record is None or (record.get("signature") or {}).get("model", backend.model_id) != backend.model_id:
-            sharded.verify_shard(path, self.out_dir, backend, keep=self.budget.chosen if self.budget else None)
+            sharded.verify_shard(path, self.out_dir, backend, keep=budget.chosen if budget else None,
+                                 sample=budget.fraction if budget else None)
 
     def load(self, path: Path) -> ShardTraces:
         """A verified shard's traces (with request times) and per-token scores."""
@@ -380,12 +395,14 @@ class Monitor:
         scores = sharded.ShardFiles.of(self.out_dir, path).scores
         columns = read_scores(scores)
         scored = set(columns["trace_id"].tolist())
+        record = sharded.done_record(self.out_dir, path) or {}
         return ShardTraces(columns, [t for t in traces if t.id in scored], times, read_signature(scores) or
                            {"model": self.model or traces[0].model, "dtype": self.dtype},
-                           [t for t in traces if t.id not in scored])
+                           [t for t in traces if t.id not in scored], record.get("sample"))
 
-    def process(self, shard: Shard, verify: bool = True) -> tuple[str, list[str | None]]:
-        """Verify (unless ``verify`` is False: scores already written) and record one claimed shard."""
+    def process(self, shard: Shard, verify: bool = True, budget: Budget | None = None) -> tuple[str, list[str | None]]:
+        """Verify (unless ``verify`` is False: scores already written) and record one claimed shard, the
+        traces ``budget`` chooses (``shard_budget``)."""
         path = Path(shard.path)
         started = time.perf_counter()
         try:
@@ -394,7 +411,7 @@ class Monitor:
             if sha256(path) != shard.sha256:
                 raise ValueError(f"{path}: changed since it was found (a finished shard must not be rewritten)")
             if verify:
-                self._verify_local(path)
+                self._verify_local(path, budget)
             data = self.load(path)
         except (ValueError, OSError) as exc:
             self.fail(shard, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
@@ -436,7 +453,7 @@ class Monitor:
         got = s.execute(update(Shard).where(Shard.id == shard.id, Shard.owner == self.owner,
                                             Shard.status == "claimed").values(
             status="done", finished_at=utcnow(), lease_until=None, traces=len(data.traces), tokens=tokens,
-            offered=len(data.traces) + len(data.unverified), sample=self.budget.fraction if self.budget else None,
+            offered=len(data.traces) + len(data.unverified), sample=data.sample,
             verify_s=verify_s, error=None,
             scores_path=str(sharded.ShardFiles.of(self.out_dir, Path(shard.path)).scores))).rowcount
         if got != 1:
@@ -533,7 +550,7 @@ class Monitor:
                     self._ray_batch(batch, outcome)
                 else:
                     for shard in batch:
-                        self._tally(outcome, shard, *self.process(shard))
+                        self._tally(outcome, shard, *self.process(shard, budget=self.shard_budget()))
         finally:
             self._beat.set()
             beat.join()
@@ -546,8 +563,10 @@ class Monitor:
         outcome.verdicts += verdicts
 
     def _ray_batch(self, batch: list[Shard], outcome: Outcome) -> None:
-        """Verify a batch of claimed shards on Ray (``sharded.run_ray``), recording each as it finishes."""
+        """Verify a batch of claimed shards on Ray (``sharded.run_ray``), recording each as it finishes
+        (one budget for the batch: the ``--sample`` key travels to the Ray actors)."""
         by_path = {shard.path: shard for shard in batch}
+        budget = self.shard_budget()
         model = self.model or _claimed_model(batch)
         errors: dict[str, str] = {}
 
@@ -561,7 +580,8 @@ class Monitor:
                 self._tally(outcome, shard, *self.process(shard, verify=False))
 
         result = sharded.run_ray([Path(p) for p in by_path], self.out_dir, model, self.dtype,
-                                 workers=self.workers, on_shard=finished)
+                                 workers=self.workers, on_shard=finished,
+                                 keep=budget.chosen if budget else None, sample=budget.fraction if budget else None)
         for path in result.resumed:  # scores already complete for these bytes (an earlier claim's)
             self._tally(outcome, by_path[path], *self.process(by_path[path], verify=False))
 
@@ -617,7 +637,7 @@ class Monitor:
             return 503, {"status": "database_unreachable", "owner": self.owner,
                          "reasons": [f"the database cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0]}"]}
         return 200, {"status": "ok", "owner": self.owner, "backlog_shards": pending, "reasons": [],
-                     "sample": self.budget.fraction if self.budget else 1.0}
+                     "sample": self.fraction_now}
 
     def run(self, poll_s: float = 10.0, audits: "AuditSchedule | None" = None) -> None:
         """Pass after pass until ``self.stop`` is set (a pass finishes the shard it is on first)."""

@@ -90,7 +90,8 @@ class Verdict:
     batch_size: int | None = None
     exact_match_rate: float | None = None
     sequences: int | None = None
-    resembles: str | None = None  # pooled: the band whose range holds (or is nearest) the statistic
+    resembles: str | None = None  # pooled: the band whose 95% range holds the statistic (None: none does)
+    nearest: str | None = None  # pooled: the band whose range is nearest the statistic (inside or not)
     band_ranges: dict = field(default_factory=dict)  # band -> [2.5%, 50%, 97.5%] of pseudo-audits
     pool_sequences: int | None = None  # pooled: honest sequences per band behind the p-value
     p_adjusted: float | None = None  # Holm-adjusted, when several sets are judged together
@@ -138,7 +139,8 @@ class Verdict:
                   if self.beyond_pool else "")
         needed = (f"; detected after {self.tokens_needed} tokens"
                   if self.tokens_needed is not None and not self.consistent else "")
-        like = f"; resembles {self.resembles}" if self.resembles else ""
+        like = (f"; resembles {self.resembles}" if self.resembles else
+                f"; outside every band's range (nearest: {self.nearest})" if self.nearest else "")
         rest = "".join(f"; {part}" for part in (
             self.unjudged_tokens and f"the last {self.unjudged_tokens} tokens (less than a batch) were not judged",
             self.minimum_evidence, self.note) if part)
@@ -452,11 +454,12 @@ def pooled_verdict(seq: np.ndarray, honest: Sequence[np.ndarray], alpha: float =
     tokens, stat = int(seq[:, 0].sum()), pooled(seq)
     ranges = {label: [float(x) for x in np.percentile(pseudo_audits(s, tokens, 2000, rng), [2.5, 50, 97.5])]
               for label, s in (all_bands or {}).items()}
-    resembles = None
-    if ranges:
+    nearest = resembles = None
+    if ranges:  # a statistic no band's range holds resembles none of them: a misconfiguration not catalogued
         inside = [name for name, (lo, _, hi) in ranges.items() if lo <= stat <= hi]
-        resembles = min(inside or list(ranges), key=lambda name: abs(ranges[name][1] - stat) if inside
-                        else min(abs(ranges[name][0] - stat), abs(ranges[name][2] - stat)))
+        nearest = min(inside or list(ranges), key=lambda name: abs(ranges[name][1] - stat) if inside
+                      else min(abs(ranges[name][0] - stat), abs(ranges[name][2] - stat)))
+        resembles = nearest if inside else None
     lo, hi = sequence_ci(seq, seed)
     method = (f"sequential test ({doubling_looks(len(looks))} of sequences, Bonferroni) of the {statistic} "
               f"(per-token clip {clip:.4g}): largest over {len(honest)} honest band(s){f' ({source})' if source else ''} "
@@ -464,7 +467,7 @@ def pooled_verdict(seq: np.ndarray, honest: Sequence[np.ndarray], alpha: float =
     return Verdict(p >= alpha, p, alpha, tokens, len(seq), "sequence", stat, statistic, lo, hi,
                    len(looks), None if first is None else int(seq[:first, 0].sum()), method,
                    exact_match_rate=float(seq[:, 2].sum() / tokens), sequences=len(seq), resembles=resembles,
-                   band_ranges=ranges, pool_sequences=min(len(b) for b in honest))
+                   nearest=nearest, band_ranges=ranges, pool_sequences=min(len(b) for b in honest))
 
 
 # --------------------------------------------------------------------------------------------------
