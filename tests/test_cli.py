@@ -1,5 +1,8 @@
-"""The command line as a user meets it: real processes, bad input, exit codes, one-line errors."""
+"""The command line as a user meets it: bad input, exit codes, one-line errors. The round trip runs
+the real entry point in fresh processes; the other tests invoke the same app in this process (the
+model each command loads stays loaded, so a test costs its work, not a dozen interpreter starts)."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -12,13 +15,33 @@ from verinfer.sampling.params import SamplingParams
 from verinfer.trace import Trace, read_traces, write_traces
 
 
-def run(*args, cwd=None):
+def process(*args, cwd=None) -> subprocess.CompletedProcess:
     """The real entry point in a fresh process, with one torch thread (as an xdist worker has: a
     child with the default policy took both cores beside the other worker's tests)."""
     env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
            **{k: v for k, v in os.environ.items() if k in ("HOME", "VERINFER_CACHE", "PYTHONPATH")}}
     return subprocess.run([sys.executable, "-m", "verinfer.cli", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=1200, env=env)
+
+
+def run(*args, cwd=None) -> subprocess.CompletedProcess:
+    """The same app in this process (typer's CliRunner), its exit code, stdout and stderr as a process's;
+    an exception the app let escape is re-raised (a process would print its traceback and exit 1). The
+    torch thread count a command sets (``--threads``) is restored after it."""
+    import torch
+    from typer.testing import CliRunner
+
+    from verinfer.cli.main import app
+
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.chdir(cwd or os.getcwd()):
+            result = CliRunner().invoke(app, [str(a) for a in args], env={"HF_HUB_OFFLINE": "1", "COLUMNS": "80"})
+    finally:
+        torch.set_num_threads(threads)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["verinfer", *args], result.exit_code, result.stdout, result.stderr)
 
 
 def good(i=0, **kw):
@@ -94,7 +117,9 @@ def test_generate_rejects_bad_params(tmp_path):
 
 
 def test_generate_calibrate_verify_round_trip(tmp_path):
-    """A user's path: generate honest traces, calibrate on their scores, verify other traces."""
+    """A user's path, each command a fresh process of the real entry point: generate honest traces,
+    calibrate on their scores, verify other traces."""
+    run = process
     cal = tmp_path / "cal.jsonl"
     assert run("generate", "-o", str(cal), "--n", "6", "--max-tokens", "24", "--seed", "1").returncode == 0
     proc = run("verify", str(cal))

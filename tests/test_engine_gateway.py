@@ -24,7 +24,7 @@ from tests.test_engine_llama_server import NEUTRAL  # (its llama_url and the vll
 from verinfer.production.exchange import Recording
 from verinfer.production.gateway import Gateway, GatewayConfig, gateway_in_thread
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("shared-engine-servers")]  # one vLLM, one llama server
 
 KNOBS = dict(temperature=1.0, top_p=0.95)
 TOP_K = 50

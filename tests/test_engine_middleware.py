@@ -12,7 +12,7 @@ import pytest
 from tests.test_engine_gateway import calibration, load_generator, monitor_once
 from verinfer.production.exchange import Recording
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("middleware")]  # an engine of its own
 
 
 def test_vllm_with_the_in_engine_recorder_verifies(backend, tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("vllm_cpu")]  # an engine of its own
 
 RUN = Path(__file__).resolve().parents[1] / "engines" / "vllm_cpu" / "run.py"
 EXACT_TARGET, MARGIN0_TARGET = 0.999, 0.995

@@ -21,7 +21,7 @@ import sqlalchemy
 
 from tests.test_readme import _environment, _stop, blocks, run_bash_block
 
-pytestmark = pytest.mark.engines
+pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("vllm_readme")]  # an engine of its own
 
 
 def test_readme_vllm_section_runs_as_written(backend, tmp_path):
