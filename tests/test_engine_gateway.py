@@ -24,7 +24,7 @@ from tests.test_engine_llama_server import NEUTRAL  # (its llama_url and the vll
 from verinfer.production.exchange import Recording
 from verinfer.production.gateway import Gateway, GatewayConfig, gateway_in_thread
 
-pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("shared-engine-servers")]  # one vLLM, one llama server
+pytestmark = pytest.mark.engines  # each test in the xdist group of the shared server it uses
 
 KNOBS = dict(temperature=1.0, top_p=0.95)
 TOP_K = 50
@@ -109,6 +109,7 @@ def monitor_once(backend, directory: Path, calibrator, shards: int):
     return windows
 
 
+@pytest.mark.xdist_group("shared-vllm")
 def test_vllm_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(vllm_url, backend, tmp_path):
     calibrator = calibration(backend, "vllm-cpu")
     honest, answered, g = record_and_verify(backend, vllm_url, tmp_path / "vllm", calibrator, "vllm-cpu", True)
@@ -125,6 +126,7 @@ def test_vllm_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(vl
     assert any(w.verdict == "INCONSISTENT" and w.first_flagged.startswith("engine/") for w in dishonest)
 
 
+@pytest.mark.xdist_group("shared-llama")
 def test_llama_cpp_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_not(llama_url, backend,
                                                                                     tmp_path):
     from verinfer.auditing.run import stop_ids
@@ -146,6 +148,7 @@ def test_llama_cpp_behind_the_gateway_verifies_and_a_seed_rewriting_proxy_does_n
     assert any(w.verdict == "INCONSISTENT" and w.first_flagged.startswith("llama/") for w in dishonest)
 
 
+@pytest.mark.xdist_group("shared-vllm")
 def test_vllm_answers_reach_the_client_as_vllm_sends_them(vllm_url, tmp_path):
     """Byte for byte but the response id and time: the ids the gateway asked for come back as the
     ``null`` vLLM writes for fields nobody asked for, in whole responses and in every stream event."""

