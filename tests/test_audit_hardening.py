@@ -210,6 +210,11 @@ def test_truthful_claims_raise_no_warning():
      "usage.completion_tokens 3, 2 token ids returned"),
     (chat([1, 2], usage={"prompt_tokens": 40, "completion_tokens": 2}, prompt_ids=[5, 6, 7]), "prompt_usage",
      "usage.prompt_tokens 40, 3 prompt token ids returned"),
+    # the provider saw another prompt than ours (issue #41 item 5: llama.cpp on code prompts, and nothing warned)
+    (chat([1, 2], usage={"prompt_tokens": 4, "completion_tokens": 2}), "prompt_rendering",
+     "usage.prompt_tokens 4, 3 in the reference's rendering"),
+    (chat([1, 2], prompt_ids=[5, 6, 8]), "prompt_rendering",
+     "3 prompt token ids returned, 3 in the reference's rendering, not the same"),
     (chat([1, 2], usage={"prompt_tokens": "3", "completion_tokens": 2}), "usage_malformed", "not non-negative"),
     (chat([1, 2], usage=[3, 2]), "usage_malformed", "usage is a list"),
 ])

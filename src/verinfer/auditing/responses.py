@@ -15,7 +15,10 @@ of its text; a stop token leaves no text), so every mismatch it could cause is c
 What the provider *says* it served is recorded apart (``Claim.served``: the model id, the usage
 token counts and the number of returned tokens) and checked against the request and the returned
 ids (``summarize_served``): another model id than requested, more output tokens than
-``max_tokens``, usage counts that disagree with the returned token ids. Such contradictions are
+``max_tokens``, usage counts that disagree with the returned token ids, reported prompt ids or a
+``usage.prompt_tokens`` that differ from our rendering of the prompt (the provider tokenized or
+templated it otherwise, so the outputs are replayed on another context than it saw: e.g.
+``llama_cpp.server`` on code prompts, which returns no prompt ids). Such contradictions are
 warnings listed in every report; they do not change the statistical verdict, which rests on the
 tokens alone.
 
@@ -115,7 +118,7 @@ def parse_generation(record: dict[str, Any], tokenizer, stop_ids: set[int], voca
     speculative, modes = _speculation(choice, where, ids)
     return Claim(str(meta["prompt_id"]), int(meta["index"]), prompt_ids, output, source, text,
                  choice.get("finish_reason"), drift,
-                 served_claims(response, record.get("request") or {}, ids, reported_prompt, index),
+                 served_claims(response, record.get("request") or {}, ids, reported_prompt, index, prompt_ids),
                  speculative, modes)
 
 
@@ -147,7 +150,8 @@ def _count(value: Any) -> int | None:
 
 
 def served_claims(response: dict, request: dict, ids: list[int] | None,
-                  reported_prompt: list[int] | None, index: int = 0) -> dict[str, Any]:
+                  reported_prompt: list[int] | None, index: int = 0,
+                  rendered_prompt: list[int] | None = None) -> dict[str, Any]:
     """What one response says was served, and where that contradicts the request or the returned ids.
 
     With several choices (``n``), ``usage`` covers them all: it is compared with the token ids of
@@ -156,7 +160,9 @@ def served_claims(response: dict, request: dict, ids: list[int] | None,
     ``problems`` maps a check to a short phrase: ``model`` (another model id than requested),
     ``max_tokens`` (more output tokens than asked for, by the returned ids or by usage),
     ``completion_usage`` / ``prompt_usage`` (usage counts that disagree with the returned output or
-    prompt token ids), ``usage_malformed`` (a usage object whose counts are not integers).
+    prompt token ids), ``prompt_rendering`` (reported prompt ids, else ``usage.prompt_tokens``, that
+    differ from ``rendered_prompt``, ours), ``usage_malformed`` (a usage object whose counts are not
+    integers).
     """
     model = response.get("model")
     requested, max_tokens = request.get("model"), _count(request.get("max_tokens"))
@@ -191,6 +197,13 @@ def served_claims(response: dict, request: dict, ids: list[int] | None,
     if prompt_tokens is not None and reported_prompt is not None and prompt_tokens != len(reported_prompt):
         problems["prompt_usage"] = (f"usage.prompt_tokens {prompt_tokens}, {len(reported_prompt)} prompt token ids "
                                     "returned")
+    if rendered_prompt is not None and index == 0:
+        if reported_prompt is not None and list(reported_prompt) != list(rendered_prompt):
+            problems["prompt_rendering"] = (f"{len(reported_prompt)} prompt token ids returned, "
+                                            f"{len(rendered_prompt)} in the reference's rendering, not the same")
+        elif reported_prompt is None and prompt_tokens is not None and prompt_tokens != len(rendered_prompt):
+            problems["prompt_rendering"] = (f"usage.prompt_tokens {prompt_tokens}, {len(rendered_prompt)} in the "
+                                            "reference's rendering")
     return {"model": model if model is None or isinstance(model, str) else str(model)[:120],
             "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "returned_tokens": returned, "requested_model": requested, "max_tokens": max_tokens,
@@ -202,6 +215,9 @@ CHECKS = {  # check -> what a warning says about the responses where it fails
     "max_tokens": "claimed more output tokens than max_tokens",
     "completion_usage": "reported usage.completion_tokens that disagree with the returned token ids",
     "prompt_usage": "reported usage.prompt_tokens that disagree with the returned prompt token ids",
+    "prompt_rendering": "saw another prompt than the reference's rendering of it (another tokenization, chat "
+                        "template or system prompt: their outputs are replayed on a context the provider did not "
+                        "see)",
     "usage_malformed": "reported a malformed usage object",
 }
 
