@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tests.audit_servers import asgi_in_thread
+from tests.cli_app import invoke
 from verinfer.auditing.bands import find_bands
 from verinfer.auditing.client import Endpoint, ProviderClient, ProviderError
 from verinfer.auditing.plan import AuditSpec
@@ -272,9 +273,8 @@ def test_seeded_mode_with_a_calibration_file(backend, prompts, tmp_path):
     # calibration file, get the same flags, p-value and stopping point.
     (tmp_path / "cal.json").write_text(json.dumps(calibrator.to_dict()))
     for name, audited in (("honest", honest_v), ("wrong-seed", wrong_v)):
-        proc = subprocess.run([sys.executable, "-m", "verinfer.cli", "verify", str(tmp_path / name / "traces.jsonl"),
-                               "--calibration", str(tmp_path / "cal.json"), "--json", str(tmp_path / f"{name}.json")],
-                              capture_output=True, text=True, timeout=600)
+        proc = invoke("verify", tmp_path / name / "traces.jsonl", "--calibration", tmp_path / "cal.json",
+                      "--json", tmp_path / f"{name}.json")  # the command, in this process (tests/cli_app.py)
         assert proc.returncode == (0 if name == "honest" else 1), proc.stderr
         verified = json.loads((tmp_path / f"{name}.json").read_text())["verdict"]
         for key in ("flagged", "units", "batch_size", "tokens", "tokens_needed", "looks"):

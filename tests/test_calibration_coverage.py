@@ -5,12 +5,11 @@ noise explains a rejection, every calibration knob on the command line, and the 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
+from tests.cli_app import invoke
 from verinfer import api
 from verinfer.sampling.params import SamplingParams
 from verinfer.scoring.scores import SCORE_SCHEMA, ScoreWriter
@@ -103,9 +102,7 @@ def test_an_fp32_only_null_warns_and_its_rejections_say_why(files):
     assert not margin_only.consistent and margin_only.note is None
 
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "verinfer.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300)
+run = invoke  # the app in this process (tests/cli_app.py)
 
 
 def test_calibrate_on_the_command_line_has_every_knob(files):

@@ -1,8 +1,7 @@
 """The command line as a user meets it: bad input, exit codes, one-line errors. The round trip runs
-the real entry point in fresh processes; the other tests invoke the same app in this process (the
-model each command loads stays loaded, so a test costs its work, not a dozen interpreter starts)."""
+the real entry point in fresh processes; the other tests invoke the same app in this process
+(``tests/cli_app.py``)."""
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -11,6 +10,7 @@ import sys
 
 import pytest
 
+from tests.cli_app import invoke
 from verinfer.sampling.params import SamplingParams
 from verinfer.trace import Trace, read_traces, write_traces
 
@@ -24,24 +24,7 @@ def process(*args, cwd=None) -> subprocess.CompletedProcess:
                           cwd=cwd, timeout=1200, env=env)
 
 
-def run(*args, cwd=None) -> subprocess.CompletedProcess:
-    """The same app in this process (typer's CliRunner), its exit code, stdout and stderr as a process's;
-    an exception the app let escape is re-raised (a process would print its traceback and exit 1). The
-    torch thread count a command sets (``--threads``) is restored after it."""
-    import torch
-    from typer.testing import CliRunner
-
-    from verinfer.cli.main import app
-
-    threads = torch.get_num_threads()
-    try:
-        with contextlib.chdir(cwd or os.getcwd()):
-            result = CliRunner().invoke(app, [str(a) for a in args], env={"HF_HUB_OFFLINE": "1", "COLUMNS": "80"})
-    finally:
-        torch.set_num_threads(threads)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return subprocess.CompletedProcess(["verinfer", *args], result.exit_code, result.stdout, result.stderr)
+run = invoke
 
 
 def good(i=0, **kw):
