@@ -29,7 +29,7 @@ import json
 import os
 from dataclasses import astuple, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -86,12 +86,19 @@ def done_record(out_dir: Path, shard: Path) -> dict | None:
     return record if files.scores.exists() else None
 
 
+class Sample(Protocol):
+    """Which traces of a shard to verify (``verinfer.production.budget.Budget``: the monitor's ``--sample``)."""
+
+    fraction: float
+
+    def chosen(self, trace_id: str) -> bool: ...
+
+
 def verify_shard(shard: Path, out_dir: Path, backend, skip_invalid: bool = False,
-                 allow_model_mismatch: bool = False, keep: Callable[[str], bool] | None = None,
-                 sample: float | None = None) -> dict:
+                 allow_model_mismatch: bool = False, sample: Sample | None = None) -> dict:
     """Verify one shard into ``out_dir`` (scores, commit scores, then its record, each atomically);
-    with ``keep`` only the traces whose id it accepts (the monitor's ``--sample``: the record says how
-    many the shard held, ``offered``, and the fraction ``keep`` stands for, ``sample``). None kept: an
+    with ``sample`` only the traces it chooses (the monitor's ``--sample``: the record says how many
+    the shard held, ``offered``, and the fraction they were chosen at, ``sample``). None chosen: an
     empty score file, so the shard counts as done."""
     from verinfer import api
     from verinfer.scoring.scores import ScoreWriter
@@ -101,15 +108,15 @@ def verify_shard(shard: Path, out_dir: Path, backend, skip_invalid: bool = False
     digest = sha256(shard)
     source: Path | list = shard
     offered = None
-    if keep is not None:
+    if sample is not None:
         every = read_traces(shard)
-        source, offered = [t for t in every if keep(t.id)], len(every)
+        source, offered = [t for t in every if sample.chosen(t.id)], len(every)
     if offered is not None and not source:
         with ScoreWriter(files.scores):
             pass
         record = {"format": RECORD_FORMAT, "shard": str(shard), "sha256": digest, "signature": None, "traces": 0,
                   "tokens": 0, "skipped": [], "commits": None, "commit_scores": None, "offered": offered,
-                  "sample": sample}
+                  "sample": sample.fraction}
     else:
         result = api.verify(source, scores=files.scores, commit_scores_out=files.commits, backend=backend,
                             skip_invalid=skip_invalid, allow_model_mismatch=allow_model_mismatch)
@@ -117,7 +124,8 @@ def verify_shard(shard: Path, out_dir: Path, backend, skip_invalid: bool = False
                   "traces": result.summary.traces, "tokens": result.summary.tokens, "skipped": result.skipped,
                   "commits": result.summary.commits,
                   "commit_scores": str(result.scored.commits_path) if result.scored.commits_path else None,
-                  "offered": offered if offered is not None else result.summary.traces, "sample": sample}
+                  "offered": offered if offered is not None else result.summary.traces,
+                  "sample": sample.fraction if sample is not None else None}
     write_atomic(files.record, json.dumps(record, default=str))
     return record
 
@@ -213,10 +221,10 @@ def run_local(shards: Sequence[Path], out_dir: Path, backend, skip_invalid: bool
 
 
 def _verify_row(shard: Path, out_dir: Path, backend, skip_invalid: bool, allow_model_mismatch: bool,
-                keep: Callable[[str], bool] | None = None, sample: float | None = None) -> dict:
+                sample: Sample | None = None) -> dict:
     """One shard as a result row; a shard that cannot be verified gives its one-line error instead."""
     try:
-        record = verify_shard(shard, out_dir, backend, skip_invalid, allow_model_mismatch, keep=keep, sample=sample)
+        record = verify_shard(shard, out_dir, backend, skip_invalid, allow_model_mismatch, sample=sample)
     except (ValueError, OSError) as exc:
         return {"shard": str(shard), "error": str(exc), "tokens": 0, "skipped": "[]"}
     return {"shard": str(shard), "error": "", "tokens": int(record["tokens"]), "skipped": json.dumps(record["skipped"])}
@@ -232,23 +240,21 @@ def _collect(result: ShardedResult, row: dict) -> None:
 
 class ShardVerifier:
     """A Ray Data actor: loads the reference model once, then verifies one shard per call (only the
-    traces ``keep`` accepts, when given: the monitor's ``--sample``, its key shipped to the actor)."""
+    traces ``sample`` chooses, when given: the monitor's ``--sample``, its key shipped to the actor)."""
 
     def __init__(self, out_dir: str, model: str, dtype: str, device: str, threads: int,
-                 skip_invalid: bool, allow_model_mismatch: bool, keep: Callable[[str], bool] | None = None,
-                 sample: float | None = None):
+                 skip_invalid: bool, allow_model_mismatch: bool, sample: Sample | None = None):
         from verinfer.api import load_model
         from verinfer.machine import use_threads
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         use_threads(threads)
         self.out_dir, self.skip_invalid, self.allow = Path(out_dir), skip_invalid, allow_model_mismatch
-        self.keep, self.sample = keep, sample
+        self.sample = sample
         self.backend = load_model(model, dtype, device)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, list]:
-        rows = [_verify_row(Path(str(s)), self.out_dir, self.backend, self.skip_invalid, self.allow, self.keep,
-                            self.sample)
+        rows = [_verify_row(Path(str(s)), self.out_dir, self.backend, self.skip_invalid, self.allow, self.sample)
                 for s in batch["shard"]]
         return {k: [r[k] for r in rows] for k in ("shard", "error", "tokens", "skipped")}
 
@@ -256,9 +262,9 @@ class ShardVerifier:
 def run_ray(shards: Sequence[Path], out_dir: Path, model: str, dtype: str = "float32", address: str | None = None,
             workers: int | None = None, skip_invalid: bool = False, allow_model_mismatch: bool = False,
             on_shard: Callable[[dict], None] | None = None, verifier: type = ShardVerifier,
-            keep: Callable[[str], bool] | None = None, sample: float | None = None) -> ShardedResult:
+            sample: Sample | None = None) -> ShardedResult:
     """Verify the shards not done yet on a Ray cluster (``address``; None: start a local one) with an
-    actor pool of ``workers`` model replicas (default: one per GPU, else one per CPU); ``keep`` (picklable)
+    actor pool of ``workers`` model replicas (default: one per GPU, else one per CPU); ``sample`` (picklable)
     as in ``verify_shard``."""
     from verinfer.extras import require
 
@@ -287,8 +293,7 @@ def run_ray(shards: Sequence[Path], out_dir: Path, model: str, dtype: str = "flo
         pool = ray.data.ActorPoolStrategy(size=min(n, len(todo)))
         mapped = ds.map_batches(verifier, batch_size=1, compute=pool, fn_constructor_kwargs=dict(
             out_dir=str(out_dir), model=model, dtype=dtype, device="cuda" if gpus else "cpu",
-            threads=1, skip_invalid=skip_invalid, allow_model_mismatch=allow_model_mismatch, keep=keep,
-            sample=sample),
+            threads=1, skip_invalid=skip_invalid, allow_model_mismatch=allow_model_mismatch, sample=sample),
             **per)
         for row in mapped.iter_rows():
             row = {k: (v.item() if hasattr(v, "item") else v) for k, v in row.items()}

@@ -384,8 +384,7 @@ class Monitor:
         model = self.model or read_traces(path)[0].model
         backend = self._backend(model)
         if record is None or (record.get("signature") or {}).get("model", backend.model_id) != backend.model_id:
-            sharded.verify_shard(path, self.out_dir, backend, keep=budget.chosen if budget else None,
-                                 sample=budget.fraction if budget else None)
+            sharded.verify_shard(path, self.out_dir, backend, sample=budget)
 
     def load(self, path: Path) -> ShardTraces:
         """A verified shard's traces (with request times) and per-token scores."""
@@ -581,7 +580,7 @@ class Monitor:
 
         result = sharded.run_ray([Path(p) for p in by_path], self.out_dir, model, self.dtype,
                                  workers=self.workers, on_shard=finished,
-                                 keep=budget.chosen if budget else None, sample=budget.fraction if budget else None)
+                                 sample=budget)
         for path in result.resumed:  # scores already complete for these bytes (an earlier claim's)
             self._tally(outcome, by_path[path], *self.process(by_path[path], verify=False))
 
