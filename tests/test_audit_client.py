@@ -45,10 +45,10 @@ def calls(n=3):
                  {"kind": "generate", "prompt_id": f"p{i}"}) for i in range(n)]
 
 
-def client(url, tmp_path, **policy):
+def client(url, tmp_path, concurrency=2, **policy):
     store = ResponseStore(tmp_path / "prov" / "responses.jsonl")
     policy = {"retries": 3, "backoff_s": 0.01, "timeout_s": 5.0, **policy}
-    return ProviderClient(Endpoint("prov", url, "m", "VERINFER_TEST_KEY"), store, concurrency=2,
+    return ProviderClient(Endpoint("prov", url, "m", "VERINFER_TEST_KEY"), store, concurrency=concurrency,
                           policy=RetryPolicy(**policy))
 
 
@@ -82,8 +82,7 @@ def test_malformed_responses_are_kept_and_reported(tmp_path, body, fragment):
     # the first two requests succeed, the third gets garbage: the good ones stay stored
     app = flaky_app([])
     with asgi_in_thread(app) as url:
-        c = client(url, tmp_path)
-        c.concurrency = 1
+        c = client(url, tmp_path, concurrency=1)
         c.fetch(calls(2))
         app2 = flaky_app([(200, body, {})])
         with asgi_in_thread(app2) as url2:
@@ -99,10 +98,9 @@ def test_malformed_responses_are_kept_and_reported(tmp_path, body, fragment):
 def test_timeouts_retry_then_fail_clearly_keeping_what_arrived(tmp_path):
     app = flaky_app([("sleep", 3.0, {}), ("sleep", 3.0, {})])
     with asgi_in_thread(app) as url:
-        c = client(url, tmp_path, retries=1, timeout_s=0.3)
-        c.concurrency = 1
+        c = client(url, tmp_path, concurrency=1, retries=1, timeout_s=0.3)
         with pytest.raises(ProviderError) as exc:
-            c.fetch(calls(2))
+            c.fetch(calls(1))
     assert "timed out after 0.3 s" in str(exc.value) and "failed after 2 attempt(s)" in str(exc.value)
 
 
@@ -164,3 +162,86 @@ def test_holm_adjustment():
     # textbook example: p = (0.01, 0.04, 0.03, 0.005) -> (0.03, 0.06, 0.06, 0.02)
     assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert holm([0.5]) == [0.5] and max(holm([0.9, 0.8])) <= 1.0
+
+
+def test_pacer_halves_once_per_wave_and_raises_after_a_limits_worth_of_answers_in_time():
+    from verinfer.auditing.pacing import Pacer, pacing_warning
+
+    now = [0.0]
+    said = []
+    p = Pacer(8, slow_s=1.0, on_change=said.append, clock=lambda: now[0])
+    wave = 0.0  # eight requests sent before anything went wrong
+    now[0] = 5.0
+    for _ in range(8):  # they all time out: one decrease, not eight
+        p.failed(wave, "time-outs")
+    assert p.limit == 4 and p.decreases == 1 and p.reasons == {"time-outs": 1}
+    now[0] = 6.0
+    p.answered(5.5, 2.0)  # sent after the decrease and still slow: halves again
+    assert p.limit == 2 and said == ["concurrency lowered to 4 (time-outs)",
+                                     "concurrency lowered to 2 (answers slower than 1 s)"]
+    p.answered(6.5, 0.1)  # one in time at limit 2: not yet
+    assert p.limit == 2
+    p.failed(6.2, "HTTP 503")  # sent after the last decrease: counts
+    assert p.limit == 1 and p.lowest == 1
+    p.failed(7.0, "HTTP 503")  # at one request in flight it cannot go lower, but it is counted
+    assert p.limit == 1 and p.reasons == {"time-outs": 1, "answers slower than 1 s": 1, "HTTP 503": 2}
+    for limit in (2, 3):  # additive increase: after `limit` answers in time
+        for _ in range(limit - 1):
+            p.answered(9.0, 0.1)
+        assert p.limit == limit
+    summary = p.summary()
+    assert summary == {"asked": 8, "lowest": 1, "final": 3, "decreases": 3, "reasons": p.reasons}
+    assert "concurrency was lowered to 1 and ended at 3" in pacing_warning(summary)
+    assert pacing_warning(Pacer(4, 1.0).summary()) is None
+    with pytest.raises(ValueError):
+        Pacer(0, 1.0)
+
+
+def queue_app(service_s: float):
+    """A server that generates one answer at a time (``service_s`` each), as a small engine does: requests
+    wait in its queue, and one the client gave up on is generated all the same."""
+    import asyncio
+
+    app, lock = FastAPI(), asyncio.Lock()
+    app.state.generated = 0
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        await request.json()
+        async with lock:
+            await asyncio.sleep(service_s)
+            app.state.generated += 1
+        return JSONResponse(GOOD)
+
+    return app
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_a_server_slower_than_the_concurrency_asked_gets_fewer_requests_in_flight(tmp_path, adaptive, monkeypatch):
+    """Issue #42 item 4: at ``--concurrency 8`` a server that answers one request at a time made
+    requests wait past the timeout, and each one timed out was generated again. Adapted, the client
+    lowers its concurrency and every request is answered; a fixed concurrency (the pacer's decrease
+    switched off: the old client) exhausts its retries on the same server."""
+    from verinfer.auditing import pacing
+
+    if not adaptive:
+        monkeypatch.setattr(pacing.Pacer, "failed", lambda self, sent, reason: None)
+        monkeypatch.setattr(pacing.Pacer, "answered", lambda self, sent, elapsed_s: None)
+    app = queue_app(0.2)
+    said = []
+    with asgi_in_thread(app) as url:
+        c = client(url, tmp_path / str(adaptive), concurrency=8, retries=2, timeout_s=0.7)
+        c.on_retry = said.append
+        c.pacer.on_change = said.append
+        if adaptive:
+            records = c.fetch(calls(12))
+            assert all(r["response"] == GOOD for r in records)
+            summary = c.pacer.summary()
+            print(f"\n{c.sent} attempts for 12 requests; {summary}")
+            # it settles where the server answers within half the timeout: 0.2 s each, so at most 2 in flight
+            assert summary["decreases"] >= 1 and summary["final"] <= 2
+            assert c.sent < 12 * 3  # fewer than the retries allow: the fixed client below spends them all
+            assert any("concurrency lowered to 4" in s for s in said)
+        else:
+            with pytest.raises(ProviderError, match="timed out"):
+                c.fetch(calls(12))

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from verinfer.auditing.pacing import OVERLOADED, Pacer
 from verinfer.auditing.secrets import redact, redact_text, remember, remember_url
 from verinfer.auditing.store import ResponseStore, request_key
 from verinfer.auditing.stream import StreamError, assemble, events
@@ -209,6 +210,9 @@ class ProviderClient:
         self.endpoint, self.store, self.concurrency, self.policy, self.check = endpoint, store, concurrency, policy, check
         self.transport = transport
         self.on_retry = on_retry  # hears each timeout or failure that is retried, as it happens
+        # in flight: at most `concurrency`, halved while the server cannot keep up (verinfer.auditing.pacing)
+        self.pacer = Pacer(concurrency, policy.timeout_s / 2,
+                           on_change=(lambda what: on_retry(f"{endpoint.name}: {what}")) if on_retry else None)
         self.rejected = ResponseStore(store.path.with_name("rejected.jsonl"))
         self.sent = 0  # HTTP attempts made by this client (retries included)
 
@@ -220,43 +224,53 @@ class ProviderClient:
         return [self.store.get(c.key) for c in calls]
 
     async def _fetch_all(self, calls: list[Call], on_done) -> None:
-        gate = asyncio.Semaphore(self.concurrency)
         failed: list[BaseException] = []
         limits = httpx.Limits(max_connections=self.concurrency)
         timeout = httpx.Timeout(self.policy.timeout_s)
         async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=self.transport) as http:
             async def one(call: Call) -> None:
-                async with gate:
-                    if failed:  # stop paying for more once the audit cannot finish
-                        return
-                    try:
-                        await self._fetch_one(http, call)
-                    except ProviderError as exc:
-                        failed.append(exc)
-                        return
-                    if on_done:
-                        on_done(1)
+                try:
+                    await self._fetch_one(http, call, failed)
+                except ProviderError as exc:
+                    failed.append(exc)
+                    return
+                if on_done and call.key in self.store:
+                    on_done(1)
 
             await asyncio.gather(*(one(c) for c in calls))
         if failed:
             raise failed[0]
 
-    async def _fetch_one(self, http: httpx.AsyncClient, call: Call) -> None:
+    async def _fetch_one(self, http: httpx.AsyncClient, call: Call, failed: list[BaseException]) -> None:
+        """One call, retried as the policy says; each attempt waits for a place under the pacer's limit
+        (none is sent once another call has failed the audit: it could not finish)."""
         url = self.endpoint.url(call.path)
         where = f"provider {self.endpoint.name!r} ({redact_text(url)})"
         attempt = 0
         while True:
-            retry_after = None
+            retry_after, problem = None, None
+            sent = await self.pacer.acquire()
+            if failed:  # stop paying for more once the audit cannot finish
+                await self.pacer.release()
+                return
             self.sent += 1
             try:
                 started = time.monotonic()
-                resp, cut = await self._receive(http, url, call)
+                resp, cut, head_s = await self._receive(http, url, call)
                 elapsed = time.monotonic() - started
             except httpx.TimeoutException:
                 problem = f"timed out after {self.policy.timeout_s:g} s"
+                self.pacer.failed(sent, "time-outs")
             except httpx.TransportError as exc:
                 problem = f"connection failed ({type(exc).__name__}: {redact_text(str(exc))[:120] or 'no detail'})"
             else:
+                if resp is not None and resp.status_code in OVERLOADED:
+                    self.pacer.failed(sent, f"HTTP {resp.status_code}")
+                elif head_s is not None:  # how long the server kept it before answering: its queue shows here
+                    self.pacer.answered(sent, head_s)
+            finally:
+                await self.pacer.release()
+            if problem is None:
                 if cut is not None:  # kept (paid for) and final: a retry would get the same endless answer
                     text = redact_text(resp.text)[:100_000] if resp is not None else ""
                     self.rejected.append(call.key, call.path, call.body, text, **call.meta, cut=cut,
@@ -305,28 +319,32 @@ class ProviderClient:
         self.store.append(call.key, call.path, call.body, payload, **meta)
 
 
-    async def _receive(self, http: httpx.AsyncClient, url: str, call: Call) -> tuple[httpx.Response | None, str | None]:
-        """The response with at most ``max_response_bytes`` of its body, read as it streams in, and why
-        it was cut short (the deadline passed, or the body is larger), or None when it is whole. The
-        response is None only when the deadline passed before the status line arrived."""
-        limit, received, head = self.policy.max_response_bytes, bytearray(), None
+    async def _receive(self, http: httpx.AsyncClient, url: str,
+                       call: Call) -> tuple[httpx.Response | None, str | None, float | None]:
+        """The response with at most ``max_response_bytes`` of its body, read as it streams in; why it
+        was cut short (the deadline passed, or the body is larger), or None when it is whole; and the
+        seconds until its status line came (None when it did not). The response is None only when the
+        deadline passed before the status line arrived."""
+        limit, received, head, head_s = self.policy.max_response_bytes, bytearray(), None, None
+        started = time.monotonic()
         try:
             async with asyncio.timeout(self.policy.deadline_s):
                 # The key lets a server that keeps results per key (``verinfer serve``) hand a retry the
                 # decoding its timed-out attempt started, instead of starting again.
                 headers = {**self.endpoint.headers(), "Idempotency-Key": call.key}
                 async with http.stream("POST", url, json=call.body, headers=headers) as head:
+                    head_s = time.monotonic() - started
                     async for chunk in head.aiter_bytes():
                         received += chunk
                         if len(received) > limit:
                             del received[limit:]
                             return _with_body(head, received), (f"the response is larger than the limit of "
-                                                                f"{limit:,} bytes")
+                                                                f"{limit:,} bytes"), head_s
         except TimeoutError:  # asyncio's deadline (httpx's own timeouts are httpx.TimeoutException)
             return (None if head is None else _with_body(head, received),
                     f"no complete response within the deadline of {self.policy.deadline_s:g} s "
-                    f"({len(received):,} bytes received)")
-        return _with_body(head, received), None
+                    f"({len(received):,} bytes received)", head_s)
+        return _with_body(head, received), None, head_s
 
 
 def _with_body(resp: httpx.Response, body: bytes | bytearray) -> httpx.Response:

@@ -21,6 +21,7 @@ import numpy as np
 
 from verinfer.auditing.bands import HIST_EDGES, histogram
 from verinfer.auditing.draws import store_path
+from verinfer.auditing.pacing import pacing_warning
 from verinfer.auditing.run import AuditResult, ProviderAudit
 from verinfer.auditing.secrets import redact, redact_text
 from verinfer.files import write_atomic
@@ -159,7 +160,8 @@ def warning_lines(audit: ProviderAudit) -> list[str]:
         lines.append(f"{unaligned['sequences']} re-tokenized output(s) disagree with the provider's usage count "
                      f"after alignment: {unaligned['total']} token(s) after their first mismatch not scored "
                      "(ask the provider for token ids)")
-    return lines
+    paced = pacing_warning(audit.pacing)
+    return lines + ([paced] if paced else [])
 
 
 def to_json(result: AuditResult, tokenizer) -> dict:
@@ -177,7 +179,7 @@ def to_json(result: AuditResult, tokenizer) -> dict:
         "providers": [{
             "name": a.endpoint.name, "base_url": a.endpoint.base_url, "model": a.endpoint.model,
             "verdict": a.verdict.to_dict(), "warnings": warning_lines(a), "served": a.served,
-            "drift": a.drift, "requests_sent": a.requests_sent,
+            "drift": a.drift, "requests_sent": a.requests_sent, "concurrency": a.pacing,
             "responses_stored": a.responses_stored, "damaged_lines": a.damaged_lines, "empty_outputs": a.empty_outputs,
             "prompts": [{k: v for k, v in r.items() if k != "pieces"} for r in prompt_rows(a, tokenizer, clip)],
             **({"tests": a.tests} if a.tests is not None else {}),  # auto mode (verinfer.auditing.auto)

@@ -56,6 +56,7 @@ class ProviderAudit:
     served: dict = field(default_factory=dict)  # what the provider said it served, with warnings (summarize_served)
     prompts: list[dict] | None = None  # seedless modes: per-prompt results (verinfer.auditing.seedless)
     tests: list[dict] | None = None  # auto mode: each test, whether it ran and its Holm-adjusted p (auditing.auto)
+    pacing: dict = field(default_factory=dict)  # requests in flight: asked, lowest, final (auditing.pacing)
 
 
 @dataclass
@@ -158,15 +159,16 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
     audits = []
     for e, store, client, records in fetched:
         if spec.seedless:
-            audits.append(_sampled_audit(e, store, client, records, spec, reference, out_dir, fpr, stops, stage,
-                                         gap_bands if spec.mode == "logprobs" else None))
-            continue
-        if spec.mode == "auto":
-            audits.append(_auto_audit(e, store, client, records, spec, reference, out_dir, bands, calibrator,
-                                      batch_size, fpr, stops, stage, gap_bands))
-            continue
-        audits.append(_replayed_audit(e, store, client, records, spec, reference, out_dir, bands, calibrator,
-                                      batch_size, fpr, stops, stage))
+            audit = _sampled_audit(e, store, client, records, spec, reference, out_dir, fpr, stops, stage,
+                                   gap_bands if spec.mode == "logprobs" else None)
+        elif spec.mode == "auto":
+            audit = _auto_audit(e, store, client, records, spec, reference, out_dir, bands, calibrator,
+                                batch_size, fpr, stops, stage, gap_bands)
+        else:
+            audit = _replayed_audit(e, store, client, records, spec, reference, out_dir, bands, calibrator,
+                                    batch_size, fpr, stops, stage)
+        audit.pacing = client.pacer.summary()
+        audits.append(audit)
     adjust([a.verdict for a in audits])  # Holm over providers, whatever the mode
     return AuditResult(audits, spec, reference.describe(), calibrator.fpr if calibrator and spec.mode != "auto" else fpr,
                        out_dir, bands, started, time.time() - started, gap_bands=gap_bands)

@@ -203,7 +203,8 @@ def run(
                                                      "size)"),
     batch_size: Optional[int] = opt.hidden("--batch-size"),
     fpr: float = opt.fpr(),
-    concurrency: int = typer.Option(4, help="requests in flight per provider"),
+    concurrency: int = typer.Option(4, help="most requests in flight per provider (halved while the server "
+                                    "times out or answers slower than half --timeout, raised again as it keeps up)"),
     timeout: float = typer.Option(120.0, help="seconds per network operation (connect, each read)"),
     deadline: float = typer.Option(600.0, help="seconds per request, sent to last byte received (a response "
                                    "still arriving then is kept as rejected and stops the audit)"),
