@@ -245,3 +245,13 @@ def test_a_server_slower_than_the_concurrency_asked_gets_fewer_requests_in_fligh
         else:
             with pytest.raises(ProviderError, match="timed out"):
                 c.fetch(calls(12))
+
+
+def test_one_client_fetches_again_in_a_new_event_loop(tmp_path):
+    """Each ``fetch`` runs its own event loop; the pacer's waiting place follows it."""
+    app = flaky_app([])
+    with asgi_in_thread(app) as url:
+        c = client(url, tmp_path)
+        c.fetch(calls(2))
+        c.fetch(calls(4))
+    assert len(app.state.calls) == 4 and c.pacer.active == 0

@@ -34,10 +34,12 @@ class Pacer:
         self.reasons: dict[str, int] = {}  # what lowered the limit, and how often
         self._lowered_at = float("-inf")
         self._turn: asyncio.Condition | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _cond(self) -> asyncio.Condition:
-        if self._turn is None:  # made inside the running loop
-            self._turn = asyncio.Condition()
+        loop = asyncio.get_running_loop()  # one per event loop: each ``fetch`` runs its own
+        if self._turn is None or self._loop is not loop:
+            self._turn, self._loop, self.active = asyncio.Condition(), loop, 0
         return self._turn
 
     async def acquire(self) -> float:
@@ -53,7 +55,7 @@ class Pacer:
             self._cond().notify_all()
 
     def answered(self, sent: float, elapsed_s: float) -> None:
-        """A request sent at ``sent`` was answered after ``elapsed_s``."""
+        """A request sent at ``sent`` was answered after ``elapsed_s`` (called before its ``release``)."""
         if elapsed_s > self.slow_s:
             self.failed(sent, f"answers slower than {self.slow_s:g} s")
             return
@@ -61,9 +63,7 @@ class Pacer:
         if self.in_time >= self.limit and self.limit < self.maximum:
             self.in_time = 0
             self.limit += 1
-            self._say(f"raised to {self.limit}")
-            if self._turn is not None:
-                asyncio.get_running_loop().create_task(self._wake())
+            self._say(f"raised to {self.limit}")  # the waiters see it at the release that follows
 
     def failed(self, sent: float, reason: str) -> None:
         """A request sent at ``sent`` timed out or was refused as overload (``reason``)."""
@@ -77,10 +77,6 @@ class Pacer:
             self.lowest = min(self.lowest, self.limit)
             self.decreases += 1
             self._say(f"lowered to {self.limit} ({reason})")
-
-    async def _wake(self) -> None:
-        async with self._cond():
-            self._cond().notify_all()
 
     def _say(self, what: str) -> None:
         if self.on_change is not None:
