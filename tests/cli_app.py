@@ -10,10 +10,10 @@ import os
 import subprocess
 
 
-def invoke(*args, cwd=None) -> subprocess.CompletedProcess:
+def invoke(*args, cwd=None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """The app in this process, its exit code, stdout and stderr as a process's; an exception the app let
     escape is re-raised (a process would print its traceback and exit 1). The torch thread count a
-    command sets (``--threads``) is restored after it."""
+    command sets (``--threads``) is restored after it; ``env`` is set for the command's duration."""
     import torch
     from typer.testing import CliRunner
 
@@ -22,7 +22,8 @@ def invoke(*args, cwd=None) -> subprocess.CompletedProcess:
     threads = torch.get_num_threads()
     try:
         with contextlib.chdir(cwd or os.getcwd()):
-            result = CliRunner().invoke(app, [str(a) for a in args], env={"HF_HUB_OFFLINE": "1", "COLUMNS": "80"})
+            result = CliRunner().invoke(app, [str(a) for a in args],
+                                        env={"HF_HUB_OFFLINE": "1", "COLUMNS": "80", **(env or {})})
     finally:
         torch.set_num_threads(threads)
     if result.exception is not None and not isinstance(result.exception, SystemExit):

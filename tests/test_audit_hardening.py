@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from tests.audit_servers import asgi_in_thread
+from tests.cli_app import invoke
 from verinfer.auditing.client import Call, Endpoint, ProviderClient, ProviderError, RetryPolicy, endpoints_from_file
 from verinfer.auditing.responses import parse_generation, summarize_served
 from verinfer.auditing.secrets import REDACTED, redact, redact_text, remember, remember_url
@@ -365,7 +366,7 @@ def test_cli_401_echoing_the_key_is_one_redacted_line(proxy, tmp_path):
 def test_cli_providers_file_with_a_non_string_name(tmp_path):
     path = tmp_path / "providers.json"
     path.write_text(json.dumps([{"name": 7, "url": "http://127.0.0.1:9/v1"}]))
-    proc = cli("--providers-file", str(path), "--out", str(tmp_path / "audit"), key=None)
+    proc = invoke("audit", "run", "--providers-file", str(path), "--out", str(tmp_path / "audit"))  # in this process
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

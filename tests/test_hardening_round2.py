@@ -15,6 +15,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from tests import cli_app
 from tests.audit_servers import asgi_in_thread
 from verinfer.auditing.client import Call, Endpoint, ProviderClient, ProviderError, RetryPolicy
 from verinfer.auditing.secrets import REDACTED, redact_text
@@ -169,16 +170,10 @@ def test_an_audit_that_fails_before_storing_anything_leaves_no_directory(backend
     assert not out.exists()
 
 
-def cli(*args):
-    env = {k: v for k, v in os.environ.items() if k in ("HOME", "PATH", "VERINFER_CACHE", "PYTHONPATH")}
-    env.update(HF_HUB_OFFLINE="1", COLUMNS="200", OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "verinfer.cli", *args], capture_output=True, text=True,
-                          timeout=600, env=env)
-
-
 def test_cli_audit_concurrency_zero_is_one_line_and_no_directory(tmp_path):
     out = tmp_path / "audit"
-    proc = cli("audit", "run", "-p", "p=http://127.0.0.1:9/v1", "--concurrency", "0", "--n", "1", "-o", str(out))
+    proc = cli_app.invoke("audit", "run", "-p", "p=http://127.0.0.1:9/v1", "--concurrency", "0", "--n", "1",
+                          "-o", str(out))
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and "concurrency" in lines[0], proc.stderr[-2000:]
     assert not out.exists()
