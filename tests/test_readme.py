@@ -19,7 +19,10 @@ HF_HUB_OFFLINE=1 and one torch thread:
   A line that starts a server (``verinfer serve``, ``gateway`` or ``dashboard`` with a ``--port``,
   ``monitor`` without ``--once``) runs in the background: it must answer HTTP on its port before the
   next line runs and still be running when the block ends, when it is stopped (SIGTERM). Every other
-  line must exit 0.
+  line must exit 0. A line that is one ``verinfer`` command with nothing for bash to expand runs the
+  same app on the same arguments in the test's process (``in_process_args``; ``tests/cli_app.py``),
+  sparing an interpreter start and a model load per line; the console script itself runs as a process
+  in the quick start, the installed wheel's checks and ``tests/test_cli.py``.
 
 Substitutions, the only ones: each port number a block names (``--port N``, and ``:N`` in its URLs)
 becomes a free loopback port, the same one everywhere in the block, so the tests never collide with
@@ -46,6 +49,7 @@ import pytest
 
 from tests import install_blocks
 from tests.audit_servers import free_port
+from tests.cli_app import invoke
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -108,6 +112,20 @@ def substitute_ports(text: str, ports: dict[str, int] | None = None) -> str:
     for port, free in sorted(ports.items(), key=lambda kv: len(kv[0]), reverse=True):
         text = re.sub(rf"(--port |:){port}\b", rf"\g<1>{free}", text)
     return text
+
+
+def in_process_args(command: str) -> list[str] | None:
+    """The arguments of a line that is one ``verinfer`` command and nothing bash would change (no pipe,
+    redirect, ``&&``, variable, substitution or glob outside quotes), which runs in the test's process
+    (``tests/cli_app.py``: the same app on the same arguments, without an interpreter start and a model
+    load per line, about 10 s each here); None for every other line, which bash runs. ``--ray`` lines
+    stay in a process of their own: a Ray driver belongs to its process."""
+    unquoted = re.sub(r"'[^']*'|\"[^\"]*\"", "''", command)
+    unquoted = re.sub(r"(^|\s)#.*$", "", unquoted)  # a trailing comment, as bash reads it
+    if not unquoted.startswith("verinfer ") or re.search(r"[|&;<>()$`*?\[\]{}~\\]", unquoted):
+        return None
+    args = shlex.split(command, comments=True)
+    return None if "--ray" in args else args[1:]
 
 
 def _port(command: str) -> int | None:
@@ -199,8 +217,11 @@ def run_bash_block(block: Block, cwd: Path, env: dict | None = None, ports: dict
                     started.append(Service(command, proc, log))
                     _wait_ready(started[-1], _port(command))
                     continue
-                proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
-                                      timeout=GUARD_S)
+                if (args := in_process_args(command)) is not None:
+                    proc = invoke(*args, cwd=cwd, env={k: v for k, v in env.items() if os.environ.get(k) != v})
+                else:
+                    proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
+                                          timeout=GUARD_S)
                 assert proc.returncode == 0, (f"README.md:{block.line}: `{command}` exited with {proc.returncode}:\n"
                                               f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
                 outputs.append(proc.stdout + proc.stderr)
