@@ -50,3 +50,23 @@ def test_directory_without_config(tmp_path):
 def test_unknown_dtype():
     with pytest.raises(ValueError, match="unknown dtype 'int3'"):
         parse_dtype("int3")
+
+
+def test_a_gemma3_tokenizer_without_a_chat_template_gets_gemmas_turn_format(backend):
+    """The gemma3-270m GGUF package carries no chat template, and chat prompts were tokenized as plain
+    text (issue #40 item 1): the loader gives a Gemma 3 tokenizer Gemma's turn format; others keep theirs."""
+    import copy
+
+    from verinfer.models.load import with_chat_template
+
+    msgs = [{"role": "system", "content": "Be terse. "}, {"role": "user", "content": " Hi "},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"}]
+    tok = copy.deepcopy(backend.tokenizer)
+    tok.chat_template = None
+    text = with_chat_template(tok, "gemma3_text").apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == (f"{tok.bos_token}<start_of_turn>user\nBe terse.\n\nHi<end_of_turn>\n<start_of_turn>model\nHello"
+                    "<end_of_turn>\n<start_of_turn>user\nBye<end_of_turn>\n<start_of_turn>model\n")
+    plain = copy.deepcopy(backend.tokenizer)
+    plain.chat_template = None
+    assert with_chat_template(plain, "llama").chat_template is None  # no format is invented for other families
+    assert with_chat_template(backend.tokenizer, "gemma3").chat_template == backend.tokenizer.chat_template

@@ -131,6 +131,32 @@ def _quiet_transformers():
         yield
 
 
+# Gemma 3's chat format, which the gemma3-270m GGUF package does not carry (no ``tokenizer.chat_template``
+# in its metadata, so the converted tokenizer had none and chat prompts were tokenized as plain text): BOS,
+# then ``<start_of_turn>ROLE\n`` + the trimmed content + ``<end_of_turn>\n`` per turn, the assistant's
+# role named ``model``, a system message prepended to the first user turn with a blank line, and
+# ``<start_of_turn>model\n`` as the generation prompt (Gemma 3 model card, "Prompt formatting").
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set ns = namespace(system='') -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set ns.system = messages[0]['content'] | trim + '\n\n' -%}{%- set messages = messages[1:] -%}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\n' }}"
+    "{{ (ns.system if loop.first else '') + m['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def with_chat_template(tokenizer, model_type: str):
+    """The tokenizer, given its family's chat format when it came without one (``GEMMA3_CHAT_TEMPLATE``)."""
+    if not getattr(tokenizer, "chat_template", None) and model_type.startswith("gemma3"):
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    return tokenizer
+
+
 def _convert_gguf(source: ModelSource, target: Path) -> None:
     """Dequantize a GGUF file through transformers and save it as a plain safetensors model."""
     import torch
@@ -140,6 +166,7 @@ def _convert_gguf(source: ModelSource, target: Path) -> None:
     with _quiet_transformers():
         tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    tokenizer = with_chat_template(tokenizer, model.config.model_type)  # saved with it: engines serve this directory
     model.hf_quantizer = None  # the weights are plain fp32 now; the GGUF marker blocks saving
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -190,4 +217,4 @@ def load_pretrained(source: ModelSource, dtype: torch.dtype | None = None):
     except OSError as exc:
         raise ModelNotAvailable(f"model {source.model_id!r} is not available offline: {exc}".splitlines()[0]) from None
     model.eval()
-    return model, tokenizer
+    return model, with_chat_template(tokenizer, model.config.model_type)  # a conversion cached before the fix
