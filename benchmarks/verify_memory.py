@@ -1,6 +1,6 @@
 """Peak memory of verification: about 20,000 tokens against about 2,000 tokens.
 
-Usage: python benchmarks/verify_memory.py [--small N] [--large N] [--profile NAME] [--seq-len N]
+Usage: python benchmarks/verify_memory.py [--small N] [--large N] [--profile NAME] [--seq-len N] [--model M]
 
 Each size runs in a fresh subprocess that loads the model, builds its traces, then verifies them as
 ``verinfer.scoring.traces.score_traces`` does (the path of ``verinfer verify``: streaming prefill, scoring,
@@ -19,6 +19,11 @@ so both sizes fill the same micro-batches and only the number of tokens differs.
 tokens are meaningless; the work done per token is the same as for real traces. ``--token-budget``
 defaults to 2048 (not the library's 4096) so that the small run already fills one whole micro-batch:
 with 4096 the small run would fill half a batch and the comparison would measure the batch size.
+
+``--model`` picks the reference (an alias or a local model directory, such as the random-weight models
+of published shapes that ``experiments/served_shapes.py`` builds); ``experiments/served_shapes.py``
+also runs one child of this script per point of its cost curves (``--whole``: one trace of exactly
+``--seq-len`` tokens, its output running to the end of the sequence).
 """
 
 from __future__ import annotations
@@ -67,8 +72,9 @@ def reset_peak() -> bool:
         return False
 
 
-def build_traces(backend, n_tokens: int, seq_len: int, params: dict, seed: int):
-    """Traces of ``seq_len`` tokens each (real prompt + random outputs) until ``n_tokens`` outputs."""
+def build_traces(backend, n_tokens: int, seq_len: int, params: dict, seed: int, whole: bool = False):
+    """Traces of ``seq_len`` tokens each (real prompt + random outputs) until ``n_tokens`` outputs;
+    with ``whole`` the last trace is not cut short, so every trace is exactly ``seq_len`` tokens."""
     import numpy as np
 
     from verinfer.simulate.generate import build_requests
@@ -84,7 +90,7 @@ def build_traces(backend, n_tokens: int, seq_len: int, params: dict, seed: int):
         if total >= n_tokens:
             break
         prompt = list(req.prompt_token_ids)[: seq_len // 2]
-        n_out = min(seq_len - len(prompt), n_tokens - total)
+        n_out = seq_len - len(prompt) if whole else min(seq_len - len(prompt), n_tokens - total)
         out = rng.integers(0, backend.vocab_size, size=n_out).tolist()
         traces.append(Trace(req.id, backend.model_id, prompt, out, req.params))
         total += n_out
@@ -103,8 +109,8 @@ def child(args) -> None:
     from verinfer.scoring.token_difr import verify_traces
 
     torch.set_num_threads(args.threads)
-    backend = Backend.load()
-    traces = build_traces(backend, args.child, args.seq_len, PROFILES[args.profile], args.seed)
+    backend = Backend.load(args.model)
+    traces = build_traces(backend, args.child, args.seq_len, PROFILES[args.profile], args.seed, args.whole)
     gc.collect()
     after_load = status_kib("VmRSS")
     # The weights are memory-mapped and only become resident when a forward pass first touches them
@@ -116,7 +122,7 @@ def child(args) -> None:
     after_warm = status_kib("VmRSS")
     peak_reset = reset_peak()
     maxrss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     trajectory = []  # (rows verified so far, peak RSS so far) after each block
     if args.bare:  # the forward pass alone: hidden + lm_head blocks, discarded
         seqs = [t.prompt_token_ids + t.output_token_ids for t in traces]
@@ -139,7 +145,7 @@ def child(args) -> None:
                     trajectory[-1] = (trajectory[-1], status_kib("VmHWM"))
             cols = {k: np.concatenate(v) for k, v in keep.items()}
             parquet_bytes = (Path(tmp) / "scores.parquet").stat().st_size
-    seconds = time.perf_counter() - t0
+    seconds, cpu_seconds = time.perf_counter() - t0, time.process_time() - cpu0
     result = {
         "trajectory": trajectory,
         "tokens": int(sum(len(t.output_token_ids) for t in traces)),
@@ -155,6 +161,8 @@ def child(args) -> None:
         "maxrss_after_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "rss_end_kib": status_kib("VmRSS"),
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
+        "vocab_size": backend.vocab_size,
         "parquet_bytes": parquet_bytes,
     }
     print("RESULT " + json.dumps(result))
@@ -163,7 +171,7 @@ def child(args) -> None:
 def run_size(n_tokens: int, args, bare: bool = False) -> dict:
     cmd = [sys.executable, __file__, "--child", str(n_tokens), "--seq-len", str(args.seq_len),
            "--profile", args.profile, "--seed", str(args.seed), "--threads", str(args.threads),
-           "--token-budget", str(args.token_budget), *(["--bare"] if bare else [])]
+           "--token-budget", str(args.token_budget), "--model", args.model, *(["--bare"] if bare else []), *(["--whole"] if args.whole else [])]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"child for {n_tokens} tokens failed:\n{proc.stderr[-3000:]}")
@@ -181,6 +189,10 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=2048, help="prefill micro-batch budget (default 2048)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="reference model: an alias or a local model directory (default smollm2-135m)")
+    parser.add_argument("--whole", action="store_true",
+                        help="every trace exactly --seq-len tokens (the last one not cut to the token count)")
     parser.add_argument("--out", type=Path, default=None,
                         help="result file (default benchmarks/results/verify_memory.md, or "
                              "verify_memory_<profile>.md for another profile)")
@@ -237,7 +249,7 @@ def main() -> None:
              f"{s['tokens']} tokens, and {l_['growth_mib']:.0f} MiB at the end ({len(l_['trajectory'])} score blocks).")
     split = (f"The forward pass alone (hidden + lm_head blocks, no scoring) over the small set peaks at "
              f"{b['growth_mib']:.0f} MiB: scoring a block adds about {s['growth_mib'] - b['growth_mib']:.0f} MiB on top "
-             f"(the lm_head block itself is 512 x 49,152 fp32 = 96 MiB).")
+             f"(the lm_head block itself is 512 x {l_['vocab_size']:,} fp32 = {512 * l_['vocab_size'] * 4 / MIB:.0f} MiB).")
     print("\n" + table + "\n\n" + verdict + "\n" + trail + "\n" + split + f"\nru_maxrss-based ratio: {ratio_ru:.2f}")
     hwm_note = ("VmHWM was reset just before verification, so the peak is the verification's own." if
                 all(r["hwm_reset"] for r in res.values()) else
@@ -249,7 +261,7 @@ def main() -> None:
         f"Date: {started:%Y-%m-%d %H:%M %Z}  ",
         f"Machine: {mach}  ",
         f"Load average (1/5/15 min) at start {load_before}  ",
-        f"Setup: smollm2-135m fp32 (vocab 49,152); sampling `{args.profile}` = {PROFILES[args.profile]}; "
+        f"Setup: {args.model} fp32 (vocab {l_['vocab_size']:,}); sampling `{args.profile}` = {PROFILES[args.profile]}; "
         f"synthetic traces of {args.seq_len} tokens (a real chitchat prompt through the chat template, then "
         f"output token ids drawn uniformly from the vocabulary with seed {args.seed}: the scores are "
         f"meaningless, the work per token is real); prefill token budget {args.token_budget}, row block 512; "
