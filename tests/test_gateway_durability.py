@@ -155,7 +155,10 @@ def test_kill_9_under_load_loses_at_most_the_last_second(tmp_path):
     stop = threading.Event()
     with asgi_in_thread(engine.app) as upstream:
         # not waiting for the recorder: the first exchanges are journaled raw while it loads (seconds)
-        proc = _start(upstream, traces, port, tmp_path / "gateway.log", "--shard-records", "1000", ready=False)
+        # one open shard for the whole run: a shard closed by count just before the kill (1,000 records
+        # come in a few seconds here) left its successor's write-ahead file empty, and nothing to seal
+        proc = _start(upstream, traces, port, tmp_path / "gateway.log", "--shard-records", "1000000",
+                      "--shard-seconds", "3600", ready=False)
 
         def load(worker: int) -> None:
             with httpx.Client(timeout=30) as http:
