@@ -12,6 +12,7 @@ nothing here depends on how fast the machine is."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -92,8 +93,6 @@ def _every_help() -> dict[str, list]:
         pytest.fail(f"{started[-1] if started else SCRIPTS[0]} --help still running after {HANG_GUARD_S} s: "
                     "it ignores --help")
     assert proc.returncode == 0, f"the --help runner failed: {proc.stderr[-2000:]}"
-    import json
-
     return json.loads(proc.stdout.splitlines()[-1])
 
 

@@ -230,20 +230,20 @@ class ProviderClient:
         async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=self.transport) as http:
             async def one(call: Call) -> None:
                 try:
-                    await self._fetch_one(http, call, failed)
+                    stored = await self._fetch_one(http, call, failed)
                 except ProviderError as exc:
                     failed.append(exc)
                     return
-                if on_done and call.key in self.store:
+                if on_done and stored:
                     on_done(1)
 
             await asyncio.gather(*(one(c) for c in calls))
         if failed:
             raise failed[0]
 
-    async def _fetch_one(self, http: httpx.AsyncClient, call: Call, failed: list[BaseException]) -> None:
+    async def _fetch_one(self, http: httpx.AsyncClient, call: Call, failed: list[BaseException]) -> bool:
         """One call, retried as the policy says; each attempt waits for a place under the pacer's limit
-        (none is sent once another call has failed the audit: it could not finish)."""
+        (none is sent once another call has failed the audit: it could not finish). Whether it was stored."""
         url = self.endpoint.url(call.path)
         where = f"provider {self.endpoint.name!r} ({redact_text(url)})"
         attempt = 0
@@ -252,7 +252,7 @@ class ProviderClient:
             sent = await self.pacer.acquire()
             if failed:  # stop paying for more once the audit cannot finish
                 await self.pacer.release()
-                return
+                return False
             self.sent += 1
             try:
                 started = time.monotonic()
@@ -317,6 +317,7 @@ class ProviderClient:
             raise ProviderError(f"{where}: request {call.key} ({_describe(call)}): malformed response: {problem}; "
                                 f"kept in {self.rejected.path}")
         self.store.append(call.key, call.path, call.body, payload, **meta)
+        return True
 
 
     async def _receive(self, http: httpx.AsyncClient, url: str,
