@@ -109,12 +109,12 @@ def openai_server(argv: Callable[[int], list[str]], log_dir: Path, env: dict | N
 
 
 @contextmanager
-def seed_proxy(upstream: str, log_dir: Path):
-    """``engines/vllm_cpu/seed_proxy.py`` (every request's seed + 1) in front of ``upstream`` (``.../v1``);
-    yields its own ``.../v1`` URL."""
+def seed_proxy(upstream: str, log_dir: Path, *options: str):
+    """``engines/vllm_cpu/seed_proxy.py`` (every request's seed + 1, or what ``options`` say: ``--seed-offset
+    0 --set top_k=40``) in front of ``upstream`` (``.../v1``); yields its own ``.../v1`` URL."""
     script = Path(__file__).resolve().parents[1] / "engines" / "vllm_cpu" / "seed_proxy.py"
     argv = lambda port: [sys.executable, str(script), "--upstream", upstream.removesuffix("/v1"),  # noqa: E731
-                         "--port", str(port)]
+                         "--port", str(port), *options]
     with openai_server(argv, log_dir) as url:
         yield url
 

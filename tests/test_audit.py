@@ -312,15 +312,37 @@ def test_a_calibration_of_another_sampler_is_refused_before_any_request(backend,
 
 
 def test_a_seeded_audit_without_bands_refuses_before_any_request(backend, servers, prompts, tmp_path):
+    """Settings no shipped calibration covers (top-k 40), or the shipped one at another FPR: refused, saying so."""
     from verinfer.api import audit
 
     proxy = counting_proxy(servers["honest"], fail_after=None)
     with asgi_in_thread(proxy) as url:
-        with pytest.raises(ValueError, match="no bands for"):
-            audit({"p": url}, out=tmp_path, prompts=prompts, n=2, mode="seeded", profile="vllm", top_k=50,
+        with pytest.raises(ValueError, match="no bands for .* and no shipped calibration for these settings;"):
+            audit({"p": url}, out=tmp_path, prompts=prompts, n=2, mode="seeded", profile="vllm", top_k=40,
                   top_p=0.95, max_tokens=8, api_key_env=None, backend=backend)
+        with pytest.raises(ValueError, match=r"the shipped calibration-smollm2-135m-vllm-t1-k50-p0.95-minp0.json "
+                                             r"judges at 0.01 FPR, not 0.05"):
+            audit({"p": url}, out=tmp_path, prompts=prompts, n=2, mode="seeded", profile="vllm", top_k=50,
+                  top_p=0.95, max_tokens=8, api_key_env=None, backend=backend, fpr=0.05)
     assert proxy.state.forwarded == 0
     assert not (tmp_path / "p").exists()
+
+
+def test_a_seeded_audit_at_shipped_settings_is_judged_by_the_shipped_calibration(backend, servers, prompts, tmp_path):
+    """Issue #41 item 5, one verdict rule: with no bands or calibration given, a seeded audit at settings a
+    calibration ships for is judged by it, as `verify` judges the same tokens (the margin and the
+    sampler-shape detectors), and the reports name it."""
+    from verinfer.api import audit
+
+    stages = []
+    result = audit({"p": servers["honest"]}, out=tmp_path, prompts=prompts, n=3, mode="seeded", profile="vllm",
+                   top_k=50, top_p=0.95, max_tokens=8, api_key_env=None, backend=backend, on_stage=stages.append)
+    shipped = "calibration-smollm2-135m-vllm-t1-k50-p0.95-minp0.json (shipped default)"
+    assert result.judged_by == shipped and result.bands is None
+    assert any(s.startswith(f"judged by {shipped}: the margin and the sampler-shape detectors") for s in stages), stages
+    assert json.loads(result.reports[0].read_text())["calibration"] == shipped
+    assert result.providers[0].verdict.consistent, result.providers[0].verdict.text
+    assert "4 detectors" in result.providers[0].verdict.method  # the calibrated rule and its side tests, not bands'
 
 
 def test_api_audit_model_is_the_local_reference_and_old_names_still_work(backend, servers, prompts, tmp_path):
@@ -338,7 +360,7 @@ def test_api_audit_model_is_the_local_reference_and_old_names_still_work(backend
                 pytest.warns(DeprecationWarning, match="now profile="):
             with pytest.raises(ValueError, match="no bands for"):  # refused before any request, as without them
                 audit({"p": url}, out=tmp_path / "b", prompts=prompts, n=2, mode="seeded", sampler="vllm",
-                      reference_model="smollm2-135m", model="provider-id", top_k=50, top_p=0.95,
+                      reference_model="smollm2-135m", model="provider-id", top_k=40, top_p=0.95,
                       max_tokens=8, api_key_env=None, backend=backend)
     assert proxy.state.forwarded == 0
 

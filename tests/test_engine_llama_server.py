@@ -88,6 +88,13 @@ def proxy_url(llama_url, tmp_path_factory):
         yield url
 
 
+@pytest.fixture(scope="module")
+def top_k_40_url(llama_url, tmp_path_factory):
+    """The server behind a front that makes it sample top-k 40 whatever the client asks (seeds kept)."""
+    with seed_proxy(llama_url, tmp_path_factory.mktemp("top-k-40"), "--seed-offset", "0", "--set", "top_k=40") as url:
+        yield url
+
+
 def _audit(backend, providers, out: Path, prompts="chitchat", **kw):
     from verinfer.api import audit
 
@@ -116,50 +123,48 @@ def test_greedy_audit_of_a_real_llama_cpp_server(llama_url, backend, tmp_path):
     assert not a.served["warnings"], a.served["warnings"]  # usage counts agree with the re-tokenized text
 
 
-def test_seeded_audit_of_a_real_llama_cpp_server_and_of_a_seed_rewriting_proxy(llama_url, proxy_url, backend,
-                                                                                 tmp_path):
-    """Bands for the configuration are built here (honest fp32 and bf16 only, to stay small)."""
-    from verinfer.auditing.bands import build_bands
-    from verinfer.auditing.plan import AuditSpec
-    from verinfer.prompts import load_prompts
-
+def test_seeded_audits_are_judged_by_the_shipped_calibration_with_its_sampler_shape_detectors(
+        llama_url, top_k_40_url, backend, tmp_path):
+    """Issue #41 item 5: a 32 x 48 seeded audit at the shipped settings (T = 1, top-k 50, top-p 0.95) given no
+    bands or calibration is judged by the shipped llama.cpp calibration, as ``verify`` judges the same
+    tokens: the margin and the sampler-shape detectors. The honest server is CONSISTENT; behind a front
+    that makes it sample top-k 40 while the audit claims 50 it is INCONSISTENT by the narrower side (the
+    margin bands alone had said CONSISTENT, p = 1, in the issue). The seed + 1 front: the test below."""
     seeded = dict(mode="seeded", profile="llama.cpp", temperature=1.0, top_k=50, top_p=0.95, seed=100,
-                  max_tokens=24)
-    bands = tmp_path / "bands.json"
-    bands.write_text(json.dumps(build_bands(backend, load_prompts("chitchat", 8, seed=11), AuditSpec(**seeded),
-                                            variants=("honest", "bf16"))))
-    result = _audit(backend, {"llama": llama_url, "proxy": proxy_url}, tmp_path / "audit", n=6, bands=bands,
-                    **seeded)
-    honest, proxy = result.providers
-    print(f"\nseeded: llama {honest.verdict.text}; proxy {proxy.verdict.text}")
+                  max_tokens=48)
+    result = _audit(backend, {"llama": llama_url, "topk40": top_k_40_url}, tmp_path / "audit", n=32, **seeded)
+    honest, top_k_40 = result.providers
+    for a in result.providers:
+        print(f"\nseeded 32 x 48, {a.endpoint.name}: {a.verdict.text} "
+              f"({np.mean(a.columns['exact_match']):.1%} exact, {a.verdict.tokens} tokens)")
+    assert result.judged_by == "calibration-smollm2-135m-llama.cpp-t1-k50-p0.95-minp0.json (shipped default)"
+    assert json.loads(result.reports[0].read_text())["calibration"] == result.judged_by
     assert honest.verdict.consistent, honest.verdict.text
     assert np.mean(honest.columns["exact_match"]) >= 0.95
     assert honest.drift["count_mismatch"]["sequences"] == 0, honest.drift
-    assert not proxy.verdict.consistent, proxy.verdict.text
-    stored = json.loads((tmp_path / "audit" / "proxy" / "responses.jsonl").read_text().splitlines()[0])
+    assert not top_k_40.verdict.consistent and "narrower side" in top_k_40.verdict.text, top_k_40.verdict.text
+    stored = json.loads((tmp_path / "audit" / "topk40" / "responses.jsonl").read_text().splitlines()[0])
     assert stored["request"]["repeat_penalty"] == 1 and stored["request"]["top_k"] == 50  # the claim wins
 
 
-def test_seeded_audit_where_retokenized_text_merges_sampled_tokens_is_consistent(llama_url, backend, tmp_path):
+def test_seeded_audit_where_retokenized_text_merges_sampled_tokens_is_consistent_and_a_seed_rewriting_proxy_not(
+        llama_url, proxy_url, backend, tmp_path):
     """Issue #27 item 0: 16 prompts x 32 tokens at T = 1, top-k 50, top-p 0.95, where sampled tokens
     merge when the returned text is re-tokenized (the server returns no ids). Before the alignment
     (``verinfer.auditing.alignment``) every token after a merge mismatched and this honest server was
     called INCONSISTENT; now the merges are re-split where the replay sampled, reported as drift, and
-    left out of the verdict."""
-    from verinfer.auditing.bands import build_bands
-    from verinfer.auditing.plan import AuditSpec
+    left out of the verdict. The same server behind a front that adds 1 to every seed: INCONSISTENT."""
     from verinfer.prompts import load_prompts
 
     seeded = dict(mode="seeded", profile="llama.cpp", temperature=1.0, top_k=50, top_p=0.95, seed=100,
                   max_tokens=32)
-    bands = tmp_path / "bands.json"
-    bands.write_text(json.dumps(build_bands(backend, load_prompts("chitchat", 8, seed=11), AuditSpec(**seeded),
-                                            variants=("honest", "bf16"))))
-    # the issue's 16 prompts (sampled as they were before audits replaced repeated prompts: where merges occur)
+    # the issue's 16 prompts (sampled as they were before audits replaced repeated prompts: where merges occur),
+    # judged by the shipped calibration
     issue_prompts = load_prompts("chitchat", 16, seed=3)
-    honest = _audit(backend, {"llama": llama_url}, tmp_path / "audit", prompts=issue_prompts, n=16, bands=bands,
-                    **seeded).providers[0]
-    print(f"\nseeded, 16 prompts: llama {honest.verdict.text}; drift {honest.drift}")
+    honest, proxy = _audit(backend, {"llama": llama_url, "proxy": proxy_url}, tmp_path / "audit", prompts=issue_prompts,
+                           n=16, **seeded).providers
+    print(f"\nseeded, 16 prompts: llama {honest.verdict.text}; drift {honest.drift}; proxy {proxy.verdict.text}")
+    assert not proxy.verdict.consistent, proxy.verdict.text
     assert honest.drift["realigned"]["sequences"] >= 1, honest.drift  # merges occurred: what this test is about
     assert honest.drift["count_mismatch"]["sequences"] == 0, honest.drift
     assert honest.verdict.consistent, honest.verdict.text

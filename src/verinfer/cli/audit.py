@@ -198,7 +198,8 @@ def run(
                                              "'{\"top_k\": 0, \"min_p\": 0, \"repeat_penalty\": 1}'"),
     bands_file: Optional[Path] = opt.input_file("--bands", "bands file from `verinfer audit bands`"),
     calibration: Optional[Path] = opt.input_file("--calibration", "calibration file from `verinfer calibrate` "
-                                                 "instead of bands"),
+                                                 "instead of bands (seeded replays without either: the shipped "
+                                                 "calibration of the claimed settings, when one exists)"),
     verdict_batch: Optional[int] = opt.verdict_batch("with --calibration: tokens per verdict batch (a calibrated "
                                                      "size)"),
     batch_size: Optional[int] = opt.hidden("--batch-size"),
