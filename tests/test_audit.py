@@ -341,6 +341,7 @@ def test_a_seeded_audit_at_shipped_settings_is_judged_by_the_shipped_calibration
     assert result.judged_by == shipped and result.bands is None
     assert any(s.startswith(f"judged by {shipped}: the margin and the sampler-shape detectors") for s in stages), stages
     assert json.loads(result.reports[0].read_text())["calibration"] == shipped
+    assert f"Judged by the calibration {shipped}" in result.reports[1].read_text()
     assert result.providers[0].verdict.consistent, result.providers[0].verdict.text
     assert "4 detectors" in result.providers[0].verdict.method  # the calibrated rule and its side tests, not bands'
 
