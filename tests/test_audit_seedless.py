@@ -295,7 +295,37 @@ def test_logprobs_paired_gap_flags_a_hidden_system_prompt_and_passes_honest_bf16
     assert all("mean_logprob_gap" in r for r in by["hidden"].prompts)
     doc = json.loads(write_reports(result, backend.tokenizer)[0].read_text())
     assert doc["logprob_gap_bands"]["clip"] == bands.clip and "logprob gap" in doc["logprob_gap_bands"]["statistic"]
+    assert doc["logprob_gap_bands"]["prompts"] == "chitchat"  # what the shipped default was built on
     unpaired = run_audit(endpoints, prompts[:8], spec, LocalReference(backend), tmp_path / "unpaired")
     ks = {a.endpoint.name: a.verdict for a in unpaired.providers}
     assert "no logprob-gap bands" in ks["hidden"].method  # the KS fallback says what would judge the pairs
     print(f"\nhidden system prompt: paired p {by['hidden'].verdict.p_value:.3g}, unpaired KS p {ks['hidden'].p_value:.3g}")
+
+
+def test_logprob_gap_bands_are_found_for_the_audits_prompt_set_and_else_the_default(tmp_path):
+    """Honest logprob gaps depend on the kind of prompt (RESULTS.md section 31: an honest bf16 server
+    flagged on human-eval prompts by bands built on chitchat), so bands built on the audit's prompt set are
+    preferred, the default ones used otherwise; every file says what it was built on (older ones: in
+    their command)."""
+    from verinfer.auditing.bands import Bands, bands_filename, find_bands
+    from verinfer.auditing.logprobs import gap_signature
+
+    sig = gap_signature(AuditSpec(mode="logprobs", temperature=1.0).params(0))
+    band = {"label": "reference (fp32)", "honest": True, "description": "", "sequences": [[10, 0.0, 10]],
+            "histogram": [10] + [0] * 9}
+
+    def write(prompt_set, command_only=False):
+        data = {"format": "verinfer.audit.bands/1", "kind": "logprob-gap", "model": "m", "sampling": sig,
+                "clip": 0.2, "command": f"verinfer audit bands --prompts {prompt_set} --mode logprobs",
+                "bands": {"honest": band}, **({} if command_only else {"prompt_set": prompt_set})}
+        name = bands_filename("m", sig, "logprob-gap", None if command_only else prompt_set)
+        (tmp_path / name).write_text(json.dumps(data))
+        return name
+
+    assert write("human-eval").endswith("-minp0-human-eval.json")
+    write("chitchat", command_only=True)  # the default file, as shipped before files named their prompts
+    find = lambda p: find_bands("m", sig, [tmp_path], kind="logprob-gap", prompt_set=p)  # noqa: E731
+    assert find("human-eval").prompt_set == "human-eval"
+    assert find("gsm8k").prompt_set == "chitchat" and find(None).prompt_set == "chitchat"
+    assert Bands.load(tmp_path / bands_filename("m", sig, "logprob-gap")).prompt_set == "chitchat"
+    assert bands_filename("m", sig, "logprob-gap", "prompts/mine.jsonl") == bands_filename("m", sig, "logprob-gap")

@@ -396,11 +396,18 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     given = Bands.load(bands) if bands else None
     if given is not None and given.kind == "logprob-gap":  # the logprobs test's bands (--mode logprobs, auto)
         given, gap_bands = None, given
-    if spec.mode in ("logprobs", "auto") and gap_bands is None and not reference_url:
-        gap_bands = find_bands(backend.model_id, gap_signature(spec.params(0)), kind="logprob-gap")  # shipped, if any
+    asked = str(prompts) if isinstance(prompts, (str, Path)) else None
+    if spec.mode in ("logprobs", "auto") and gap_bands is None and not reference_url:  # shipped, if any: those
+        # built on the audit's prompt set first
+        gap_bands = find_bands(backend.model_id, gap_signature(spec.params(0)), kind="logprob-gap", prompt_set=asked)
     if gap_bands is not None and gap_bands.signature != gap_signature(spec.params(0)):
         raise ValueError(f"{gap_bands.source}: logprob-gap bands were built for sampling {gap_bands.signature}, the "
                          f"audit claims {gap_signature(spec.params(0))}")
+    if gap_bands is not None and gap_bands.prompt_set != asked and on_stage is not None:
+        on_stage(f"warning: the logprobs test's bands were built on {gap_bands.prompt_set or 'other'} prompts, this "
+                 f"audit asks {asked or 'its own'}: honest logprob gaps depend on the kind of prompt (honest bf16's is "
+                 "larger on code than on chat: RESULTS.md section 31), so an honest provider may be flagged; "
+                 f"build bands on these prompts: verinfer audit bands --mode logprobs --prompts {asked or 'FILE'}")
     judged_by = f"{Path(calibration).name} (given)" if isinstance(calibration, (str, Path)) else None
     shipped_note = ""
     if calibrator is None and given is None and spec.replays and not reference_url:  # seeded replays: the shipped

@@ -15,6 +15,7 @@ correlation of greedy divergence) until they hold N tokens.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,13 @@ class Bands:
     def signature(self) -> dict:
         return self.data["sampling"]
 
+    @property
+    def prompt_set(self) -> str | None:
+        """The prompts the bands were built on (a built-in set's name or a file; older files: from their
+        command). Logprob gaps depend on the kind of prompt: honest bf16's is larger on code than on chat."""
+        found = re.search(r"--prompts (\S+)", self.data.get("command") or "")
+        return self.data.get("prompt_set") or (found.group(1) if found else None)
+
     def honest_bands(self) -> list[np.ndarray]:
         """Per-sequence stats of each honest band: the configurations an honest provider may run."""
         return [b.sequences for b in self.bands if b.honest]
@@ -110,22 +118,29 @@ class Bands:
             raise ValueError(f"{path}: cannot read bands file ({type(exc).__name__}: {exc})") from None
 
 
-def bands_filename(model: str, signature: dict, kind: str = "margin") -> str:
+def bands_filename(model: str, signature: dict, kind: str = "margin", prompt_set: str | None = None) -> str:
+    """The file name bands are shipped and found under; ``prompt_set`` (a built-in set's name) marks bands
+    built for one kind of prompt (the name without it: the default, built on chitchat)."""
     mode = "greedy" if signature["profile"] == "greedy" else (
         f"{signature['profile']}-t{signature['temperature']:g}-k{signature['top_k']}-p{signature['top_p']:g}"
         f"-minp{signature['min_p']:g}")
-    return f"bands-{model}-{'' if kind == 'margin' else kind + '-'}{mode}.json"
+    suffix = f"-{prompt_set}" if prompt_set and re.fullmatch(r"[A-Za-z0-9_-]+", prompt_set) else ""
+    return f"bands-{model}-{'' if kind == 'margin' else kind + '-'}{mode}{suffix}.json"
 
 
-def find_bands(model: str, signature: dict, extra_dirs: Sequence[Path] = (), kind: str = "margin") -> Bands | None:
-    """Bands of ``kind`` for this model and sampling signature from ``extra_dirs`` or the shipped data."""
-    name = bands_filename(model, signature, kind)
-    for d in (*extra_dirs, DATA_DIR):
-        path = Path(d) / name
-        if path.exists():
-            bands = Bands.load(path)
-            if bands.signature == signature and bands.model == model and bands.kind == kind:
-                return bands
+def find_bands(model: str, signature: dict, extra_dirs: Sequence[Path] = (), kind: str = "margin",
+               prompt_set: str | None = None) -> Bands | None:
+    """Bands of ``kind`` for this model and sampling signature from ``extra_dirs`` or the shipped data:
+    those built on ``prompt_set`` when there are, else the default ones (whose ``prompt_set`` says
+    what they were built on)."""
+    names = [bands_filename(model, signature, kind, prompt_set)] if prompt_set else []
+    for name in (*names, bands_filename(model, signature, kind)):
+        for d in (*extra_dirs, DATA_DIR):
+            path = Path(d) / name
+            if path.exists():
+                bands = Bands.load(path)
+                if bands.signature == signature and bands.model == model and bands.kind == kind:
+                    return bands
     return None
 
 

@@ -175,6 +175,7 @@ def to_json(result: AuditResult, tokenizer) -> dict:
                                                     "statistic": result.bands.data.get("statistic")},
         "logprob_gap_bands": None if result.gap_bands is None else {
             "source": display_path(result.gap_bands.source, result.out_dir), "clip": result.gap_bands.clip,
+            "prompts": result.gap_bands.prompt_set,
             "statistic": result.gap_bands.data.get("statistic")},
         "providers": [{
             "name": a.endpoint.name, "base_url": a.endpoint.base_url, "model": a.endpoint.model,

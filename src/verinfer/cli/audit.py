@@ -97,7 +97,9 @@ def bands(
                               if mode == "logprobs" else []), f"--max-tokens {max_tokens}"]))
     kind = "logprob-gap" if mode == "logprobs" else "margin"
     signature = gap_signature(spec.params(0)) if mode == "logprobs" else spec.signature()
-    out = out or fresh_path(bands_filename(backend.model_id, signature, kind))  # never the package's data
+    data["prompt_set"] = prompts  # what an audit compares its own prompts with
+    out = out or fresh_path(bands_filename(backend.model_id, signature, kind,
+                                           prompts if kind == "logprob-gap" else None))  # never the package's data
     write_atomic(out, json.dumps(data, indent=1))
     for name, b in data["bands"].items():
         toks = sum(s[0] for s in b["sequences"])
