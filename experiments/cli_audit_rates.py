@@ -96,17 +96,19 @@ def audit(app, name: str, url: str, i: int, out: Path) -> dict:
     if result.exit_code not in (0, 1):
         raise SystemExit(f"{name} audit {i}: `verinfer {' '.join(args)}` exited {result.exit_code}:\n"
                          f"{result.output[-3000:]}\n{result.exception!r}")
-    (provider,) = json.loads((out / "audit.json").read_text())["providers"]
+    doc = json.loads((out / "audit.json").read_text())
+    (provider,) = doc["providers"]
     tests = {t["test"]: t for t in provider["tests"] if t["ran"]}
     return {"server": name, "audit": i, "prompts": prompts, "prompt_seed": seed, "exit": result.exit_code,
             "rejects": not provider["verdict"]["consistent"], "p_auto": provider["verdict"]["p_value"],
             "tests": sorted(tests), "wall_s": round(time.monotonic() - t0, 1),
             **{f"p_{t}": tests[t]["p_value"] for t in TESTS if t in tests},
             **{f"stat_{t}": tests[t]["statistic"] for t in TESTS if t in tests},
-            "tokens": provider["verdict"]["tokens"]}
+            "tokens": provider["verdict"]["tokens"],
+            "gap_bands_prompts": (doc.get("logprob_gap_bands") or {}).get("prompts", "chitchat")}
 
 
-def run(names: list[str], audits: int) -> None:
+def run(names: list[str], audits: int, sets: tuple[str, ...] = SETS) -> None:
     from verinfer.cli.main import app
 
     directory = records_dir()
@@ -114,7 +116,7 @@ def run(names: list[str], audits: int) -> None:
     for name in names:
         path = directory / f"{name}.jsonl"
         done = {json.loads(line)["audit"] for line in path.open()} if path.exists() else set()
-        todo = [i for i in range(audits) if i not in done]
+        todo = [i for i in range(audits) if i not in done and SETS[i % len(SETS)] in sets]
         print(f"{name}: {len(done)} audits recorded, {len(todo)} to run", flush=True)
         if not todo:
             continue
@@ -155,7 +157,8 @@ def table(out: Path) -> None:
             part = [r for r in recs if r["prompts"] == p]
             if part:
                 gaps = [r["stat_logprobs"] for r in part if "stat_logprobs" in r]
-                by_set.append(f"| {name} | {p} | {rate(sum(r['rejects'] for r in part), len(part))} | "
+                built = sorted({r.get("gap_bands_prompts", "chitchat") for r in part})
+                by_set.append(f"| {name} | {p} | {', '.join(built)} | {rate(sum(r['rejects'] for r in part), len(part))} | "
                               + (f"{np.mean(gaps):.4f} ({min(gaps):.4f}-{max(gaps):.4f})" if gaps else "-") + " |")
     lines = ["# Seedless CLI audits: rejection rates (issue #42 items 1 and 5)", "",
              "Command: `python experiments/cli_audit_rates.py --table` after the runs in its docstring  ",
@@ -166,8 +169,9 @@ def table(out: Path) -> None:
              "p < 0.01, the verdict of that mode alone on the same responses.", "",
              "| server | audits (per prompt set) | auto rejects | surprise alone | logprobs alone |",
              "|---|---|---|---|---|", *rows, "", "Per prompt set (the logprob gap: the logprobs test's statistic, the mean "
-             "clipped gap per position, nats; the shipped bands were built on chitchat prompts):", "",
-             "| server | prompt set | auto rejects | logprob gap, mean (range) |", "|---|---|---|---|", *by_set, "",
+             "clipped gap per position, nats; records without the bands' prompts predate per-set bands: chitchat):", "",
+             "| server | prompt set | logprob-gap bands built on | auto rejects | logprob gap, mean (range) |",
+             "|---|---|---|---|---|", *by_set, "",
              *notes, ""]
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".tmp")
@@ -181,6 +185,8 @@ def main() -> None:
     parser.add_argument("--servers", default="honest-fp32,honest-bf16",
                         help=f"comma-separated, of {', '.join(SERVERS)}")
     parser.add_argument("--audits", type=int, default=100, help="audits per server (audit indexes 0..N-1)")
+    parser.add_argument("--sets", default=",".join(SETS),
+                        help="run only the audits whose rotating prompt set is one of these (comma-separated)")
     parser.add_argument("--table", action="store_true", help="only write the table from the records")
     parser.add_argument("--out", type=Path, default=RESULTS / "cli_audit_rates.md")
     args = parser.parse_args()
@@ -191,7 +197,10 @@ def main() -> None:
     unknown = [n for n in names if n not in SERVERS]
     if unknown:
         parser.error(f"--servers: unknown {', '.join(unknown)} (known: {', '.join(SERVERS)})")
-    run(names, args.audits)
+    sets = tuple(args.sets.split(","))
+    if not set(sets) <= set(SETS):
+        parser.error(f"--sets: known sets are {', '.join(SETS)}")
+    run(names, args.audits, sets)
 
 
 if __name__ == "__main__":
