@@ -124,24 +124,21 @@ def test_greedy_audit_of_a_real_llama_cpp_server(llama_url, backend, tmp_path):
 
 
 def test_seeded_audits_are_judged_by_the_shipped_calibration_with_its_sampler_shape_detectors(
-        llama_url, top_k_40_url, backend, tmp_path):
+        top_k_40_url, backend, tmp_path):
     """Issue #41 item 5: a 32 x 48 seeded audit at the shipped settings (T = 1, top-k 50, top-p 0.95) given no
     bands or calibration is judged by the shipped llama.cpp calibration, as ``verify`` judges the same
-    tokens: the margin and the sampler-shape detectors. The honest server is CONSISTENT; behind a front
-    that makes it sample top-k 40 while the audit claims 50 it is INCONSISTENT by the narrower side (the
-    margin bands alone had said CONSISTENT, p = 1, in the issue). The seed + 1 front: the test below."""
+    tokens: the margin and the sampler-shape detectors. Behind a front that makes it sample top-k 40 while
+    the audit claims 50, the server is INCONSISTENT by the narrower side (the margin bands alone had said
+    CONSISTENT, p = 1, in the issue). The honest server and the seed + 1 front, judged the same way: the
+    test below."""
     seeded = dict(mode="seeded", profile="llama.cpp", temperature=1.0, top_k=50, top_p=0.95, seed=100,
                   max_tokens=48)
-    result = _audit(backend, {"llama": llama_url, "topk40": top_k_40_url}, tmp_path / "audit", n=32, **seeded)
-    honest, top_k_40 = result.providers
-    for a in result.providers:
-        print(f"\nseeded 32 x 48, {a.endpoint.name}: {a.verdict.text} "
-              f"({np.mean(a.columns['exact_match']):.1%} exact, {a.verdict.tokens} tokens)")
+    result = _audit(backend, {"topk40": top_k_40_url}, tmp_path / "audit", n=32, **seeded)
+    (top_k_40,) = result.providers
+    print(f"\nseeded 32 x 48, top-k 40: {top_k_40.verdict.text} "
+          f"({np.mean(top_k_40.columns['exact_match']):.1%} exact, {top_k_40.verdict.tokens} tokens)")
     assert result.judged_by == "calibration-smollm2-135m-llama.cpp-t1-k50-p0.95-minp0.json (shipped default)"
     assert json.loads(result.reports[0].read_text())["calibration"] == result.judged_by
-    assert honest.verdict.consistent, honest.verdict.text
-    assert np.mean(honest.columns["exact_match"]) >= 0.95
-    assert honest.drift["count_mismatch"]["sequences"] == 0, honest.drift
     assert not top_k_40.verdict.consistent and "narrower side" in top_k_40.verdict.text, top_k_40.verdict.text
     stored = json.loads((tmp_path / "audit" / "topk40" / "responses.jsonl").read_text().splitlines()[0])
     assert stored["request"]["repeat_penalty"] == 1 and stored["request"]["top_k"] == 50  # the claim wins
@@ -153,7 +150,9 @@ def test_seeded_audit_where_retokenized_text_merges_sampled_tokens_is_consistent
     merge when the returned text is re-tokenized (the server returns no ids). Before the alignment
     (``verinfer.auditing.alignment``) every token after a merge mismatched and this honest server was
     called INCONSISTENT; now the merges are re-split where the replay sampled, reported as drift, and
-    left out of the verdict. The same server behind a front that adds 1 to every seed: INCONSISTENT."""
+    left out of the verdict. Judged, as no bands or calibration are given, by the shipped llama.cpp
+    calibration (the margin and the sampler-shape detectors). The same server behind a front that adds 1
+    to every seed: INCONSISTENT."""
     from verinfer.prompts import load_prompts
 
     seeded = dict(mode="seeded", profile="llama.cpp", temperature=1.0, top_k=50, top_p=0.95, seed=100,
