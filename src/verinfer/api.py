@@ -335,7 +335,8 @@ def audit(providers: Mapping[str, str] | Sequence, *, out: str | Path = "verinfe
     ``model`` keeps its old meaning, the providers' id). The reference is the local model, or with
     ``reference_url`` an API returning prompt logprobs. Every response is stored before it is
     scored (re-running with the same ``out`` resumes); the verdict comes from the shipped or given
-    bands, or from a calibration, by the one verdict rule; both are checked against the audit's
+    bands, or from a calibration (a seeded replay given neither: the shipped calibration of its settings,
+    as ``verify`` uses it), by the one verdict rule; both are checked against the audit's
     settings before any request is paid for (``mode="rank"`` / ``"mmd"`` audit sampled traffic without
     seeds against ``samples`` reference draws per prompt and need neither; ``mode="auto"`` runs every
     test the responses allow and combines them by Holm, ``verinfer.auditing.auto``, sending seeds only with
