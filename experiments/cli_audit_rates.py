@@ -108,7 +108,7 @@ def audit(app, name: str, url: str, i: int, out: Path) -> dict:
             "gap_bands_prompts": (doc.get("logprob_gap_bands") or {}).get("prompts", "chitchat")}
 
 
-def run(names: list[str], audits: int, sets: tuple[str, ...] = SETS) -> None:
+def run(names: list[str], audits: int, sets: tuple[str, ...] = SETS, start: int = 0) -> None:
     from verinfer.cli.main import app
 
     directory = records_dir()
@@ -116,7 +116,7 @@ def run(names: list[str], audits: int, sets: tuple[str, ...] = SETS) -> None:
     for name in names:
         path = directory / f"{name}.jsonl"
         done = {json.loads(line)["audit"] for line in path.open()} if path.exists() else set()
-        todo = [i for i in range(audits) if i not in done and SETS[i % len(SETS)] in sets]
+        todo = [i for i in range(start, audits) if i not in done and SETS[i % len(SETS)] in sets]
         print(f"{name}: {len(done)} audits recorded, {len(todo)} to run", flush=True)
         if not todo:
             continue
@@ -185,6 +185,8 @@ def main() -> None:
     parser.add_argument("--servers", default="honest-fp32,honest-bf16",
                         help=f"comma-separated, of {', '.join(SERVERS)}")
     parser.add_argument("--audits", type=int, default=100, help="audits per server (audit indexes 0..N-1)")
+    parser.add_argument("--start", type=int, default=0,
+                        help="first audit index to run (a second process on the same server takes another range)")
     parser.add_argument("--sets", default=",".join(SETS),
                         help="run only the audits whose rotating prompt set is one of these (comma-separated)")
     parser.add_argument("--table", action="store_true", help="only write the table from the records")
@@ -200,7 +202,7 @@ def main() -> None:
     sets = tuple(args.sets.split(","))
     if not set(sets) <= set(SETS):
         parser.error(f"--sets: known sets are {', '.join(SETS)}")
-    run(names, args.audits, sets)
+    run(names, args.audits, sets, args.start)
 
 
 if __name__ == "__main__":
