@@ -5,6 +5,7 @@
     python experiments/cli_audit_rates.py --servers honest-bf16 --audits 100
     python experiments/cli_audit_rates.py --servers hidden-1,hidden-2,hidden-3 --audits 12
     python experiments/cli_audit_rates.py --table --out experiments/results/cli_audit_rates.md
+    python experiments/cli_audit_rates.py --servers honest-fp32,honest-bf16 --rejudge   # after a rule change
 
 Each server is a ``verinfer serve`` process (the bundled SmolLM2-135M, vLLM sampler, one torch thread):
 ``honest-fp32`` serves what the audit claims, ``honest-bf16`` computes in bf16 (``--misconfig bf16``: an
@@ -18,11 +19,13 @@ client, store, tests, reports)::
         --concurrency 8 --threads 1 --out DIR
 
 with the prompt set rotating over chitchat, human-eval and gsm8k and the prompt seed ``1000 + i`` (sets
-the bands were not built from: they used chitchat with prompt seed 1), a fresh directory per audit (every
-request sent again), T = 1 without filters (the issue's settings). Recorded per audit from ``audit.json``:
-the verdict, and each test's own p-value: a test "alone" rejects at p < FPR, which is the verdict of
-``--mode surprise`` or ``--mode logprobs`` on the same responses; auto rejects when Holm's procedure over
-the tests it ran does. Records append to ``$VERINFER_CACHE/experiments/cli_audit_rates/<server>.jsonl``
+the bands were not built from: they used prompt seed 1), a new directory per audit (every request sent
+again) kept under ``$VERINFER_CACHE/experiments/cli_audit_rates/audits/`` so that ``--rejudge`` can judge
+the same paid-for responses again with the tool as it is (the command rerun on its directory, no
+server), T = 1 without filters (the issue's settings). Recorded per audit from ``audit.json``: the
+verdict, and each test's own p-value: a test "alone" rejects at p < FPR, which is the verdict of
+``--mode surprise`` or ``--mode logprobs`` on the same responses; auto rejects when Holm's procedure
+over the tests it ran does. Records append to ``$VERINFER_CACHE/experiments/cli_audit_rates/<server>.jsonl``
 (a rerun goes on where it stopped); ``--table`` writes the rates with Wilson 95% intervals.
 """
 
@@ -62,6 +65,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def records_dir() -> Path:
     return cache_root() / "experiments" / "cli_audit_rates"
+
+
+def audit_dir(name: str, i: int) -> Path:
+    """Where audit ``i`` of ``name`` keeps its paid-for responses, so ``--rejudge`` can judge them again."""
+    return records_dir() / "audits" / name / f"audit-{i}"
 
 
 @contextlib.contextmanager
@@ -120,15 +128,42 @@ def run(names: list[str], audits: int, sets: tuple[str, ...] = SETS, start: int 
         print(f"{name}: {len(done)} audits recorded, {len(todo)} to run", flush=True)
         if not todo:
             continue
-        with server(name) as url, tempfile.TemporaryDirectory() as tmp:
+        with server(name) as url:
             for i in todo:
-                record = audit(app, name, url, i, Path(tmp) / f"audit-{i}")
+                record = audit(app, name, url, i, audit_dir(name, i))
                 with path.open("a") as fh:
                     fh.write(json.dumps(record) + "\n")
-                print(f"{name} audit {i} ({record['prompts']}, seed {record['prompt_seed']}): "
-                      f"{'INCONSISTENT' if record['rejects'] else 'CONSISTENT'} p {record['p_auto']:.3g} "
-                      + " ".join(f"{t} {record.get('p_' + t, float('nan')):.3g}" for t in TESTS)
-                      + f" ({record['wall_s']} s)", flush=True)
+                say(record)
+
+
+def say(record: dict) -> None:
+    print(f"{record['server']} audit {record['audit']} ({record['prompts']}, seed {record['prompt_seed']}): "
+          f"{'INCONSISTENT' if record['rejects'] else 'CONSISTENT'} p {record['p_auto']:.3g} "
+          + " ".join(f"{t} {record.get('p_' + t, float('nan')):.3g}" for t in TESTS)
+          + f" ({record['wall_s']} s)", flush=True)
+
+
+def rejudge(names: list[str]) -> None:
+    """Judge every kept audit of ``names`` again with the tool as it is now: the same command on the same
+    directory, whose stored responses answer every request (no server runs; a missing response fails on
+    the unreachable address). Records are rewritten whole, atomically."""
+    from verinfer.cli.main import app
+
+    for name in names:
+        path = records_dir() / f"{name}.jsonl"
+        if not path.exists():
+            continue
+        old = [json.loads(line) for line in path.open()]
+        kept = [r for r in old if any(audit_dir(name, r["audit"]).glob("*/responses.jsonl"))]
+        print(f"{name}: rejudging {len(kept)} of {len(old)} recorded audits (the rest kept no responses)", flush=True)
+        new = []
+        for r in kept:
+            again = audit(app, name, "http://127.0.0.1:9/v1", r["audit"], audit_dir(name, r["audit"]))
+            new.append({**again, "wall_s": r["wall_s"], "rejudged_s": again["wall_s"]})
+            say(new[-1])
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in new))
+        tmp.replace(path)
 
 
 def rate(k: int, n: int) -> str:
@@ -190,6 +225,8 @@ def main() -> None:
     parser.add_argument("--sets", default=",".join(SETS),
                         help="run only the audits whose rotating prompt set is one of these (comma-separated)")
     parser.add_argument("--table", action="store_true", help="only write the table from the records")
+    parser.add_argument("--rejudge", action="store_true",
+                        help="judge the kept audits of --servers again with the tool as it is now (no server)")
     parser.add_argument("--out", type=Path, default=RESULTS / "cli_audit_rates.md")
     args = parser.parse_args()
     if args.table:
@@ -199,6 +236,9 @@ def main() -> None:
     unknown = [n for n in names if n not in SERVERS]
     if unknown:
         parser.error(f"--servers: unknown {', '.join(unknown)} (known: {', '.join(SERVERS)})")
+    if args.rejudge:
+        rejudge(names)
+        return
     sets = tuple(args.sets.split(","))
     if not set(sets) <= set(SETS):
         parser.error(f"--sets: known sets are {', '.join(SETS)}")

