@@ -31,6 +31,7 @@ MEANINGS = {
     "--verdict-batch": "tokens per verdict batch",
     "--verdict-batches": "tokens per verdict batch",
     "--calibration": "calibration file from `verinfer calibrate`",
+    "--default-calibration": "shipped",  # without --calibration, the shipped one for the claim (verify, diagnose)
     "--commit-scores": "commit",
     "--db": "sqlite:///",
     "--device": "torch device",

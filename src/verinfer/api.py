@@ -49,7 +49,7 @@ from verinfer.stats.shipped import find_calibration
 from verinfer.stats.summary import Summary, fit_calibrator, summarize
 from verinfer.stats.verdict import Verdict
 from verinfer.trace import Trace, TraceError, read_traces, write_traces
-from verinfer.scoring.diagnosis import Diagnosis
+from verinfer.scoring.diagnosis import Diagnosis, Judged
 from verinfer.scoring.diagnosis_run import diagnose as run_diagnosis, prepare, reference_model
 from verinfer.scoring.scores import commit_scores, read_commit_scores, read_scores, read_signature, signature
 from verinfer.scoring.traces import Scored, align_retokenized, check_traces, score_traces
@@ -454,19 +454,57 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
              device: str = "cpu", variants: str | Sequence[str] | None = None, sigma: float | None = None,
              alpha: float | None = None, out: str | Path | None = None, skip_invalid: bool = False,
              allow_model_mismatch: bool = False, backend: Backend | None = None,
+             calibration: Calibrator | str | Path | None = None, default_calibration: bool = True,
              on_rows: Progress = None) -> Diagnosis:
-    """Name the configuration that best explains the traces (``verinfer.scoring.diagnosis``).
+    """Name the configuration that best explains the traces (``verinfer.scoring.diagnosis``), beside the
+    verdict ``verify`` gives the same traces.
 
     One prefill with the reference model, then the sampler candidates (temperature, top-k, top-p,
     min-p, penalties, seed mappings, every engine profile, sampler bugs) replayed over its logits;
     ``variants`` (``default``, ``catalogue`` or model-side variant names, as ``verinfer diagnose
-    --variants``) adds one prefill per derived model. With ``out`` the diagnosis is also written as JSON (atomically, never over the traces).
+    --variants``) adds one prefill per derived model. With a ``calibration``, else the shipped default
+    for the claim (as ``verify`` picks it; ``default_calibration=False`` turns that off), the traces are
+    also judged as ``verify`` judges them and the conclusion is reconciled with that verdict, which
+    decides whether they deviate (``Diagnosis.deviates``; issue #41 item 3: one story). With ``out``
+    the diagnosis is also written as JSON (atomically, never over the traces or the calibration).
     """
     trace_list, source, sigma, alpha, band_names = prepare(traces, out, sigma, alpha, variants)
+    if isinstance(calibration, (str, Path)):
+        check_outputs([out], [traces if isinstance(traces, (str, Path)) else None, calibration])
+        calibrator, used = Calibrator.load(calibration), str(calibration)
+    else:
+        calibrator, used = calibration, "calibration given by the caller"
     ensure_threads()
     backend = backend or load_model(reference_model(trace_list, model, source), dtype, device)
-    return run_diagnosis(trace_list, backend, source, band_names, sigma, alpha, out, skip_invalid,
-                         allow_model_mismatch, on_rows)
+    result = run_diagnosis(trace_list, backend, source, band_names, sigma, alpha, None, skip_invalid,
+                           allow_model_mismatch, on_rows)
+    if calibrator is None and default_calibration:
+        shipped = find_calibration(signature(trace_list, backend.model_id, backend.dtype_name))
+        if shipped is not None:
+            calibrator, used = Calibrator.load(shipped), f"{shipped.name} (shipped default)"
+    if calibrator is not None:
+        judged = verify(trace_list, backend=backend, calibration=calibrator, skip_invalid=skip_invalid,
+                        allow_model_mismatch=allow_model_mismatch, default_calibration=False).summary
+        if judged.verdict is not None:
+            result.verdict = Judged(bool(judged.consistent), judged.verdict.p_value, judged.verdict.tokens, used,
+                                    judged.verdict.decided_by, *uncovered_noise(calibrator, band_names))
+    if out is not None:
+        write_atomic(out, json.dumps(result.to_dict(), indent=2) + "\n")
+    return result
+
+
+def uncovered_noise(calibrator: Calibrator, variants: Sequence[str]) -> tuple[tuple[str, ...], bool]:
+    """The honest precision variants among ``variants`` (bf16) whose noise the calibration was not fitted
+    on, and whether it records its precisions at all (an unrecorded one is not assumed to hold them)."""
+    from verinfer.simulate.variants import get_variant
+
+    precisions = (calibrator.coverage or {}).get("precisions")
+    out = []
+    for name in variants:
+        v = get_variant(name)
+        if v.honest and v.settings.get("dtype") and v.settings["dtype"] not in (precisions or ()):
+            out.append(name)
+    return tuple(out), bool(precisions)
 
 
 __all__ = ["VerifyResult", "audit", "calibrate", "default_outputs", "diagnose", "generate", "load_model", "verify"]

@@ -46,30 +46,43 @@ def diagnose(
     rows: int = typer.Option(10, help="candidates shown in the table"),
     skip_invalid: bool = typer.Option(False, help="skip invalid traces instead of stopping"),
     allow_model_mismatch: bool = typer.Option(False, help="diagnose traces that claim another model"),
+    calibration: Optional[Path] = opt.input_file("--calibration", "calibration file from `verinfer calibrate`: the "
+                                                 "traces are also judged as `verify` judges them, and that verdict "
+                                                 "decides whether they deviate"),
+    default_calibration: bool = typer.Option(True, "--default-calibration/--no-default-calibration",
+                                             help="without --calibration, judge with the shipped calibration for "
+                                             "the claim, as `verify` does, if one exists"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the diagnosis as JSON"),
 ):
     """Replay the traces under candidate configurations (sampler settings, seeds, engine profiles,
     sampler bugs; with --variants, derived models) over one prefill and rank them by likelihood.
 
-    Exit 0: the claim is not rejected; 1: a candidate explains the traces significantly better
-    than the claim, or none explains them; 2: bad input."""
-    from verinfer.api import load_model
-    from verinfer.scoring.diagnosis_run import diagnose as run, prepare, reference_model
+    With a calibration (--calibration, else the shipped one for the claim) the traces are also judged
+    as `verify` judges them, the verdict is printed beside the diagnosis, and the two never say
+    opposite things: the calibrated verdict decides whether the traces deviate, diagnose what explains it.
+
+    Exit 0: the traces do not deviate (the verdict is CONSISTENT; without a calibration: the claim is
+    not rejected); 1: they deviate (INCONSISTENT; without one: a candidate explains the traces
+    significantly better than the claim, or none explains them); 2: bad input."""
+    from verinfer.api import diagnose as run, load_model
+    from verinfer.scoring.diagnosis_run import prepare, reference_model
 
     if not traces.is_file():
         raise ValueError(f"TRACES {traces}: " + ("is not a file" if traces.exists() else "does not exist"))
     if rows < 1:
         raise ValueError(f"--rows must be >= 1, got {rows}")
-    trace_list, source, sigma, alpha, band_names = prepare(traces, out, sigma, alpha, bands)
+    trace_list, source, _, _, band_names = prepare(traces, out, sigma, alpha, bands)
     with err.status(f"loading the reference model ({dtype})"):
         backend = load_model(reference_model(trace_list, model, source), dtype, device)
     extra = ", one prefill per model variant" if band_names else ""
-    with err.status(f"diagnosing: one prefill, the candidate replays{extra}"):
-        result = run(trace_list, backend, source, band_names, sigma, alpha, out, skip_invalid, allow_model_mismatch)
+    with err.status(f"diagnosing: one prefill, the candidate replays{extra}, the calibrated verdict"):
+        result = run(traces, backend=backend, variants=band_names, sigma=sigma, alpha=alpha, out=out,
+                     skip_invalid=skip_invalid, allow_model_mismatch=allow_model_mismatch, calibration=calibration,
+                     default_calibration=default_calibration)
     console.print(_table(result, rows))
-    style = "red" if result.claim_rejected or not result.explained else "green"
+    style = "red" if result.deviates else "green"
     console.print(f"[{style}]{result.text}[/{style}]", highlight=False, soft_wrap=True)
     if out is not None:
         err.print(f"diagnosis written to {out}", highlight=False)
-    if result.claim_rejected or not result.explained:
+    if result.deviates:
         raise typer.Exit(1)

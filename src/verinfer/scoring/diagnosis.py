@@ -320,13 +320,41 @@ class Ranked:
 
 
 @dataclass
+class Judged:
+    """``verify``'s calibrated verdict on the same traces, beside the diagnosis (issue #41 item 3, one
+    story): whether the traces deviate is the calibrated verdict's to say, at its measured FPR (the
+    likelihood's noise model, ``SIGMA``, is assumed, not measured); what explains them is diagnose's."""
+
+    consistent: bool
+    p: float
+    tokens: int
+    calibration: str
+    decided_by: str | None = None  # the detector with the smallest p (margin, narrower, wider, beyond)
+    uncovered: tuple[str, ...] = ()  # honest model-side variants (bf16) whose noise the calibration lacks
+    recorded: bool = True  # whether the calibration records its honest precisions (else none is assumed held)
+
+    @property
+    def text(self) -> str:
+        by = f", by {self.decided_by}" if self.decided_by else ""
+        return (f"verify: {'CONSISTENT' if self.consistent else 'INCONSISTENT'}, p {self.p:.2g} over {self.tokens} "
+                f"tokens ({self.calibration}{by})")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"consistent": self.consistent, "p": self.p, "tokens": self.tokens, "calibration": self.calibration,
+                "decided_by": self.decided_by, "uncovered": list(self.uncovered),
+                "precisions_recorded": self.recorded}
+
+
+@dataclass
 class Diagnosis:
-    """Candidates ranked best first, the claim's own line, and the conclusion in words."""
+    """Candidates ranked best first, the claim's own line, the calibrated verdict on the same traces
+    when one judged them, and the conclusion in words."""
 
     ranked: list[Ranked]
     claim: Ranked
     alpha: float = ALPHA
     settings: dict[str, Any] = field(default_factory=dict)
+    verdict: Judged | None = None
 
     @property
     def best(self) -> Ranked:
@@ -342,7 +370,42 @@ class Diagnosis:
         return any(r.explains for r in self.ranked)
 
     @property
+    def deviates(self) -> bool:
+        """What the exit status says: the calibrated verdict's when there is one, else the likelihood's."""
+        if self.verdict is not None:
+            return not self.verdict.consistent
+        return self.claim_rejected or not self.explained
+
+    @property
     def text(self) -> str:
+        """The likelihood's conclusion, reconciled with the verdict when one judged the same traces: the two
+        never say opposite things (issue #41 item 3)."""
+        v, b = self.verdict, self.best
+        if v is None:
+            return self._likelihood
+        if not v.consistent and self.explained and not self.claim_rejected:
+            fits = [r for r in self.ranked if r.candidate.band in v.uncovered and r.explains]
+            if fits:
+                r = fits[0]
+                name = r.candidate.band
+                lacks = "lacks" if v.recorded else "does not record that it holds"
+                return (f"the calibration {lacks} this precision's noise ({name}): the claim with {name} explains it "
+                        f"(exact {r.exact:.1%}, margin {r.mean_margin:.3g}, LR vs the claim {r.lr:.1f}; the claim itself: "
+                        f"exact {self.claim.exact:.1%}); {v.text}")
+            return (f"a deviation none of the candidates is: {v.text}, yet no candidate explains the tokens better "
+                    f"than the claim (exact {self.claim.exact:.1%}, margin {self.claim.mean_margin:.3g}; next: "
+                    f"{self._runner_up()})")
+        if v.consistent and self.claim_rejected:
+            return (f"not flagged: {v.text}; of the candidates, {b.candidate.label} fits the tokens better (exact "
+                    f"{b.exact:.1%}; {b.evidence}, p {b.p:.2g}), which the calibrated detectors do not confirm: "
+                    f"more tokens would decide")
+        if v.consistent and not self.explained:
+            return (f"not flagged: {v.text}; though no candidate explains the tokens well: the best, "
+                    f"{b.candidate.label}, leaves {b.unexplained:.1%} unexplained (exact {b.exact:.1%})")
+        return f"{self._likelihood}; {v.text}"
+
+    @property
+    def _likelihood(self) -> str:
         b, c = self.best, self.claim
         if not self.explained:
             return (f"no candidate explains it: the best, {b.candidate.label}, leaves {b.unexplained:.1%} of "
@@ -363,6 +426,7 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         return {"conclusion": self.text, "claim_rejected": self.claim_rejected, "explained": self.explained,
+                "deviates": self.deviates, "verdict": None if self.verdict is None else self.verdict.to_dict(),
                 "best": self.best.to_dict(), "claim": self.claim.to_dict(), "alpha": self.alpha,
                 "test": "Vuong (1989) one-sided test on per-token log-likelihood ratios; a sampler bug: exact "
                         "binomial test of the tokens only a bug explains against honest providers' rate of them; "
