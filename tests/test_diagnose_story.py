@@ -40,6 +40,9 @@ def test_an_inconsistent_verdict_no_candidate_beats_says_so_and_never_that_the_c
     d = diagnosis([line(CLAIMED, -10, 1.0), line(TOPK, -10.2, 0.4)], covered)
     assert d.deviates and d.text.startswith("a deviation none of the candidates is: verify: INCONSISTENT")
     assert "by narrower" in d.text and "the claim explains it" not in d.text
+    # the sampler deviation: the right candidate first, not significant alone, the verdict flags it
+    led = diagnosis([line(TOPK, -9, 0.25), line(CLAIMED, -10, 1.0)], covered)
+    assert led.deviates and led.text.startswith("flagged: verify: INCONSISTENT") and "likeliest cause is top-k 40" in led.text
 
 
 def test_a_consistent_verdict_keeps_a_likelier_candidate_as_a_lead_not_a_verdict():

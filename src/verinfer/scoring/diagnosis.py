@@ -392,6 +392,10 @@ class Diagnosis:
                 return (f"the calibration {lacks} this precision's noise ({name}): the claim with {name} explains it "
                         f"(exact {r.exact:.1%}, margin {r.mean_margin:.3g}, LR vs the claim {r.lr:.1f}; the claim itself: "
                         f"exact {self.claim.exact:.1%}); {v.text}")
+            if b.candidate != CLAIM:
+                return (f"flagged: {v.text}; the likeliest cause is {b.candidate.label} (exact {b.exact:.1%} against "
+                        f"the claim's {self.claim.exact:.1%}; {b.evidence}, p {b.p:.2g} over {len(self.ranked)} "
+                        f"candidates: not significant by likelihood alone)")
             return (f"a deviation none of the candidates is: {v.text}, yet no candidate explains the tokens better "
                     f"than the claim (exact {self.claim.exact:.1%}, margin {self.claim.mean_margin:.3g}; next: "
                     f"{self._runner_up()})")
