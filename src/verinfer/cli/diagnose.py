@@ -72,6 +72,12 @@ def diagnose(
     if rows < 1:
         raise ValueError(f"--rows must be >= 1, got {rows}")
     trace_list, source, _, _, band_names = prepare(traces, out, sigma, alpha, bands)
+    if calibration is not None:  # a bad calibration or an --out over it is refused before the model loads
+        from verinfer.files import check_outputs
+        from verinfer.stats.calibration import Calibrator
+
+        check_outputs([out], [traces, calibration])
+        Calibrator.load(calibration)
     with err.status(f"loading the reference model ({dtype})"):
         backend = load_model(reference_model(trace_list, model, source), dtype, device)
     extra = ", one prefill per model variant" if band_names else ""
