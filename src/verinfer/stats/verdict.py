@@ -444,12 +444,19 @@ def band_p_value(seq: np.ndarray, honest: Sequence[np.ndarray], draws: int, rng:
                      / (draws + 1)) for band, off in zip(honest, noise))
 
 
+MIN_LOOK_SEQUENCES = 8
+
+
 def pooled_looks(seq: np.ndarray, honest: Sequence[np.ndarray]) -> list[int]:
-    """Doubling prefixes of sequences, from the first holding a median honest sequence's tokens on
-    (pseudo-audits are made of whole honest sequences, so a shorter prefix would meet a null that
-    averages over more tokens, hence too narrow)."""
+    """Doubling prefixes of sequences, from the first holding ``MIN_LOOK_SEQUENCES`` sequences and a
+    median honest sequence's tokens on (pseudo-audits are made of whole honest sequences, so a shorter
+    prefix would meet a null that averages over more tokens, hence too narrow). A prefix of one or two
+    sequences would be judged in the band's extreme tail, which 48 honest sequences cannot show: one
+    beyond the band's largest gets p = 1 / draws where its chance is about 1 / 49 (issue #42: an honest
+    bf16 audit rejected at its first look, 2 sequences)."""
     shortest = float(np.median(np.concatenate(list(honest))[:, 0]))
-    return [k for k in look_sizes(len(seq)) if seq[:k, 0].sum() >= shortest] or [len(seq)]
+    return [k for k in look_sizes(len(seq)) if k >= min(MIN_LOOK_SEQUENCES, len(seq)) and seq[:k, 0].sum() >= shortest] \
+        or [len(seq)]
 
 
 def pooled_verdict(seq: np.ndarray, honest: Sequence[np.ndarray], alpha: float = 0.01, seed: int = 0,
