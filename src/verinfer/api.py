@@ -183,6 +183,13 @@ def default_outputs(traces_path: str | Path) -> tuple[Path, Path]:
             derived_path(traces_path, ".commits.parquet", keep_extension=keep))
 
 
+def shipped_calibration(traces: Sequence[Trace], backend: Backend) -> tuple[Calibrator, str] | None:
+    """The shipped default calibration for the traces' model and sampling settings, and how a summary
+    names it (``verinfer.stats.shipped``); None when none ships. One rule for verify and diagnose."""
+    shipped = find_calibration(signature(traces, backend.model_id, backend.dtype_name))
+    return None if shipped is None else (Calibrator.load(shipped), f"{shipped.name} (shipped default)")
+
+
 def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dtype: str = "float32",
            device: str = "cpu", calibration: Calibrator | str | Path | None = None, batch_size: int | None = None,
            scores: str | Path | None = None, commit_scores_out: str | Path | None = None,
@@ -230,9 +237,9 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
     if calibrator is None and default_calibration and kept:
         from verinfer.stats.shipped import no_default
 
-        shipped = find_calibration(signature(kept, backend.model_id, backend.dtype_name))
+        shipped = shipped_calibration(kept, backend)
         if shipped is not None:
-            calibrator, used = Calibrator.load(shipped), f"{shipped.name} (shipped default)"
+            calibrator, used = shipped
             check_batch_size(batch_size, calibrator, used)
         else:
             missing = no_default(signature(kept, backend.model_id, backend.dtype_name))
@@ -479,9 +486,7 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
     result = run_diagnosis(trace_list, backend, source, band_names, sigma, alpha, None, skip_invalid,
                            allow_model_mismatch, on_rows)
     if calibrator is None and default_calibration:
-        shipped = find_calibration(signature(trace_list, backend.model_id, backend.dtype_name))
-        if shipped is not None:
-            calibrator, used = Calibrator.load(shipped), f"{shipped.name} (shipped default)"
+        calibrator, used = shipped_calibration(trace_list, backend) or (None, None)
     if calibrator is not None:
         judged = verify(trace_list, backend=backend, calibration=calibrator, skip_invalid=skip_invalid,
                         allow_model_mismatch=allow_model_mismatch, default_calibration=False).summary
