@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import fcntl
 import json
 import os
 import re
@@ -61,6 +62,8 @@ SETS = ("chitchat", "human-eval", "gsm8k")
 TESTS = ("surprise", "logprobs")
 FPR = 0.01
 RESULTS = Path(__file__).resolve().parent / "results"
+JUDGED_AT = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
 
 
 def records_dir() -> Path:
@@ -113,7 +116,16 @@ def audit(app, name: str, url: str, i: int, out: Path) -> dict:
             **{f"p_{t}": tests[t]["p_value"] for t in TESTS if t in tests},
             **{f"stat_{t}": tests[t]["statistic"] for t in TESTS if t in tests},
             "tokens": provider["verdict"]["tokens"],
-            "gap_bands_prompts": (doc.get("logprob_gap_bands") or {}).get("prompts", "chitchat")}
+            "gap_bands_prompts": (doc.get("logprob_gap_bands") or {}).get("prompts", "chitchat"),
+            "judged_at": JUDGED_AT}
+
+
+@contextlib.contextmanager
+def locked(path: Path):
+    """Holds ``path``'s lock file: a run appending and a rejudge rewriting the same records take turns."""
+    with open(path.with_suffix(".lock"), "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
 
 
 def run(names: list[str], audits: int, sets: tuple[str, ...] = SETS, start: int = 0) -> None:
@@ -131,7 +143,7 @@ def run(names: list[str], audits: int, sets: tuple[str, ...] = SETS, start: int 
         with server(name) as url:
             for i in todo:
                 record = audit(app, name, url, i, audit_dir(name, i))
-                with path.open("a") as fh:
+                with locked(path), path.open("a") as fh:
                     fh.write(json.dumps(record) + "\n")
                 say(record)
 
@@ -146,7 +158,7 @@ def say(record: dict) -> None:
 def rejudge(names: list[str]) -> None:
     """Judge every kept audit of ``names`` again with the tool as it is now: the same command on the same
     directory, whose stored responses answer every request (no server runs; a missing response fails on
-    the unreachable address). Records are rewritten whole, atomically."""
+    the unreachable address). Each record is replaced atomically as soon as it is judged again."""
     from verinfer.cli.main import app
 
     for name in names:
@@ -154,16 +166,20 @@ def rejudge(names: list[str]) -> None:
         if not path.exists():
             continue
         old = [json.loads(line) for line in path.open()]
-        kept = [r for r in old if any(audit_dir(name, r["audit"]).glob("*/responses.jsonl"))]
-        print(f"{name}: rejudging {len(kept)} of {len(old)} recorded audits (the rest kept no responses)", flush=True)
-        new = []
+        kept = [r for r in old if any(audit_dir(name, r["audit"]).glob("*/responses.jsonl"))
+                and r.get("judged_at") != JUDGED_AT]
+        print(f"{name}: rejudging {len(kept)} of {len(old)} recorded audits (the rest kept no responses or "
+              f"were judged at {JUDGED_AT})", flush=True)
         for r in kept:
             again = audit(app, name, "http://127.0.0.1:9/v1", r["audit"], audit_dir(name, r["audit"]))
-            new.append({**again, "wall_s": r["wall_s"], "rejudged_s": again["wall_s"]})
-            say(new[-1])
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in new))
-        tmp.replace(path)
+            again = {**again, "wall_s": r["wall_s"], "rejudged_s": again["wall_s"]}
+            say(again)
+            # Written after each audit; a run may append new audits to the same file meanwhile: keep them.
+            with locked(path):
+                now = [json.loads(line) for line in path.open()]
+                tmp = path.with_suffix(".tmp")
+                tmp.write_text("".join(json.dumps(again if n["audit"] == r["audit"] else n) + "\n" for n in now))
+                tmp.replace(path)
 
 
 def rate(k: int, n: int) -> str:
