@@ -21,6 +21,12 @@ from verinfer.scoring.alignment import resplit
 from verinfer.auditing.responses import Claim
 
 
+def _cols(claimed, replayed, nats=None) -> dict[str, np.ndarray]:
+    """A replay's score columns: the claimed ids, the reference's tokens and (uniform unless given) cross-entropy."""
+    return {"claimed": np.asarray(claimed), "verifier_token": np.asarray(replayed),
+            "cross_entropy": np.ones(len(claimed)) if nats is None else np.asarray(nats, float)}
+
+
 def _claim(ids: list[int], text: str, **kw) -> Claim:
     return Claim("p", 0, [1, 2], list(ids), "retokenized", text, kw.pop("finish_reason", "length"), **kw)
 
@@ -54,8 +60,8 @@ def test_align_claims_recovers_the_sampled_ids_and_leaves_unexplained_mismatches
 
     def replay(claims):  # a reference that samples `sampled` (the honest provider's tokens) after any prefix
         calls.append(len(claims))
-        return [(np.array(c.output_token_ids), np.array([sampled[i] if i < len(sampled) else 0
-                                                        for i in range(len(c.output_token_ids))])) for c in claims]
+        return [_cols(c.output_token_ids, [sampled[i] if i < len(sampled) else 0
+                                           for i in range(len(c.output_token_ids))]) for c in claims]
 
     out = align_claims([honest, lying], replay, tok)
     assert out[0].output_token_ids == sampled and out[0].drift["realigned"] == [0]
@@ -70,8 +76,7 @@ def test_a_replay_token_that_is_a_prefix_is_no_break_when_the_count_already_agre
     text = " there is a cat"
     ids = tok.encode(text, add_special_tokens=False)
     the = tok.convert_tokens_to_ids("Ġthe")
-    wrong = lambda claims: [(np.array(c.output_token_ids), np.array([the] + c.output_token_ids[1:]))  # noqa: E731
-                            for c in claims]
+    wrong = lambda claims: [_cols(c.output_token_ids, [the] + c.output_token_ids[1:]) for c in claims]  # noqa: E731
     agreeing = _claim(list(ids), text, served={"completion_tokens": len(ids)})
     (out,) = align_claims([agreeing], wrong, tok)
     assert out.output_token_ids == ids and out.drift["realigned"] == [] and out.drift["count_mismatch"] == 0
@@ -156,12 +161,14 @@ def test_wrong_seed_text_only_stays_inconsistent(seeded_audit):
     assert not proxy.verdict.consistent, proxy.verdict.text
     assert np.mean(proxy.columns["exact_match"]) < 0.8
     # No wrong-seed token taken for a tokenization break (issue #41 item 5: 35% and 63% of a proxy's tokens went
-    # unscored that way): a re-split may not take the count away from usage's. An output whose count disagrees
-    # with usage from the start (a merge the replay cannot place) is still cut at its first mismatch.
+    # unscored that way): a re-split may not take the count away from usage's.
     total = sum(len(c.output_token_ids) for c in proxy.claims)
     cut = (proxy.drift.get("unaligned") or {}).get("total", 0)
     print(f"proxy: {proxy.drift['realigned']['total']} re-split and {cut} cut of {total} tokens")
-    assert proxy.drift["realigned"]["total"] == 0
+    # An output whose count disagrees with usage (a merge the wrong seed's replay cannot place, or bytes its text
+    # lost) is repaired by the likeliest edit or cut where its bytes were lost, not at its first mismatch: one
+    # output ending in a cut emoji lost all but one of its 32 tokens that way (7.9% of the proxy's tokens).
+    assert (proxy.drift["realigned"]["total"] + cut) / total <= 0.05
 
 
 def test_a_count_still_off_after_alignment_scores_up_to_the_first_mismatch_only(tok):
@@ -169,12 +176,83 @@ def test_a_count_still_off_after_alignment_scores_up_to_the_first_mismatch_only(
 
     text = " I am a dog"
     ids = tok.encode(text, add_special_tokens=False)
-    c = _claim(ids, text, served={"completion_tokens": len(ids) + 1})  # the provider counts one token more
-    replayed = np.array(ids[:2] + [tok.convert_tokens_to_ids("Ġcat")] * (len(ids) - 2))  # no break the text explains
-    (out,) = align_claims([c], lambda cs: [(np.array(ids), replayed)], tok)
+    # the provider counts one token fewer, and no two adjacent tokens of the text merge into one
+    c = _claim(ids, text, served={"completion_tokens": len(ids) - 1})
+    replayed = ids[:2] + [tok.convert_tokens_to_ids("Ġcat")] * (len(ids) - 2)  # no break the text explains
+    (out,) = align_claims([c], lambda cs: [_cols(ids, replayed) for _ in cs], tok)
     assert out.output_token_ids == ids and out.drift["count_mismatch"] == 1
     assert out.drift["unaligned_from"] == 3 and out.drift["unaligned"] == len(ids) - 3  # the mismatch at 2 is scored
     assert unscored([out], "x") == {"x/p": set(range(3, len(ids)))}
+
+
+def test_an_output_cut_inside_a_character_is_scored_up_to_its_lost_bytes(tok):
+    """The text of an output cut inside an emoji ends in U+FFFD: the provider's last tokens held bytes the
+    text lost, and re-tokenizing the replacement character gives other tokens (here as many: the count
+    agrees and cannot tell). The tokens from the character ahead of the lost bytes on are drift, whatever
+    the replay; a count that leaves that tail no plausible number of tokens, or a replacement character
+    inside the text (which could be steered to hide what follows), is no lost tail."""
+    from verinfer.auditing.alignment import unscored
+    from verinfer.scoring.alignment import lost_bytes_tail
+
+    head = " Sorry. Can you?"
+    emoji = tok.encode(" \U0001F641", add_special_tokens=False)  # " 🙁": the space and four bytes
+    served = tok.encode(head, add_special_tokens=False) + emoji[:-1]  # stopped before the last byte's token
+    text = tok.decode(served)
+    assert text.endswith("\ufffd")
+    ids = tok.encode(text, add_special_tokens=False)
+    assert ids != served
+    n = len(tok.encode(head, add_special_tokens=False))  # up to the character (the space) before the lost bytes
+    assert lost_bytes_tail(tok, ids, text, (len(served),)) == n == lost_bytes_tail(tok, ids, text)
+    assert lost_bytes_tail(tok, ids, text, (n + 40,)) is None  # 40 tokens cannot hide in two characters
+    assert lost_bytes_tail(tok, ids, head, (len(served),)) is None  # no lost bytes
+    inside = text + " and more"
+    assert lost_bytes_tail(tok, tok.encode(inside, add_special_tokens=False), inside) is None
+    c = _claim(ids, text, served={"completion_tokens": len(served)})
+    replayed = list(served) + [0] * (len(ids) - len(served))  # the provider's own tokens: the tail mismatches
+    (out,) = align_claims([c], lambda cs: [_cols(x.output_token_ids, replayed[:len(x.output_token_ids)])
+                                           for x in cs], tok)
+    assert out.output_token_ids == ids and out.drift["realigned"] == []
+    assert out.drift["unaligned_from"] == n and out.drift["unaligned"] == len(ids) - n
+    assert unscored([out], "x") == {"x/p": set(range(n, len(ids)))}
+
+
+def test_count_edits_keep_the_text_and_offer_the_sampled_split(tok):
+    from verinfer.scoring.alignment import count_edits
+
+    text = " there is a cat"
+    ids = tok.encode(text, add_special_tokens=False)
+    sampled = [tok.convert_tokens_to_ids("Ġthe"), tok.convert_tokens_to_ids("re")] + ids[1:]
+    longer = count_edits(tok, ids, text, longer=True)
+    assert (sampled, [0, 1]) in longer
+    assert all(len(e) == len(ids) + 1 and tok.decode(e) == text for e, _ in longer)
+    shorter = count_edits(tok, sampled, text, longer=False)
+    assert (ids, [0]) in shorter and all(tok.decode(e) == text for e, _ in shorter)
+    assert count_edits(tok, ids, text + "!", longer=True) == []  # ids that are not the text: nothing to offer
+
+
+def test_a_count_off_with_no_break_is_repaired_by_the_likeliest_edit(tok):
+    """Issue #41 item 5: a replay with another seed than the provider's shows no break, so an output whose
+    text merged two sampled tokens (usage counts one more) was cut at its first mismatch. Each split that
+    keeps the text is replayed; the one the reference finds likeliest is kept, its two positions unscored,
+    and every other position is scored."""
+    from verinfer.auditing.alignment import unscored
+
+    text = " there is a cat"
+    ids = tok.encode(text, add_special_tokens=False)
+    sampled = [tok.convert_tokens_to_ids("Ġthe"), tok.convert_tokens_to_ids("re")] + ids[1:]
+    cat = tok.convert_tokens_to_ids("Ġdog")
+    seen = []
+
+    def wrong_seed(claims):  # the reference never draws the served token; it finds the sampled split likeliest
+        seen.append(len(claims))
+        return [_cols(c.output_token_ids, [cat] * len(c.output_token_ids),
+                      [0.5 if c.output_token_ids == sampled else 2.0] * len(c.output_token_ids)) for c in claims]
+
+    (out,) = align_claims([_claim(ids, text, served={"completion_tokens": len(sampled)})], wrong_seed, tok)
+    assert out.output_token_ids == sampled and out.drift["realigned"] == [0, 1]
+    assert out.drift["count_mismatch"] == 0 and "unaligned" not in out.drift
+    assert unscored([out], "x") == {"x/p": {0, 1}}
+    assert seen[0] == 1 and seen[1] > 1 and seen[2:] == [1]  # as sent, the candidates side by side, the chosen one
 
 
 def test_verify_aligns_traces_whose_ids_were_retokenized_from_text(backend, monkeypatch):

@@ -155,11 +155,12 @@ def warning_lines(audit: ProviderAudit) -> list[str]:
     realigned, unaligned = audit.drift.get("realigned") or {}, audit.drift.get("unaligned") or {}
     if realigned.get("total"):
         lines.append(f"{realigned['total']} re-tokenized position(s) in {realigned['sequences']} sequence(s) re-split "
-                     "where the text allowed the reference's token (tokenization drift, not scored)")
+                     "where the text allowed the reference's token or edited to agree with the provider's usage "
+                     "count (tokenization drift, not scored)")
     if unaligned.get("total"):
         lines.append(f"{unaligned['sequences']} re-tokenized output(s) disagree with the provider's usage count "
-                     f"after alignment: {unaligned['total']} token(s) after their first mismatch not scored "
-                     "(ask the provider for token ids)")
+                     f"after alignment: {unaligned['total']} token(s) past where the alignment is known to hold "
+                     "not scored (ask the provider for token ids)")
     paced = pacing_warning(audit.pacing)
     return lines + ([paced] if paced else [])
 

@@ -260,11 +260,11 @@ DRIFT_CHECKS = {  # drift name -> what it counts (a sequence's value: tokens, or
     "retokenize_mismatch": "returned ids that re-tokenizing the returned text does not give",
     "decode_mismatch": "returned ids that do not decode to the returned text",
     "round_trip_mismatch": "re-tokenized text that does not decode back to itself",
-    "realigned": "re-tokenized positions re-split where the text allowed the reference's token "
-                 "(verinfer.auditing.alignment; left out of the verdict)",
+    "realigned": "re-tokenized positions re-split where the text allowed the reference's token, or edited to "
+                 "agree with the provider's usage count (verinfer.auditing.alignment; left out of the verdict)",
     "count_mismatch": "re-tokenized outputs whose token count still disagrees with the provider's usage count",
-    "unaligned": "tokens after such an output's first mismatch, left out of the verdict (the alignment is broken "
-                 "somewhere the replay could not repair)",
+    "unaligned": "tokens of such an output past where its alignment is known to hold (bytes its text lost, or its "
+                 "first mismatch), left out of the verdict",
 }
 
 

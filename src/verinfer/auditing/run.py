@@ -225,13 +225,13 @@ def _replayed_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, r
 
 
 def _replayer(reference, provider: str, model_id: str, spec: AuditSpec, scratch: Path, last: Replays):
-    """Claims -> (claimed ids, the reference's replayed tokens) per claim, scored in ``scratch``; each
+    """Claims -> the reference's score columns per claim, scored in ``scratch``; each
     claim's last replay is kept in ``last`` (the final scoring reuses it rather than replaying again)."""
-    def replay(claims: list[Claim]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def replay(claims: list[Claim]) -> list[dict[str, np.ndarray]]:
         traces = claim_traces(claims, provider, model_id, spec.params)
         got = by_trace(reference.score(traces, scratch))
         last.update(got)
-        return [(got[t.id]["claimed"], got[t.id]["verifier_token"]) for t in traces]
+        return [got[t.id] for t in traces]
 
     return replay
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from verinfer.commits.trace_commits import CommitCheck, check_commits, commit_rows
 from verinfer.models.backend import Backend
-from verinfer.scoring.alignment import align, keep_rows
+from verinfer.scoring.alignment import align, keep_rows, lost_bytes_tail, occurrences
 from verinfer.trace import Trace, TraceError
 from verinfer.scoring.scores import ScoreWriter, signature, write_commit_scores
 from verinfer.scoring.token_difr import verify_traces
@@ -92,7 +92,8 @@ def align_retokenized(backend: Backend, traces: Sequence[Trace]) -> tuple[list[T
     """Traces whose output ids were re-tokenized from text (``meta.token_source == "retokenized"``, the
     text kept in ``output_text``, as the gateway records text-only engines) re-split at every
     tokenization break the replay reveals (``verinfer.scoring.alignment``); returns the traces (the
-    re-split ones with ``meta.realigned``), per trace id the positions to leave unscored, and the
+    re-split ones with ``meta.realigned``, those whose text ends inside a character with
+    ``meta.lost_bytes_from``), per trace id the positions to leave unscored, and the
     alignment's last replays, which ``score_traces(reuse=)`` takes instead of scoring them again."""
     out = list(traces)
     which = [i for i, t in enumerate(out) if (t.meta or {}).get("token_source") == "retokenized"
@@ -101,19 +102,23 @@ def align_retokenized(backend: Backend, traces: Sequence[Trace]) -> tuple[list[T
         return out, {}, {}
     last: Replays = {}
 
-    def replay(ids: list[list[int]], todo: list[int]) -> list[tuple[np.ndarray, np.ndarray]]:
-        subset = [replace(out[which[k]], output_token_ids=i) for k, i in zip(todo, ids)]
+    def replay(ids: list[list[int]], todo: list[int]) -> list[dict[str, np.ndarray]]:
+        subset = [replace(out[which[k]], output_token_ids=i, id=out[which[k]].id + tag)
+                  for k, i, tag in zip(todo, ids, occurrences(todo))]
         blocks = [block.columns for block in verify_traces(backend, subset)]
         got = by_trace({k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]})
         last.update(got)
-        return [(got[t.id]["claimed"], got[t.id]["verifier_token"]) for t in subset]
+        return [got[t.id] for t in subset]
 
     skip = {}
     for i, a in zip(which, align([(out[i].output_token_ids, out[i].output_text) for i in which], replay,
                                  backend.tokenizer)):
-        if a.realigned:
-            out[i] = replace(out[i], output_token_ids=a.ids, meta={**out[i].meta, "realigned": a.realigned})
-            skip[out[i].id] = set(a.realigned)
+        tail = lost_bytes_tail(backend.tokenizer, a.ids, out[i].output_text)  # bytes the text lost: drift too
+        lost = set(range(tail, len(a.ids))) if tail is not None else set()
+        if a.realigned or lost:
+            out[i] = replace(out[i], output_token_ids=a.ids, meta={**out[i].meta, "realigned": a.realigned,
+                                                                   **({"lost_bytes_from": tail} if lost else {})})
+            skip[out[i].id] = set(a.realigned) | lost
     return out, skip, last
 
 
