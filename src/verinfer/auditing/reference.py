@@ -22,12 +22,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
 from verinfer.auditing.client import Call, ProviderClient, ProviderError
-from verinfer.auditing.responses import Claim
 from verinfer.scoring.alignment import keep_rows
 from verinfer.scoring.traces import Replays
 from verinfer.trace import Trace

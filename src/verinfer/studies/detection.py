@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
-import torch
 
 import verinfer
 from verinfer.simulate import variants
