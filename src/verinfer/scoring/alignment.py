@@ -45,6 +45,8 @@ import numpy as np
 LIMIT = 8  # re-splits per output; an honest 32-token chat output was seen needing at most one
 EDITS = 2  # count repairs per output: each leaves two positions unscored, so a provider misreporting
 # its counts gains at most four unscored tokens an output
+EDIT_CANDIDATES = 256  # replays one repair may cost (a 22-token sentence and 35 tokens of code offered 53 and 45); an
+# output offering more (a long one) is not repaired: it is cut at its first mismatch as before
 
 
 def resplit(tokenizer, ids: list[int], text: str, position: int, token: int) -> list[int] | None:
@@ -121,13 +123,14 @@ def count_edits(tokenizer, ids: list[int], text: str, longer: bool) -> list[tupl
 def likeliest_edit(tokenizer, ids: list[int], text: str, counts: Sequence[int], score: Callable[[list[list[int]]],
                    list[float]]) -> tuple[list[int], list[int]] | None:
     """The edit of ``ids`` toward the nearest of ``counts`` whose tokens the reference finds likeliest:
-    (edited ids, changed positions), or None when the count agrees or no edit keeps the text.
+    (edited ids, changed positions), or None when the count agrees, no edit keeps the text or more than
+    ``EDIT_CANDIDATES`` do.
     ``score(candidates)``: each candidate's total cross-entropy under the reference (lower: likelier)."""
     want = min(counts, key=lambda c: abs(c - len(ids)))
     if want == len(ids):
         return None
     candidates = count_edits(tokenizer, ids, text, longer=want > len(ids))
-    if not candidates:
+    if not candidates or len(candidates) > EDIT_CANDIDATES:
         return None
     nats = np.asarray(score([c for c, _ in candidates]), dtype=np.float64)
     if not np.isfinite(nats).any():
