@@ -189,11 +189,22 @@ def rate(k: int, n: int) -> str:
 
 def table(out: Path) -> None:
     rows, notes, by_set = [], [], []
-    for name in SERVERS:
+    honest: list[dict] = []
+    for name in [*SERVERS, "honest, all"]:
         path = records_dir() / f"{name}.jsonl"
-        if not path.exists():
+        if name == "honest, all":
+            recs = honest
+            if not recs:
+                continue
+        elif not path.exists():
             continue
-        recs = [json.loads(line) for line in path.open()]
+        else:
+            recs = [json.loads(line) for line in path.open()]
+            honest += recs if name.startswith("honest") else []
+            judged = {}
+            for r in recs:
+                judged[r.get("judged_at", "not recorded (f200fe3 or earlier)")] = judged.get(r.get("judged_at", "not recorded (f200fe3 or earlier)"), 0) + 1
+            notes.append(f"- {name}: judged at " + ", ".join(f"{k} ({v})" for k, v in judged.items()))
         cells = [rate(sum(r["rejects"] for r in recs), len(recs))]
         for t in TESTS:
             ran = [r for r in recs if f"p_{t}" in r]
@@ -202,6 +213,8 @@ def table(out: Path) -> None:
         rows.append(f"| {name} | {len(recs)} ({sets}) | " + " | ".join(cells) + " |")
         if name.startswith("hidden"):
             notes.append(f"- {name}: {HIDDEN[int(name.split('-')[1]) - 1]!r}")
+        if name == "honest, all":
+            continue
         walls = sorted(r["wall_s"] for r in recs)
         notes.append(f"- {name}: wall time per audit median {walls[len(walls) // 2]:.0f} s")
         for p in SETS:
@@ -217,7 +230,8 @@ def table(out: Path) -> None:
              "Each audit: `verinfer audit run --mode auto --n 25 --max-tokens 32` (T = 1, no filters, no seeds), "
              "prompt sets rotating chitchat / human-eval / gsm8k, prompt seed 1000 + audit index, against a "
              "`verinfer serve` process. Rates at 1% FPR with Wilson 95% intervals; \"alone\": the test's own "
-             "p < 0.01, the verdict of that mode alone on the same responses.", "",
+             "p < 0.01, the verdict of that mode alone on the same responses. \"judged at\": the commit whose "
+             "code judged the records (a `--rejudge` judges kept responses again).", "",
              "| server | audits (per prompt set) | auto rejects | surprise alone | logprobs alone |",
              "|---|---|---|---|---|", *rows, "", "Per prompt set (the logprob gap: the logprobs test's statistic, the mean "
              "clipped gap per position, nats; records without the bands' prompts predate per-set bands: chitchat):", "",
