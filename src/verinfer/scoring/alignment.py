@@ -37,6 +37,7 @@ text-only engines).
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -166,7 +167,7 @@ def lost_bytes_tail(tokenizer, ids: Sequence[int], text: str, counts: Sequence[i
 def occurrences(which: Sequence[int]) -> list[str]:
     """A suffix per entry of ``which`` that tells repeated outputs apart (candidate tokenizations of one
     output replayed side by side): empty for an output named once, ``~k`` for each of several."""
-    many = {i for i in which if list(which).count(i) > 1}
+    many = {i for i, n in Counter(which).items() if n > 1}
     seen: dict[int, int] = {}
     out = []
     for i in which:
