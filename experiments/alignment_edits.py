@@ -20,7 +20,6 @@ import argparse
 import os
 from dataclasses import replace
 
-import numpy as np
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -30,8 +29,8 @@ from verinfer.api import generate  # noqa: E402
 from verinfer.machine import describe  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
 from verinfer.prompts import load_prompts  # noqa: E402
-from verinfer.scoring.alignment import align, occurrences  # noqa: E402
-from verinfer.scoring.traces import by_trace, verify_traces  # noqa: E402
+from verinfer.scoring.alignment import align  # noqa: E402
+from verinfer.scoring.traces import replayer  # noqa: E402
 
 
 def main() -> None:
@@ -58,14 +57,7 @@ def main() -> None:
     wrong = [replace(t, output_token_ids=ids, sampling=replace(t.sampling, seed=t.sampling.seed + 1))
              for t, _, _, ids in cases]
 
-    def replay(ids: list[list[int]], todo: list[int]) -> list[dict[str, np.ndarray]]:
-        subset = [replace(wrong[k], output_token_ids=i, id=wrong[k].id + tag)
-                  for k, i, tag in zip(todo, ids, occurrences(todo))]
-        blocks = [b.columns for b in verify_traces(backend, subset)]
-        got = by_trace({k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]})
-        return [got[t.id] for t in subset]
-
-    aligned = align([(ids, text) for _, _, text, ids in cases], replay, tok,
+    aligned = align([(ids, text) for _, _, text, ids in cases], replayer(backend, wrong), tok,
                     counts=[(len(body),) for _, body, _, _ in cases])
     exact = sum(a.ids == body for a, (_, body, _, _) in zip(aligned, cases))
     counted = sum(len(a.ids) == len(body) for a, (_, body, _, _) in zip(aligned, cases))

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -201,9 +202,7 @@ def table(out: Path) -> None:
         else:
             recs = [json.loads(line) for line in path.open()]
             honest += recs if name.startswith("honest") else []
-            judged = {}
-            for r in recs:
-                judged[r.get("judged_at", "not recorded (f200fe3 or earlier)")] = judged.get(r.get("judged_at", "not recorded (f200fe3 or earlier)"), 0) + 1
+            judged = Counter(r.get("judged_at", "not recorded (f200fe3 or earlier)") for r in recs)
             notes.append(f"- {name}: judged at " + ", ".join(f"{k} ({v})" for k, v in judged.items()))
         cells = [rate(sum(r["rejects"] for r in recs), len(recs))]
         for t in TESTS:

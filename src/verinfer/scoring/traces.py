@@ -88,6 +88,22 @@ def reusable(traces: Sequence[Trace], replays: Replays | None) -> Replays:
     return out
 
 
+def replayer(backend: Backend, base: Sequence[Trace], last: Replays | None = None):
+    """The alignment's ``Replay`` over ``base`` (``scoring.alignment.align``): output ``k`` scored with the
+    ids given, candidates of one output told apart by id (``occurrences``); each replay's columns also
+    go to ``last`` when given."""
+    def replay(ids: list[list[int]], todo: list[int]) -> list[dict[str, np.ndarray]]:
+        subset = [replace(base[k], output_token_ids=i, id=base[k].id + tag)
+                  for k, i, tag in zip(todo, ids, occurrences(todo))]
+        blocks = [block.columns for block in verify_traces(backend, subset)]
+        got = by_trace({k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]})
+        if last is not None:
+            last.update(got)
+        return [got[t.id] for t in subset]
+
+    return replay
+
+
 def align_retokenized(backend: Backend, traces: Sequence[Trace]) -> tuple[list[Trace], dict[str, set[int]], Replays]:
     """Traces whose output ids were re-tokenized from text (``meta.token_source == "retokenized"``, the
     text kept in ``output_text``, as the gateway records text-only engines) re-split at every
@@ -101,15 +117,7 @@ def align_retokenized(backend: Backend, traces: Sequence[Trace]) -> tuple[list[T
     if not which:
         return out, {}, {}
     last: Replays = {}
-
-    def replay(ids: list[list[int]], todo: list[int]) -> list[dict[str, np.ndarray]]:
-        subset = [replace(out[which[k]], output_token_ids=i, id=out[which[k]].id + tag)
-                  for k, i, tag in zip(todo, ids, occurrences(todo))]
-        blocks = [block.columns for block in verify_traces(backend, subset)]
-        got = by_trace({k: np.concatenate([b[k] for b in blocks]) for k in blocks[0]})
-        last.update(got)
-        return [got[t.id] for t in subset]
-
+    replay = replayer(backend, [out[i] for i in which], last)
     skip = {}
     for i, a in zip(which, align([(out[i].output_token_ids, out[i].output_text) for i in which], replay,
                                  backend.tokenizer)):
