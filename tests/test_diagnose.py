@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from verinfer.models.backend import PrefillBlock
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import RowKeys, get_profile
-from verinfer.sampling.sampler import sample
+from verinfer.sampling.sampler import picks_at_offsets, sample
 from verinfer.scoring.diagnosis import (
     ALPHA,
     CLAIM,
@@ -31,6 +31,7 @@ from verinfer.scoring.diagnosis import (
     off_boundary,
     penalized,
     rank,
+    shifted,
     token_loglik,
     vuong,
 )
@@ -81,7 +82,7 @@ def synthetic(true: Candidate, n_traces: int = 8, length: int = 80, seed: int = 
                 out.append(int(sample(row, [actual[i]], profile, keys)[0]))
         else:
             keys = RowKeys((f"t{i}",) * length, np.array([actual[i].seed] * length, dtype=object),
-                           np.arange(length) + len(prompt) - 1, np.arange(length))
+                           np.arange(length) + len(prompt) - 1 + (true.shift or 0), np.arange(length))
             out = sample(served, [actual[i]] * length, profile, keys).tolist()
         if true.bug:  # the bug: a rate of tokens uniform among the top K raw logits
             fires = (torch.rand(length, generator=gen) < bug_rate).tolist()
@@ -259,6 +260,39 @@ def test_synthetic_honest_traces_keep_the_claim():
     assert d.claim.exact == 1.0 and d.text.startswith("the claim explains it")
 
 
+@pytest.mark.parametrize("profile", ["vllm", "sglang"])
+def test_picks_at_offsets_are_the_samplers_own_picks_at_the_moved_positions(profile):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(24, VOCAB, generator=gen) * 2.5
+    params = [CLAIM_PARAMS.with_(profile=profile, seed=CLAIM_PARAMS.seed + i % 3, top_k=-1 if i % 4 == 0 else 50)
+              for i in range(24)]
+    keys = RowKeys(tuple(f"t{i % 3}" for i in range(24)), np.array([p.seed for p in params], dtype=object),
+                   np.arange(24) + 9, np.arange(24))
+    picks = picks_at_offsets(logits, params, get_profile(profile), keys, range(-3, 4))
+    for i, d in enumerate(range(-3, 4)):
+        full = sample(logits, params, get_profile(profile), replace(keys, positions=keys.positions + d))
+        screened = picks[i] >= 0  # rows whose kept set fits the top view: every top-k 50 row, some top-p ones
+        assert bool(screened[[p.top_k > 0 for p in params]].all())
+        assert torch.equal(picks[i][screened], full[screened])
+
+
+@pytest.mark.parametrize("d", [7, -3])
+def test_prompts_of_another_length_are_found_by_the_offset_search(d):
+    """A position-keyed engine serving prompts ``d`` tokens longer: every draw moved by ``d``. The search
+    names the offset, and the candidate is tested with every offset screened in the Bonferroni count."""
+    backend, traces = synthetic(shifted(d))
+    d_ = diagnose_traces(backend, traces, candidate_grid(CLAIM_PARAMS))
+    assert d_.best.candidate == shifted(d) and d_.claim_rejected and d_.explained, d_.text
+    assert d_.settings["prompt_shift"]["best"] == d and d_.settings["prompt_shift"]["tried"]
+    assert d_.tried == len(d_.ranked) + d_.settings["prompt_shift"]["searched"] - 1
+    assert d_.text.startswith(f"best explained by prompts {abs(d)} tokens")
+    honest = diagnose_traces(*synthetic(CLAIM), [CLAIM])
+    assert not honest.settings["prompt_shift"]["tried"] and honest.tried == 1 and len(honest.ranked) == 1
+    greedy = diagnose_traces(backend, [replace(t, sampling=t.sampling.with_(profile="greedy", seed=None))
+                                       for t in traces], [CLAIM])
+    assert greedy.settings["prompt_shift"] is None  # nothing position-keyed to search
+
+
 def test_a_configuration_outside_the_grid_is_explained_by_no_candidate():
     backend, traces = synthetic(Candidate("seed +17", "seed", seed_map="+17"))  # offsets tried: +-1, +1000003
     d = diagnose_traces(backend, traces, candidate_grid(CLAIM_PARAMS))
@@ -284,14 +318,18 @@ def model():
     return load_model()
 
 
-@functools.cache  # one generation per variant, shared by the tests (the honest one by three); traces are not mutated
-def _traces(model, variant: str, n: int = 6, tokens: int = 48):
+def _requests(model, n: int = 6):
     from verinfer.prompts import load_prompts
     from verinfer.simulate.generate import build_requests
+
+    return build_requests(model, load_prompts("chitchat", n), CLAIM_PARAMS)
+
+
+@functools.cache  # one generation per variant, shared by the tests (the honest one by three); traces are not mutated
+def _traces(model, variant: str, n: int = 6, tokens: int = 48):
     from verinfer.simulate.variants import get_variant
 
-    requests = build_requests(model, load_prompts("chitchat", n), CLAIM_PARAMS)
-    return get_variant(variant).generate(model, requests, max_new_tokens=tokens, batch_size=n)
+    return get_variant(variant).generate(model, _requests(model, n), max_new_tokens=tokens, batch_size=n)
 
 
 def test_bundled_model_honest_traces_keep_the_claim(model):
@@ -313,6 +351,20 @@ def _served_as(model, change: dict):
     requests = [Request(t.id, tuple(t.prompt_token_ids), t.sampling.with_(seed=t.sampling.seed + change["seed_shift"])
                         if "seed_shift" in change else t.sampling.with_(**change)) for t in honest]
     return [replace(t, sampling=h.sampling) for t, h in zip(generate(model, requests, 48, len(requests)), honest)]
+
+
+def test_bundled_model_hidden_system_prompt_is_found_with_its_length(model):
+    """A provider that puts its own system message in (here in place of SmolLM2's default one) draws vLLM's
+    position-keyed noise at other positions: diagnose names the prompts' length difference, exactly, and
+    calls the remaining mismatches the other text's (context-shaped)."""
+    from verinfer.simulate.variants import get_variant
+
+    traces = _traces(model, "system-prompt:Be concise.")
+    served = get_variant("system-prompt:Be concise.").prompt(model, _requests(model)[0])
+    d = diagnose(traces, model)
+    truth = len(served.prompt_token_ids) - len(traces[0].prompt_token_ids)
+    assert truth != 0 and d.best.candidate == shifted(truth) and d.claim_rejected, d.text
+    assert d.best.exact > d.claim.exact + 0.3 and "context-shaped" in d.text
 
 
 def test_bundled_model_seed_offset_not_in_the_catalogue_is_recovered(model):

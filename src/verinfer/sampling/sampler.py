@@ -159,3 +159,29 @@ def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -
 def sample(logits: torch.Tensor, params: list[SamplingParams], profile: Profile, keys: RowKeys) -> torch.Tensor:
     """The tokens the provider's sampler emits for ``logits`` [N, V]."""
     return replay(logits, params, profile, keys).token
+
+
+def picks_at_offsets(logits: torch.Tensor, params: list[SamplingParams], profile: Profile, keys: RowKeys,
+                     offsets: range) -> torch.Tensor:
+    """The sampler's picks [len(offsets), N] with every row's position moved by each offset: what a
+    position-keyed engine (``Profile.position_keyed``) emits for prompts that much longer. The filters
+    do not depend on the position, so the kept sets are taken once and only the noise is drawn again;
+    rows whose kept set is wider than its top view are left out (-1): the offsets are screened on the
+    filtered rows, which cost a few dozen draws each."""
+    n, vocab = logits.shape
+    out = torch.full((len(offsets), n), -1, dtype=torch.int64, device=logits.device)
+    temp, top_k, top_p, min_p = _params_tensors(params, logits.device)
+    x = logits.float() / temp[:, None]
+    kept = getattr(profile, "kept_set", kept_set)(x, top_k, top_p, min_p)
+    rows = kept.inside.nonzero().squeeze(1)
+    if not rows.numel():
+        return out
+    r1, j1 = kept.in_view()[rows].nonzero(as_tuple=True)
+    c1, v1 = kept.view_ids[rows][r1, j1], kept.view[rows][r1, j1].double()
+    pick = rows.cpu().numpy()
+    for i, d in enumerate(offsets):
+        sub = RowKeys(requests=tuple(keys.requests[j] for j in pick.tolist()), seeds=keys.seeds[pick],
+                      positions=keys.positions[pick] + d, steps=keys.steps[pick], params=tuple(params[j] for j in pick))
+        _, winner = _segment_argmax(profile.noised(sub, r1, c1, v1, vocab, kept), r1, c1, rows.numel())
+        out[i, rows] = winner
+    return out

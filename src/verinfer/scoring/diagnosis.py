@@ -3,7 +3,9 @@
 A *candidate* is the claimed configuration with one thing changed: the sampler's temperature, top-k,
 top-p or min-p, a repetition / presence / frequency penalty, the seeds (an offset, or one seed for
 every request), the engine profile, a sampler bug (a rate of tokens uniform among the top K), or the
-model (a derived model from the catalogue: ``band``, which needs a prefill of its own). Each candidate
+model (a derived model from the catalogue: ``band``, which needs a prefill of its own), or, for engines
+whose noise is keyed by absolute position, prompts of another length (a hidden system or prefix message:
+its length fitted by a search over offsets, ``shifted``). Each candidate
 is replayed on the same logits (``token_difr.score_block``, the verifier's own replay) and scored
 token by token under one noise model:
 
@@ -81,12 +83,13 @@ class Candidate:
     """The claim with at most one thing changed; ``label`` names it for people."""
 
     label: str
-    axis: str  # claim, temperature, top_k, top_p, min_p, penalty, seed, profile, bug, model
+    axis: str  # claim, temperature, top_k, top_p, min_p, penalty, seed, profile, bug, model, prompt
     changes: tuple[tuple[str, Any], ...] = ()  # SamplingParams fields to replace
     seed_map: str | None = None  # "+d" / "-d": every seed shifted by d; "same": every request the first seed
     penalty: tuple[str, float] | None = None  # (repetition|presence|frequency, value), vLLM semantics
     bug: int | None = None  # K: a bug draws some tokens (a rate estimated by ML) uniformly among the top K raw logits
     band: str | None = None  # a model-side variant name (None: the reference model)
+    shift: int | None = None  # the provider's prompts this many tokens longer (a position-keyed engine's noise moves)
 
     def params(self, claimed: Sequence[SamplingParams]) -> list[SamplingParams]:
         """Each trace's sampling parameters under this candidate."""
@@ -105,10 +108,19 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "axis": self.axis, "changes": dict(self.changes), "seed_map": self.seed_map,
                 "penalty": list(self.penalty) if self.penalty else None, "bug_top": self.bug,
-                "band": self.band}
+                "band": self.band, "prompt_shift": self.shift}
 
 
 CLAIM = Candidate("claim", "claim")
+
+
+def shifted(d: int) -> Candidate:
+    """The claim on prompts ``d`` tokens longer (shorter when negative) than the claimed ones: what a hidden
+    system or prefix message of ``d`` tokens does to an engine whose noise is keyed by absolute position
+    (``Profile.position_keyed``: vLLM's model runner V2, SGLang), whose every draw then moves by ``d``."""
+    why = "a hidden system or prefix message" if d > 0 else "another system message, or a truncated context"
+    return Candidate(f"prompts {abs(d)} tokens {'longer' if d > 0 else 'shorter'} than claimed ({why})", "prompt",
+                     shift=int(d))
 
 
 def _fmt(x: float) -> str:
@@ -361,13 +373,25 @@ class Diagnosis:
         return self.ranked[0]
 
     @property
+    def tried(self) -> int:
+        """Candidates the Bonferroni correction counts: those ranked, and every prompt offset screened."""
+        search = self.settings.get("prompt_shift") or {}
+        return len(self.ranked) + (max(int(search["searched"]) - 1, 0) if search.get("tried") else 0)
+
+    @property
     def claim_rejected(self) -> bool:
         """The best candidate is not the claim and beats it at level ``alpha`` (Bonferroni)."""
         return self.best.candidate != CLAIM and self.best.p < self.alpha
 
     @property
+    def context_led(self) -> bool:
+        """The best candidate is prompts of another length and beats the claim: it explains the noise, and
+        the tokens it leaves unexplained are the other prompt's text, which no replay of the claimed one has."""
+        return self.best.candidate.axis == "prompt" and self.claim_rejected
+
+    @property
     def explained(self) -> bool:
-        return any(r.explains for r in self.ranked)
+        return any(r.explains for r in self.ranked) or self.context_led
 
     @property
     def deviates(self) -> bool:
@@ -394,7 +418,7 @@ class Diagnosis:
                         f"exact {self.claim.exact:.1%}); {v.text}")
             if b.candidate != CLAIM:
                 return (f"flagged: {v.text}; the likeliest cause is {b.candidate.label} (exact {b.exact:.1%} against "
-                        f"the claim's {self.claim.exact:.1%}; {b.evidence}, p {b.p:.2g} over {len(self.ranked)} "
+                        f"the claim's {self.claim.exact:.1%}; {b.evidence}, p {b.p:.2g} over {self.tried} "
                         f"candidates: not significant by likelihood alone)")
             return (f"a deviation none of the candidates is: {v.text}, yet no candidate explains the tokens better "
                     f"than the claim (exact {self.claim.exact:.1%}, margin {self.claim.mean_margin:.3g}; next: "
@@ -417,9 +441,14 @@ class Diagnosis:
         if not self.claim_rejected:
             return (f"the claim explains it (exact {c.exact:.1%}, margin {c.mean_margin:.3g}); no candidate "
                     f"explains it better at p < {self.alpha:g} (next: {self._runner_up()})")
+        context = "" if b.explains or not self.context_led else (
+            f"; a context-shaped deviation: the engine draws its noise by position, and the claim's draws match the "
+            f"served tokens once moved by {b.candidate.shift:+d} positions; the {b.unexplained:.1%} of tokens left "
+            f"unexplained are what the other prompt's text changes in the logits, which a replay of the claimed "
+            f"prompt cannot reproduce")
         return (f"best explained by {b.candidate.label} (exact {b.exact:.1%}, margin {b.mean_margin:.3g}) vs the claim "
                 f"(exact {c.exact:.1%}, margin {c.mean_margin:.3g}): {b.evidence} "
-                f"p {b.p:.2g} (Bonferroni over {len(self.ranked)} candidates)")
+                f"p {b.p:.2g} (Bonferroni over {self.tried} candidates){context}")
 
     def _runner_up(self) -> str:
         other = next((r for r in self.ranked if r.candidate != CLAIM), None)
@@ -442,11 +471,13 @@ class Diagnosis:
 
 
 def rank(tallies: dict[Candidate, Tally], alpha: float = ALPHA, settings: dict[str, Any] | None = None,
-         honest_rate: float = HONEST_OFF_BOUNDARY) -> Diagnosis:
+         honest_rate: float = HONEST_OFF_BOUNDARY, searched: int = 0) -> Diagnosis:
     """Candidates by log-likelihood (the claim first among equals), each tested against the claim (a bug
-    at its ML rate, by ``bug_test`` against ``honest_rate``)."""
+    at its ML rate, by ``bug_test`` against ``honest_rate``). ``searched``: prompt offsets screened to pick
+    the one offset candidate among ``tallies`` (``diagnosis_run.search_shift``): each counts as a candidate
+    tried in the Bonferroni correction, as if every one had been replayed in full."""
     claim = tallies[CLAIM]
-    k = max(len(tallies) - 1, 1)
+    k = max(len(tallies) - 1 + max(searched - 1, 0), 1)
     lines = []
     for c, t in tallies.items():
         n = max(t.tokens, 1)

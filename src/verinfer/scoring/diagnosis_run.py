@@ -23,10 +23,10 @@ from verinfer.files import check_outputs, write_atomic
 from verinfer.models.backend import Backend
 from verinfer.models.fp8_kv import Fp8KVBackend
 from verinfer.sampling.profiles import Profile, get_profile
-from verinfer.sampling.sampler import replay
+from verinfer.sampling.sampler import picks_at_offsets, replay
 from verinfer.scoring.diagnosis import (
     ALPHA, CLAIM, EPS, HONEST_OFF_BOUNDARY, SIGMA, BugTally, Candidate, Diagnosis, Tally, candidate_grid,
-    effective_margin, off_boundary, penalized, rank, token_loglik,
+    effective_margin, off_boundary, penalized, rank, shifted, token_loglik,
 )
 from verinfer.scoring.scores import signature
 from verinfer.scoring.traces import check_traces
@@ -36,6 +36,8 @@ from verinfer.simulate.variants import get_variant, list_variants
 from verinfer.trace import Trace, TraceError, read_traces
 
 DEFAULT_BANDS = ("bf16", "w8-channel", "w4-g128", "fp8-kv")
+MAX_SHIFT = 512  # the longest hidden system or prefix message searched for, in tokens
+SHIFT_ROWS = 64  # rows the offset search replays at each offset
 
 
 def model_side_variants() -> list[str]:
@@ -68,19 +70,60 @@ def resolve_bands(spec: str | Sequence[str] | None) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def _score(logits, items, steps, traces, profiles, sigma, eps):
+def _score(logits, items, steps, traces, profiles, sigma, eps, shift: int = 0):
     """Replay one block under one candidate (all its traces share one profile): exact matches, raw
-    logit ranks of the claims, its picks, effective margins and log-likelihoods. The sampler's own ``replay``, without the verifier's other score columns, which a
-    diagnosis does not read."""
+    logit ranks of the claims, its picks, effective margins and log-likelihoods. The sampler's own
+    ``replay``, without the verifier's other score columns, which a diagnosis does not read. ``shift``
+    moves every row's position (the candidate's prompts that many tokens longer)."""
     name = traces[items[0]].sampling.profile
     profile = profiles.setdefault(name, get_profile(name))
-    claimed = torch.tensor([traces[i].output_token_ids[k] for i, k in zip(items, steps)], dtype=torch.long,
-                           device=logits.device)
-    out = replay(logits, [traces[i].sampling for i in items], profile, _keys(traces, items, steps), claimed=claimed)
+    claimed = _claimed(logits, items, steps, traces)
+    keys = _keys(traces, items, steps)
+    if shift:
+        keys = replace(keys, positions=keys.positions + shift)
+    out = replay(logits, [traces[i].sampling for i in items], profile, keys, claimed=claimed)
     margin = effective_margin(out.margin.cpu().numpy(), out.filter_distance.cpu().numpy())
     cols = {"exact_match": (out.token == claimed).cpu().numpy(), "logit_rank": out.logit_rank.cpu().numpy(),
             "pick": out.token}
     return cols, margin, token_loglik(margin, sigma, eps)
+
+
+def _claimed(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, traces: Sequence[Trace]) -> torch.Tensor:
+    return torch.tensor([traces[i].output_token_ids[k] for i, k in zip(items, steps)], dtype=torch.long,
+                        device=logits.device)
+
+
+def search_shift(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, traces: Sequence[Trace],
+                 max_shift: int = MAX_SHIFT, rows: int = SHIFT_ROWS) -> dict | None:
+    """The prompt-length offset that best reproduces the traces' tokens, for engines whose noise is keyed by
+    absolute position (``Profile.position_keyed``): a provider that put a hidden system or prefix message of
+    ``d`` tokens before the claimed prompt drew every token at position + ``d``, so replaying at + ``d``
+    gives back its noise, and its tokens wherever the hidden text did not change the logits past the
+    margin. Screens every offset in [-(shortest prompt - 1), ``max_shift``] on ``rows`` rows of a block
+    spread over it, sampling only; returns the offset with the most exact rows, the claim's count and the
+    runner-up's (how sharply the offset is identified), or None when the traces' sampler is not
+    position-keyed (or greedy)."""
+    params = [traces[i].sampling for i in items]
+    profile = get_profile(params[0].profile)
+    if not profile.position_keyed or any(p.is_greedy or p.seed is None for p in params):
+        return None
+    pick = np.unique(np.linspace(0, len(items) - 1, min(rows, len(items))).round().astype(np.int64))
+    items, steps = items[pick], steps[pick]
+    x, sub = logits[torch.as_tensor(pick, device=logits.device)], [params[i] for i in pick.tolist()]
+    claimed, keys = _claimed(x, items, steps, traces), _keys(traces, items, steps)
+    low = -min(max_shift, min(len(t.prompt_token_ids) for t in traces) - 1)
+    offsets = range(low, max_shift + 1)
+    picks = picks_at_offsets(x, sub, profile, keys, offsets)
+    screened = picks[0] >= 0
+    if not bool(screened.any()):  # no filtered row (no top-k): each offset replayed in full
+        picks = torch.stack([replay(x, sub, profile, replace(keys, positions=keys.positions + d)).token
+                             for d in offsets])
+        screened = torch.ones_like(screened)
+    exact = dict(zip(offsets, (picks == claimed).sum(1).tolist()))
+    best = max(exact, key=lambda d: (exact[d], -abs(d)))
+    runner_up = max((d for d in exact if d != best), key=lambda d: exact[d], default=best)
+    return {"best": best, "exact": exact[best], "claim_exact": exact[0], "runner_up": runner_up,
+            "runner_up_exact": exact[runner_up], "rows": int(screened.sum()), "searched": len(exact) - 1, "range": [low, max_shift]}
 
 
 def _forget(traces: Sequence[Trace], items: np.ndarray, steps: np.ndarray,
@@ -124,12 +167,13 @@ def decode_replay(band: Backend, traces: Sequence[Trace], on_block) -> None:
 def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Sequence[Candidate],
                     sigma: float = SIGMA, eps: float = EPS, alpha: float = ALPHA,
                     honest_rate: float = HONEST_OFF_BOUNDARY, token_budget: int = 4096, row_block: int = 512,
-                    on_rows: Callable[[int], None] | None = None) -> Diagnosis:
+                    on_rows: Callable[[int], None] | None = None, search_prompt: bool = True) -> Diagnosis:
     """Tally every candidate over the traces and rank them (``diagnosis.rank``).
 
     Sampler candidates share the reference prefill; each ``band`` candidate costs a prefill of the
     catalogue variant's model derived from ``backend`` (``simulate.variants``), replayed with the
-    claimed sampler.
+    claimed sampler. With ``search_prompt``, the prompt-length offset that best reproduces the first
+    block's tokens (``search_shift``) joins the candidates when it beats the claim there.
     """
     traces = list(traces)
     claimed = [t.sampling for t in traces]
@@ -145,8 +189,15 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     sequences = [t.prompt_token_ids + t.output_token_ids for t in traces]
     starts = [len(t.prompt_token_ids) for t in traces]
 
+    search: dict | None = None
     for block in backend.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
         items, steps = block.items.numpy(), block.steps.numpy()
+        if search_prompt:
+            search_prompt, search = False, search_shift(block.logits, items, steps, traces)
+            if search is not None and search.setdefault("tried", search["exact"] > search["claim_exact"]):
+                c = shifted(search["best"])
+                sampler.append(c), profile_sets.setdefault(c, {})
+                as_traces[c], tallies[c] = traces, Tally()
         cols, m0, ll0 = _score(block.logits, items, steps, traces, profile_sets[CLAIM], sigma, eps)
         tallies[CLAIM].add(cols["exact_match"], m0, ll0, ll0, eps)
         if claim_ll is not None:
@@ -164,7 +215,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
                 logits, cand_traces = penalized(block.logits, histories, *c.penalty), traces
             else:
                 logits, cand_traces = block.logits, as_traces[c]
-            cc, m, ll = _score(logits, items, steps, cand_traces, profile_sets[c], sigma, eps)
+            cc, m, ll = _score(logits, items, steps, cand_traces, profile_sets[c], sigma, eps, c.shift or 0)
             tallies[c].add(cc["exact_match"], m, ll, ll0, eps)
         _forget(traces, items, steps, list(profile_sets.values()))
         if on_rows:
@@ -186,8 +237,8 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
         for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
             score_band(block.items.numpy(), block.steps.numpy(), block.logits)
     settings = {"sigma": sigma, "eps": eps, "honest_off_boundary": honest_rate, "traces": len(traces),
-                "tokens": int(offsets[-1]), "bands": [c.band for c in bands]}
-    return rank(tallies, alpha, settings, honest_rate)
+                "tokens": int(offsets[-1]), "bands": [c.band for c in bands], "prompt_shift": search}
+    return rank(tallies, alpha, settings, honest_rate, search["searched"] if search and search["tried"] else 0)
 
 
 def prepare(traces: str | Path | Sequence[Trace], out: str | Path | None = None, sigma: float | None = None,

@@ -87,6 +87,9 @@ class Profile:
     aliases: tuple[str, ...] = ()
     seeded: bool = True
     description: str = ""
+    # Noise keyed by the token's absolute position (prompt length + step) rather than by the step: a
+    # prompt longer than the claimed one moves every draw (a hidden system message shows as an offset).
+    position_keyed: bool = False
 
     def gumbel(self, keys: RowKeys, rows: torch.Tensor, cols: torch.Tensor, vocab_size: int) -> torch.Tensor:
         raise NotImplementedError

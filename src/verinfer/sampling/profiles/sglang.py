@@ -110,6 +110,7 @@ def sglang_keep_counts(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 class SglangProfile(Profile):
     name = "sglang"
+    position_keyed = True
     description = "SGLang 0.5.23 deterministic sampling: Murmur3 Gumbel, u = h/(2^32-1); sorted-rank columns with filters"
 
     def kept_set(self, x, top_k, top_p, min_p):

@@ -80,6 +80,7 @@ def _torch_gumbel32(h: torch.Tensor) -> torch.Tensor:
 
 class VllmProfile(Profile):
     name = "vllm"
+    position_keyed = True
     description = "vLLM model runner V2 (0.32): Murmur3 Gumbel noise G(seed, pos, token), fp32 or fp64"
 
     def __init__(self, draft: bool = False):
