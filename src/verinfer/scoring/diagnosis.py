@@ -119,7 +119,8 @@ def shifted(d: int) -> Candidate:
     system or prefix message of ``d`` tokens does to an engine whose noise is keyed by absolute position
     (``Profile.position_keyed``: vLLM's model runner V2, SGLang), whose every draw then moves by ``d``."""
     why = "a hidden system or prefix message" if d > 0 else "another system message, or a truncated context"
-    return Candidate(f"prompts {abs(d)} tokens {'longer' if d > 0 else 'shorter'} than claimed ({why})", "prompt",
+    n = f"{abs(d)} token{'' if abs(d) == 1 else 's'}"
+    return Candidate(f"prompts {n} {'longer' if d > 0 else 'shorter'} than claimed ({why})", "prompt",
                      shift=int(d))
 
 
