@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 from verinfer.api import load_model
 from verinfer.files import write_atomic
 from verinfer.machine import describe
@@ -91,7 +93,7 @@ def main() -> None:
         "# Hidden system prompts: named with their length by diagnose's offset search", "",
         f"Command: `python experiments/hidden_prompt_length.py {shlex.join(sys.argv[1:])}`  ",
         f"Date: {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC  ",
-        f"Machine: {describe()}  ",
+        f"Machine: {describe(torch.get_num_threads())}  ",
         f"Setup: SmolLM2-135M fp32 reference; {args.prompts} chitchat prompts x up to {args.max_tokens} tokens per "
         f"provider; claims T 1, top-k 50, top-p 0.95; full candidate grid; {time.time() - start:.0f} s in all.", "",
         f"**Hidden prompts named with their exact length: {named}/{hidden}; cases where the offset found differs "
