@@ -8,6 +8,8 @@ generation is ``replay(...).token``; verification reads the rest of the fields.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from verinfer.sampling import inverse_cdf
@@ -162,7 +164,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], profile: Profile,
 
 
 def picks_at_offsets(logits: torch.Tensor, params: list[SamplingParams], profile: Profile, keys: RowKeys,
-                     offsets: range) -> torch.Tensor:
+                     offsets: Sequence[int]) -> torch.Tensor:
     """The sampler's picks [len(offsets), N] with every row's position moved by each offset: what a
     position-keyed engine (``Profile.position_keyed``) emits for prompts that much longer. The filters
     do not depend on the position, so the kept sets are taken once and only the noise is drawn again;
@@ -176,12 +178,11 @@ def picks_at_offsets(logits: torch.Tensor, params: list[SamplingParams], profile
     rows = kept.inside.nonzero().squeeze(1)
     if not rows.numel():
         return out
-    r1, j1 = kept.in_view()[rows].nonzero(as_tuple=True)
-    c1, v1 = kept.view_ids[rows][r1, j1], kept.view[rows][r1, j1].double()
-    pick = rows.cpu().numpy()
+    r1, j1 = (kept.in_view() & kept.inside[:, None]).nonzero(as_tuple=True)
+    c1, v1 = kept.view_ids[r1, j1], kept.view[r1, j1].double()
     for i, d in enumerate(offsets):
-        sub = RowKeys(requests=tuple(keys.requests[j] for j in pick.tolist()), seeds=keys.seeds[pick],
-                      positions=keys.positions[pick] + d, steps=keys.steps[pick], params=tuple(params[j] for j in pick))
-        _, winner = _segment_argmax(profile.noised(sub, r1, c1, v1, vocab, kept), r1, c1, rows.numel())
-        out[i, rows] = winner
+        moved = RowKeys(requests=keys.requests, seeds=keys.seeds, positions=keys.positions + d, steps=keys.steps,
+                        params=tuple(params))
+        _, winner = _segment_argmax(profile.noised(moved, r1, c1, v1, vocab, kept), r1, c1, n)
+        out[i, rows] = winner[rows]
     return out

@@ -37,7 +37,8 @@ from verinfer.trace import Trace, TraceError, read_traces
 
 DEFAULT_BANDS = ("bf16", "w8-channel", "w4-g128", "fp8-kv")
 MAX_SHIFT = 512  # the longest hidden system or prefix message searched for, in tokens
-SHIFT_ROWS = 64  # rows the offset search replays at each offset
+SHIFT_ROWS = 64  # rows the offset search screens every offset on
+SHIFT_FINALISTS = 16  # the best screened offsets, counted again on every row of the first block
 
 
 def model_side_variants() -> list[str]:
@@ -94,36 +95,43 @@ def _claimed(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, traces:
 
 
 def search_shift(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, traces: Sequence[Trace],
-                 max_shift: int = MAX_SHIFT, rows: int = SHIFT_ROWS) -> dict | None:
+                 max_shift: int = MAX_SHIFT, rows: int = SHIFT_ROWS, finalists: int = SHIFT_FINALISTS) -> dict | None:
     """The prompt-length offset that best reproduces the traces' tokens, for engines whose noise is keyed by
     absolute position (``Profile.position_keyed``): a provider that put a hidden system or prefix message of
     ``d`` tokens before the claimed prompt drew every token at position + ``d``, so replaying at + ``d``
     gives back its noise, and its tokens wherever the hidden text did not change the logits past the
-    margin. Screens every offset in [-(shortest prompt - 1), ``max_shift``] on ``rows`` rows of a block
-    spread over it, sampling only; returns the offset with the most exact rows, the claim's count and the
-    runner-up's (how sharply the offset is identified), or None when the traces' sampler is not
-    position-keyed (or greedy)."""
+    margin (SGLang hashes a token's sorted rank, so a changed logit order also moves its noise: fewer).
+    Screens every offset in [-(shortest prompt - 1), ``max_shift``] on ``rows`` rows of a block spread over
+    it, then the ``finalists`` best and 0 on every row of the block, sampling only; returns the offset
+    with the most exact rows there, the claim's count and the runner-up's (how sharply the offset is
+    identified), or None when the traces' sampler is not position-keyed (or greedy)."""
     params = [traces[i].sampling for i in items]
     profile = get_profile(params[0].profile)
     if not profile.position_keyed or any(p.is_greedy or p.seed is None for p in params):
         return None
-    pick = np.unique(np.linspace(0, len(items) - 1, min(rows, len(items))).round().astype(np.int64))
-    items, steps = items[pick], steps[pick]
-    x, sub = logits[torch.as_tensor(pick, device=logits.device)], [params[i] for i in pick.tolist()]
-    claimed, keys = _claimed(x, items, steps, traces), _keys(traces, items, steps)
+
+    def exact_rows(offsets: list[int], pick: np.ndarray) -> tuple[list[int], int]:
+        x, sub = logits[torch.as_tensor(pick, device=logits.device)], [params[i] for i in pick.tolist()]
+        claimed, keys = _claimed(x, items[pick], steps[pick], traces), _keys(traces, items[pick], steps[pick])
+        picks = picks_at_offsets(x, sub, profile, keys, offsets)
+        if not bool((picks[0] >= 0).any()):  # no filtered row (no top-k): each offset replayed in full
+            picks = torch.stack([replay(x, sub, profile, replace(keys, positions=keys.positions + d)).token
+                                 for d in offsets])
+        return (picks == claimed).sum(1).tolist(), int((picks[0] >= 0).sum())
+
     low = -min(max_shift, min(len(t.prompt_token_ids) for t in traces) - 1)
-    offsets = range(low, max_shift + 1)
-    picks = picks_at_offsets(x, sub, profile, keys, offsets)
-    screened = picks[0] >= 0
-    if not bool(screened.any()):  # no filtered row (no top-k): each offset replayed in full
-        picks = torch.stack([replay(x, sub, profile, replace(keys, positions=keys.positions + d)).token
-                             for d in offsets])
-        screened = torch.ones_like(screened)
-    exact = dict(zip(offsets, (picks == claimed).sum(1).tolist()))
+    offsets = list(range(low, max_shift + 1))
+    screen = np.unique(np.linspace(0, len(items) - 1, min(rows, len(items))).round().astype(np.int64))
+    first, _ = exact_rows(offsets, screen)
+    ranked = [d for _, d in sorted(zip(first, offsets), key=lambda t: (-t[0], abs(t[1])))]
+    final = sorted({0, *ranked[:finalists]})
+    counts, used = exact_rows(final, np.arange(len(items)))
+    exact = dict(zip(final, counts))
     best = max(exact, key=lambda d: (exact[d], -abs(d)))
     runner_up = max((d for d in exact if d != best), key=lambda d: exact[d], default=best)
     return {"best": best, "exact": exact[best], "claim_exact": exact[0], "runner_up": runner_up,
-            "runner_up_exact": exact[runner_up], "rows": int(screened.sum()), "searched": len(exact) - 1, "range": [low, max_shift]}
+            "runner_up_exact": exact[runner_up], "rows": used, "screened_rows": len(screen),
+            "searched": len(offsets) - 1, "range": [low, max_shift]}
 
 
 def _forget(traces: Sequence[Trace], items: np.ndarray, steps: np.ndarray,
