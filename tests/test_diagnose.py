@@ -367,6 +367,13 @@ def test_bundled_model_hidden_system_prompt_is_found_with_its_length(model):
     assert d.best.exact > d.claim.exact + 0.3 and "context-shaped" in d.text
 
 
+def test_bundled_model_other_weights_no_candidate_names_are_classed_weights_shaped(model):
+    d = diagnose(_traces(model, "w4-g128"), model)  # no --variants: no model band to name it
+    assert not d.explained and d.text.startswith("no candidate explains it"), d.text
+    assert d.shaped.kind == "weights" and "; the deviation is weights-shaped:" in d.text
+    assert d.shape.tokens == sum(len(t.output_token_ids) for t in _traces(model, "w4-g128"))
+
+
 def test_bundled_model_seed_offset_not_in_the_catalogue_is_recovered(model):
     d = diagnose(_served_as(model, {"seed_shift": 1}), model)
     assert d.best.candidate.label == "seed +1" and d.claim_rejected, d.text

@@ -491,8 +491,11 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
         judged = verify(trace_list, backend=backend, calibration=calibrator, skip_invalid=skip_invalid,
                         allow_model_mismatch=allow_model_mismatch, default_calibration=False).summary
         if judged.verdict is not None:
-            result.verdict = Judged(bool(judged.consistent), judged.verdict.p_value, judged.verdict.tokens, used,
-                                    judged.verdict.decided_by, *uncovered_noise(calibrator, band_names))
+            verdict = judged.verdict
+            result.verdict = Judged(bool(judged.consistent), verdict.p_value, verdict.tokens, used, verdict.decided_by,
+                                    *uncovered_noise(calibrator, band_names),
+                                    sides={k: d for k, d in verdict.detectors.items() if "on_side" in d},
+                                    detectors=max(len(verdict.detectors), 1), alpha=verdict.alpha)
     if out is not None:
         write_atomic(out, json.dumps(result.to_dict(), indent=2) + "\n")
     return result

@@ -52,6 +52,7 @@ from scipy.stats import binom, norm
 
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import params_problems, profile_names
+from verinfer.scoring.shape import Shape, Shaped, classify
 
 SIGMA = 0.1  # raw logits: honest bf16 / 8-bit mismatches of SmolLM2-135M have margins of this order (RESULTS 20)
 EPS = 1e-4  # the likelihood floor of an unexplained token
@@ -345,6 +346,9 @@ class Judged:
     decided_by: str | None = None  # the detector with the smallest p (margin, narrower, wider, beyond)
     uncovered: tuple[str, ...] = ()  # honest model-side variants (bf16) whose noise the calibration lacks
     recorded: bool = True  # whether the calibration records its honest precisions (else none is assumed held)
+    sides: dict = field(default_factory=dict)  # the verdict's sampler-shape detectors (``Verdict.detectors``)
+    detectors: int = 1  # how many detectors the verdict's Bonferroni correction counted
+    alpha: float = ALPHA  # the verdict's level
 
     @property
     def text(self) -> str:
@@ -355,7 +359,7 @@ class Judged:
     def to_dict(self) -> dict[str, Any]:
         return {"consistent": self.consistent, "p": self.p, "tokens": self.tokens, "calibration": self.calibration,
                 "decided_by": self.decided_by, "uncovered": list(self.uncovered),
-                "precisions_recorded": self.recorded}
+                "precisions_recorded": self.recorded, "sampler_shape_detectors": self.sides}
 
 
 @dataclass
@@ -368,6 +372,16 @@ class Diagnosis:
     alpha: float = ALPHA
     settings: dict[str, Any] = field(default_factory=dict)
     verdict: Judged | None = None
+    shape: Shape | None = None  # the claim's replay counts the deviation's class is read from
+
+    @property
+    def shaped(self) -> Shaped | None:
+        """Which kind of deviation the evidence shows (``scoring.shape``), when the claim's replay was counted."""
+        if self.shape is None:
+            return None
+        v = self.verdict
+        return classify(self.shape, v.sides if v else None, v.detectors if v else 1, v.alpha if v else self.alpha,
+                        self.best.candidate.label if self.context_led else None)
 
     @property
     def best(self) -> Ranked:
@@ -403,6 +417,16 @@ class Diagnosis:
 
     @property
     def text(self) -> str:
+        """The conclusion, and, where no candidate names the cause of a deviation, its class (issue #41 item 2:
+        "no candidate explains it" is never the whole answer)."""
+        shaped, v = self.shaped, self.verdict
+        unnamed = not self.explained or (v is not None and not v.consistent and not self.claim_rejected)
+        if shaped is None or shaped.kind is None or self.context_led or not unnamed:
+            return self._conclusion
+        return f"{self._conclusion}; {shaped.text}"
+
+    @property
+    def _conclusion(self) -> str:
         """The likelihood's conclusion, reconciled with the verdict when one judged the same traces: the two
         never say opposite things (issue #41 item 3)."""
         v, b = self.verdict, self.best
@@ -459,7 +483,10 @@ class Diagnosis:
         return f"{other.candidate.label}, exact {other.exact:.1%}{bug}, p {other.p:.2g}"
 
     def to_dict(self) -> dict[str, Any]:
+        shaped = self.shaped
         return {"conclusion": self.text, "claim_rejected": self.claim_rejected, "explained": self.explained,
+                "deviation_class": None if shaped is None else shaped.to_dict(),
+                "replay_counts": None if self.shape is None else self.shape.to_dict(),
                 "deviates": self.deviates, "verdict": None if self.verdict is None else self.verdict.to_dict(),
                 "best": self.best.to_dict(), "claim": self.claim.to_dict(), "alpha": self.alpha,
                 "test": "Vuong (1989) one-sided test on per-token log-likelihood ratios; a sampler bug: exact "

@@ -29,6 +29,7 @@ from verinfer.scoring.diagnosis import (
     effective_margin, off_boundary, penalized, rank, shifted, token_loglik,
 )
 from verinfer.scoring.scores import signature
+from verinfer.scoring.shape import Shape
 from verinfer.scoring.traces import check_traces
 from verinfer.scoring.token_difr import _keys
 from verinfer.simulate.generate import Request, decode_batch
@@ -85,7 +86,8 @@ def _score(logits, items, steps, traces, profiles, sigma, eps, shift: int = 0):
     out = replay(logits, [traces[i].sampling for i in items], profile, keys, claimed=claimed)
     margin = effective_margin(out.margin.cpu().numpy(), out.filter_distance.cpu().numpy())
     cols = {"exact_match": (out.token == claimed).cpu().numpy(), "logit_rank": out.logit_rank.cpu().numpy(),
-            "pick": out.token}
+            "pick": out.token, "depth_shift": out.depth_shift.cpu().numpy(),
+            "filtered": torch.isinf(out.margin).cpu().numpy()}
     return cols, margin, token_loglik(margin, sigma, eps)
 
 
@@ -198,6 +200,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     starts = [len(t.prompt_token_ids) for t in traces]
 
     search: dict | None = None
+    shape = Shape()
     for block in backend.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
         items, steps = block.items.numpy(), block.steps.numpy()
         if search_prompt:
@@ -208,6 +211,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
                 as_traces[c], tallies[c] = traces, Tally()
         cols, m0, ll0 = _score(block.logits, items, steps, traces, profile_sets[CLAIM], sigma, eps)
         tallies[CLAIM].add(cols["exact_match"], m0, ll0, ll0, eps)
+        shape.add(cols["exact_match"], ll0, cols["depth_shift"], cols["filtered"], float(np.log(eps)))
         if claim_ll is not None:
             claim_ll[offsets[items] + steps] = ll0
         if bugs:
@@ -246,7 +250,9 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
             score_band(block.items.numpy(), block.steps.numpy(), block.logits)
     settings = {"sigma": sigma, "eps": eps, "honest_off_boundary": honest_rate, "traces": len(traces),
                 "tokens": int(offsets[-1]), "bands": [c.band for c in bands], "prompt_shift": search}
-    return rank(tallies, alpha, settings, honest_rate, search["searched"] if search and search["tried"] else 0)
+    result = rank(tallies, alpha, settings, honest_rate, search["searched"] if search and search["tried"] else 0)
+    result.shape = shape
+    return result
 
 
 def prepare(traces: str | Path | Sequence[Trace], out: str | Path | None = None, sigma: float | None = None,
