@@ -59,7 +59,7 @@ def main() -> None:
     ref = api.load_model()
     claim = SamplingParams(profile=args.profile, temperature=1.0, top_k=50, top_p=0.95, seed=9100)
     requests = build_requests(ref, load_prompts("chitchat", args.prompts), claim)
-    rows, right = [], 0
+    rows, right, flagged, honest = [], 0, 0, 0
     start = time.time()
     for name, expected, label in CASES:
         traces = get_variant(name).generate(ref, requests, max_new_tokens=args.max_tokens, batch_size=8)
@@ -69,11 +69,13 @@ def main() -> None:
         kind = shaped.kind if shaped is not None and shaped.kind and ("shaped" in d.text) else None
         if expected is None:
             ok = not d.deviates and named == "claim"
-        elif d.context_led:
-            ok = expected == "context"
+            honest += ok
+        elif not d.deviates:
+            ok = None  # not detected at this size: nothing to name or class
         else:
-            ok = (label is not None and named == label) or kind == expected
-        right += ok
+            flagged += 1
+            ok = expected == "context" if d.context_led else (label is not None and named == label) or kind == expected
+            right += ok
         v = d.verdict
         rows.append(f"| {name} | {expected or 'honest'} | {'CONSISTENT' if v and v.consistent else 'INCONSISTENT'} "
                     f"(p {v.p:.2g}, {v.decided_by}) | {named or '-'} | {kind or '-'} | {'yes' if ok else '**no**'} | "
@@ -87,7 +89,9 @@ def main() -> None:
         f"Setup: SmolLM2-135M fp32 reference; {args.prompts} chitchat prompts x up to {args.max_tokens} tokens; "
         f"claims profile {args.profile}, T 1, top-k 50, top-p 0.95; `verinfer.diagnose` with the shipped "
         f"calibration, no --variants; {time.time() - start:.0f} s in all.", "",
-        f"**Right (honest kept; the cause named, or the right class): {right}/{len(CASES)}.**", "",
+        f"**Honest providers kept: {honest}/{sum(e is None for _, e, _ in CASES)}; misconfigured providers flagged: "
+        f"{flagged}/{sum(e is not None for _, e, _ in CASES)}; of those flagged, the cause named or the right class: "
+        f"{right}/{flagged}.**", "",
         "| provider | expected | verify | named | class | right | claim exact | conclusion (start) |",
         "|---|---|---|---|---|---|---:|---|", *rows, ""]
     write_atomic(args.out, "\n".join(text))

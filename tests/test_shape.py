@@ -40,9 +40,14 @@ def test_small_margins_are_numerics_and_large_ones_weights():
 def test_the_verdicts_side_detectors_make_it_sampler_shaped_at_the_verdicts_level():
     sides = {"narrower": {"on_side": 23, "mismatches": 23, "honest_share": 0.45, "p": 1e-4},
              "wider": {"on_side": 0, "mismatches": 23, "honest_share": 0.6, "p": 1.0}}
-    shaped = classify(counts(within=40), sides, detectors=4)
+    off = {"narrower": 0.015, "wider": 0.01}  # honest mismatches per token off each detector's side
+    shaped = classify(counts(within=40), sides, detectors=4, honest_off=off, judged=1000)
     assert shaped.kind == "sampler" and "23 of 23 mismatches are shallower" in shaped.text and "p 0.0004" in shaped.text
-    assert classify(counts(within=40), sides, detectors=200).kind == "weights"  # not significant after correction
+    assert classify(counts(within=40), sides, detectors=200, honest_off=off, judged=1000).kind == "weights"  # corrected
+    assert classify(counts(within=40), sides, detectors=4).kind == "weights"  # no honest side counts to hold it to
+    # other weights: mismatches beyond the filters more often than honest noise, and many on the other side too
+    w4 = {"beyond": {"on_side": 147, "mismatches": 377, "honest_share": 0.2, "p": 1e-9}}
+    assert classify(counts(within=20), w4, detectors=4, honest_off={"beyond": 0.02}, judged=759).kind == "weights"
     assert classify(counts(), context="prompts 7 tokens longer than claimed").kind == "context"
 
 

@@ -47,6 +47,7 @@ from verinfer.simulate.speculative import generate_speculative as simulate_specu
 from verinfer.stats.calibration import Calibrator, normalize_precisions, signature_mismatch
 from verinfer.stats.shipped import find_calibration
 from verinfer.stats.summary import Summary, fit_calibrator, summarize
+from verinfer.stats.sides import detectors as side_detectors, judged_groups, oriented
 from verinfer.stats.verdict import Verdict
 from verinfer.trace import Trace, TraceError, read_traces, write_traces
 from verinfer.scoring.diagnosis import Diagnosis, Judged
@@ -495,10 +496,19 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
             result.verdict = Judged(bool(judged.consistent), verdict.p_value, verdict.tokens, used, verdict.decided_by,
                                     *uncovered_noise(calibrator, band_names),
                                     sides={k: d for k, d in verdict.detectors.items() if "on_side" in d},
-                                    detectors=max(len(verdict.detectors), 1), alpha=verdict.alpha)
+                                    detectors=max(len(verdict.detectors), 1), alpha=verdict.alpha,
+                                    honest_off=honest_other_side(calibrator))
     if out is not None:
         write_atomic(out, json.dumps(result.to_dict(), indent=2) + "\n")
     return result
+
+
+def honest_other_side(calibrator: Calibrator) -> dict[str, float]:
+    """Per sampler-shape detector, the largest per-token rate among the calibration's honest groups of
+    mismatches off that detector's side (``scoring.shape``: a sampler change leaves no more there)."""
+    groups = judged_groups(getattr(calibrator, "sides", None))
+    return {d: max(oriented(g, d)[1] / max(int(g["tokens"]), 1) for g in groups)
+            for d in side_detectors(calibrator.sides)} if groups else {}
 
 
 def uncovered_noise(calibrator: Calibrator, variants: Sequence[str]) -> tuple[tuple[str, ...], bool]:

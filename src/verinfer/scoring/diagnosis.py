@@ -349,6 +349,7 @@ class Judged:
     sides: dict = field(default_factory=dict)  # the verdict's sampler-shape detectors (``Verdict.detectors``)
     detectors: int = 1  # how many detectors the verdict's Bonferroni correction counted
     alpha: float = ALPHA  # the verdict's level
+    honest_off: dict = field(default_factory=dict)  # side detector -> largest honest rate per token of the other side
 
     @property
     def text(self) -> str:
@@ -381,7 +382,8 @@ class Diagnosis:
             return None
         v = self.verdict
         return classify(self.shape, v.sides if v else None, v.detectors if v else 1, v.alpha if v else self.alpha,
-                        self.best.candidate.label if self.context_led else None)
+                        self.best.candidate.label if self.context_led else None, v.honest_off if v else None,
+                        v.tokens if v else 0)
 
     @property
     def best(self) -> Ranked:

@@ -5,10 +5,15 @@ happened. Read from the claimed sampler's replay of the traces (sums only, like 
 
 - **sampler-shaped**: the mismatches fall on one side of the reference's token (a narrower or colder
   sampler emits shallower tokens, a wider or hotter one deeper ones, a wider filter tokens the claimed
-  filters remove), beyond the share honest noise puts there. This is ``verify``'s own sampler-shape
-  evidence (``stats.sides``: the calibrated verdict's ``narrower`` / ``wider`` / ``beyond`` detectors at
-  the verdict's level, Bonferroni over its detectors), so it needs a calibration that holds honest
-  side counts.
+  filters remove), beyond the share honest noise puts there, and the other side holds no more than
+  honest noise makes. The first half is ``verify``'s own sampler-shape evidence (``stats.sides``: the
+  calibrated verdict's ``narrower`` / ``wider`` / ``beyond`` detectors at the verdict's level,
+  Bonferroni over its detectors), so it needs a calibration that holds honest side counts. The second
+  half is what a sampler change is: it makes every one of its own mismatches on its side. Other
+  weights make many on both sides, and a large share of them beyond the filters too (4-bit weights:
+  147 of 377 beyond, where honest bf16 puts about a fifth, so the ``beyond`` detector fires), so
+  the other side's count is held to the 99% binomial quantile of the largest per-token rate of such
+  mismatches among the calibration's honest groups.
 - **context-shaped**: a prompt of another length explains the noise (``diagnosis.shifted``: on engines
   whose noise is keyed by absolute position, a hidden or changed system message moves every draw).
 - **numerics-shaped**: most mismatches have margins the noise model explains (within ``SIGMA``'s
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
+from scipy.stats import binom
 
 NUMERICS_SHARE = 0.5  # mismatches within the noise model's reach: at least this share is numerics-shaped
 SIDE_WORDS = {"narrower": "shallower than the reference's token (a narrower or colder sampler)",
@@ -79,13 +85,17 @@ class Shaped:
 
 
 def classify(shape: Shape, sides: Mapping[str, Mapping] | None = None, detectors: int = 1, alpha: float = 0.01,
-             context: str | None = None) -> Shaped:
+             context: str | None = None, honest_off: Mapping[str, float] | None = None, judged: int = 0) -> Shaped:
     """The deviation's class (module docstring). ``sides``: the calibrated verdict's side detectors
-    (name -> {"on_side", "mismatches", "honest_share", "p"}) and ``detectors`` how many the verdict
-    corrected over; ``context``: the label of a prompt candidate that beat the claim."""
+    (name -> {"on_side", "mismatches", "honest_share", "p"}) over its ``judged`` tokens, ``detectors`` how
+    many the verdict corrected over, and ``honest_off`` (name -> the largest honest per-token rate of
+    mismatches not on that side); ``context``: the label of a prompt candidate that beat the claim."""
     if context:
         return Shaped("context", f"{context} explains the engine's position-keyed noise")
-    significant = {k: v for k, v in (sides or {}).items() if v.get("mismatches") and v["p"] * detectors < alpha}
+    off = honest_off or {}
+    significant = {k: v for k, v in (sides or {}).items()
+                   if v.get("mismatches") and v["p"] * detectors < alpha and k in off
+                   and v["mismatches"] - v["on_side"] <= binom.ppf(0.99, judged, off[k])}
     if significant:
         name = min(significant, key=lambda k: significant[k]["p"])
         s = significant[name]
