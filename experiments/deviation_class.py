@@ -78,7 +78,7 @@ def main() -> None:
             right += ok
         v = d.verdict
         rows.append(f"| {name} | {expected or 'honest'} | {'CONSISTENT' if v and v.consistent else 'INCONSISTENT'} "
-                    f"(p {v.p:.2g}, {v.decided_by}) | {named or '-'} | {kind or '-'} | {'yes' if ok else '**no**'} | "
+                    f"(p {v.p:.2g}, {v.decided_by}) | {named or '-'} | {kind or '-'} | {'not flagged' if ok is None else 'yes' if ok else '**no**'} | "
                     f"{d.claim.exact:.1%} | {d.text[:160].replace('|', '/')}... |")
         print(rows[-1], flush=True)
     text = [
