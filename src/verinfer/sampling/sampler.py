@@ -173,7 +173,9 @@ def picks_at_offsets(logits: torch.Tensor, params: list[SamplingParams], profile
     n, vocab = logits.shape
     out = torch.full((len(offsets), n), -1, dtype=torch.int64, device=logits.device)
     temp, top_k, top_p, min_p = _params_tensors(params, logits.device)
-    x = logits.float() / temp[:, None]
+    x = logits.float()
+    if bool((temp != 1.0).any()):
+        x = x / temp[:, None]
     kept = getattr(profile, "kept_set", kept_set)(x, top_k, top_p, min_p)
     rows = kept.inside.nonzero().squeeze(1)
     if not rows.numel():

@@ -113,7 +113,9 @@ def search_shift(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, tra
         return None
 
     def exact_rows(offsets: list[int], pick: np.ndarray) -> tuple[list[int], int]:
-        x, sub = logits[torch.as_tensor(pick, device=logits.device)], [params[i] for i in pick.tolist()]
+        whole = len(pick) == len(items)  # the block itself, not a copy (512 MiB at 262k entries)
+        x = logits if whole else logits[torch.as_tensor(pick, device=logits.device)]
+        sub = [params[i] for i in pick.tolist()]
         claimed, keys = _claimed(x, items[pick], steps[pick], traces), _keys(traces, items[pick], steps[pick])
         picks = picks_at_offsets(x, sub, profile, keys, offsets)
         if not bool((picks[0] >= 0).any()):  # no filtered row (no top-k): each offset replayed in full
