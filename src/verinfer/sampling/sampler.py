@@ -8,6 +8,7 @@ generation is ``replay(...).token``; verification reads the rest of the fields.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import torch
@@ -183,8 +184,7 @@ def picks_at_offsets(logits: torch.Tensor, params: list[SamplingParams], profile
     r1, j1 = (kept.in_view() & kept.inside[:, None]).nonzero(as_tuple=True)
     c1, v1 = kept.view_ids[r1, j1], kept.view[r1, j1].double()
     for i, d in enumerate(offsets):
-        moved = RowKeys(requests=keys.requests, seeds=keys.seeds, positions=keys.positions + d, steps=keys.steps,
-                        params=tuple(params))
+        moved = keys.moved(d) if keys.params else replace(keys.moved(d), params=tuple(params))
         _, winner = _segment_argmax(profile.noised(moved, r1, c1, v1, vocab, kept), r1, c1, n)
         out[i, rows] = winner[rows]
     return out

@@ -80,9 +80,7 @@ def _score(logits, items, steps, traces, profiles, sigma, eps, shift: int = 0):
     name = traces[items[0]].sampling.profile
     profile = profiles.setdefault(name, get_profile(name))
     claimed = _claimed(logits, items, steps, traces)
-    keys = _keys(traces, items, steps)
-    if shift:
-        keys = replace(keys, positions=keys.positions + shift)
+    keys = _keys(traces, items, steps).moved(shift)
     out = replay(logits, [traces[i].sampling for i in items], profile, keys, claimed=claimed)
     margin = effective_margin(out.margin.cpu().numpy(), out.filter_distance.cpu().numpy())
     cols = {"exact_match": (out.token == claimed).cpu().numpy(), "logit_rank": out.logit_rank.cpu().numpy(),
@@ -119,7 +117,7 @@ def search_shift(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, tra
         claimed, keys = _claimed(x, items[pick], steps[pick], traces), _keys(traces, items[pick], steps[pick])
         picks = picks_at_offsets(x, sub, profile, keys, offsets)
         if not bool((picks[0] >= 0).any()):  # no filtered row (no top-k): each offset replayed in full
-            picks = torch.stack([replay(x, sub, profile, replace(keys, positions=keys.positions + d)).token
+            picks = torch.stack([replay(x, sub, profile, keys.moved(d)).token
                                  for d in offsets])
         return (picks == claimed).sum(1).tolist(), int((picks[0] >= 0).sum())
 

@@ -9,7 +9,7 @@ source file and version it follows.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -72,6 +72,10 @@ class RowKeys:
     positions: np.ndarray  # [N] int64: 0-based position of the last input token (vLLM's `pos`)
     steps: np.ndarray  # [N] int64: index k of the output token being sampled
     params: tuple[SamplingParams, ...] = field(default=())  # per row, for profiles with per-request modes
+
+    def moved(self, d: int) -> "RowKeys":
+        """The same rows at positions ``d`` later: the noise of prompts ``d`` tokens longer."""
+        return replace(self, positions=self.positions + d) if d else self
 
 
 class Profile:
