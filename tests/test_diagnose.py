@@ -36,6 +36,7 @@ from verinfer.scoring.diagnosis import (
     vuong,
 )
 from verinfer.scoring.diagnosis_run import diagnose, diagnose_traces, resolve_bands
+from verinfer.scoring.fit import family_of
 from verinfer.trace import Trace
 
 VOCAB = 300
@@ -156,13 +157,25 @@ def test_vuong_and_rank_keep_the_claim_first_among_equals():
 @pytest.mark.parametrize("label", ["top-k 20", "top-p 0.8", "temperature 0.8", "seed +1", "one seed for every request",
                                    "profile vllm-v1", "repetition penalty 1.3", "frequency penalty 0.5"])
 def test_synthetic_misconfigurations_are_recovered(label):
-    backend, traces = synthetic(by_label(label))
+    """Each served configuration is named: a sampler family's member by a fitted value whose interval holds
+    the served one (issue #41 item 1), the others by their candidate."""
+    true = by_label(label)
+    backend, traces = synthetic(true)
     d = diagnose_traces(backend, traces, candidate_grid(CLAIM_PARAMS))
-    tied = [r.candidate.label for r in d.ranked if r.loglik == d.best.loglik]
-    assert label in tied and len(tied) <= 2, d.text  # presence and frequency tie where no repeat changed a token
-    assert d.best.candidate.axis == by_label(label).axis
+    tied = [r.candidate for r in d.ranked if r.loglik == d.best.loglik]
+    family = family_of(true)
+
+    def names(c: Candidate) -> bool:
+        if family is None:
+            return c == true
+        return family.value_of(c) is not None and c.interval[0] <= family.value_of(true) <= c.interval[1]
+
+    assert any(names(c) for c in tied) and len(tied) <= 2, d.text  # presence and frequency tie where no repeat changed a token
+    assert d.best.candidate.axis == true.axis
     assert d.claim_rejected and d.explained and d.best.exact > 0.99
-    assert d.text.startswith("best explained by " + d.best.candidate.label)
+    assert d.text.startswith("best explained by " + d.best.candidate.named)
+    fitted = {f["family"] for f in d.settings["fits"]}
+    assert (family is None or family.axis in fitted) and d.settings["screened"] >= sum(f["screened"] - 1 for f in d.settings["fits"])
 
 
 @pytest.mark.parametrize("label, n_traces", [("bug: tokens uniform in top 2", 24),
@@ -284,7 +297,8 @@ def test_prompts_of_another_length_are_found_by_the_offset_search(d):
     d_ = diagnose_traces(backend, traces, candidate_grid(CLAIM_PARAMS))
     assert d_.best.candidate == shifted(d) and d_.claim_rejected and d_.explained, d_.text
     assert d_.settings["prompt_shift"]["best"] == d and d_.settings["prompt_shift"]["tried"]
-    assert d_.tried == len(d_.ranked) + d_.settings["prompt_shift"]["searched"] - 1
+    fits = sum(f["screened"] - 1 for f in d_.settings["fits"])  # the families the offset's noise made look better
+    assert d_.tried == len(d_.ranked) + d_.settings["prompt_shift"]["searched"] - 1 + fits == len(d_.ranked) + d_.settings["screened"]
     assert d_.text.startswith(f"best explained by prompts {abs(d)} tokens")
     honest = diagnose_traces(*synthetic(CLAIM), [CLAIM])
     assert not honest.settings["prompt_shift"]["tried"] and honest.tried == 1 and len(honest.ranked) == 1
@@ -385,9 +399,11 @@ def test_cli_recovers_a_top_k_not_in_the_catalogue_and_writes_json(model, tmp_pa
     path = write_traces(_served_as(model, {"top_k": 20}), tmp_path / "t.jsonl")
     result = _cli(str(path), "-o", str(tmp_path / "d.json"), "--rows", "3")
     assert result.exit_code == 1, result.output  # the claim is rejected
-    assert "best explained by top-k 20" in result.output and "Bonferroni" in result.output
+    assert "best explained by top-k 20 (fitted; 95% interval" in result.output and "Bonferroni" in result.output
     saved = json.loads((tmp_path / "d.json").read_text())
-    assert saved["best"]["label"] == "top-k 20" and saved["claim_rejected"] and len(saved["candidates"]) >= 50
+    assert saved["best"]["label"] == "top-k 20" and saved["claim_rejected"] and len(saved["candidates"]) >= 30
+    lo, hi = saved["best"]["interval"]
+    assert lo <= 20 <= hi and saved["settings"]["fits"][0]["family"] == "top_k"
 
 
 @pytest.mark.parametrize("variant", ["fp8-kv-tensor", "fp8-kv-fresh"])

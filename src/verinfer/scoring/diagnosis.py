@@ -91,6 +91,7 @@ class Candidate:
     bug: int | None = None  # K: a bug draws some tokens (a rate estimated by ML) uniformly among the top K raw logits
     band: str | None = None  # a model-side variant name (None: the reference model)
     shift: int | None = None  # the provider's prompts this many tokens longer (a position-keyed engine's noise moves)
+    interval: tuple[float, float] | None = None  # a fitted value's 95% interval (``scoring.fit``)
 
     def params(self, claimed: Sequence[SamplingParams]) -> list[SamplingParams]:
         """Each trace's sampling parameters under this candidate."""
@@ -102,6 +103,13 @@ class Candidate:
         return out
 
     @property
+    def named(self) -> str:
+        """The label, with a fitted value's interval."""
+        if self.interval is None:
+            return self.label
+        return f"{self.label} (fitted; 95% interval {_fmt(self.interval[0])}-{_fmt(self.interval[1])})"
+
+    @property
     def replays(self) -> bool:
         """Whether it needs a replay of its own (a bug candidate is read from the claim's replay)."""
         return self.bug is None
@@ -109,7 +117,8 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "axis": self.axis, "changes": dict(self.changes), "seed_map": self.seed_map,
                 "penalty": list(self.penalty) if self.penalty else None, "bug_top": self.bug,
-                "band": self.band, "prompt_shift": self.shift}
+                "band": self.band, "prompt_shift": self.shift,
+                "interval": None if self.interval is None else list(self.interval)}
 
 
 CLAIM = Candidate("claim", "claim")
@@ -129,6 +138,19 @@ def _fmt(x: float) -> str:
     return f"{x:g}"
 
 
+def label_for(axis: str, value: float) -> str:
+    """A sampler candidate's name: ``axis`` a ``SamplingParams`` field or a penalty's kind."""
+    if axis == "temperature":
+        return f"temperature {_fmt(value)}"
+    if axis == "top_k":
+        return "top-k off" if value <= 0 else f"top-k {int(value)}"
+    if axis == "top_p":
+        return "top-p off" if value >= 1 else f"top-p {_fmt(value)}"
+    if axis == "min_p":
+        return "min-p off" if value <= 0 else f"min-p {_fmt(value)}"
+    return f"{axis} penalty {_fmt(value)}"
+
+
 def candidate_grid(claim: SamplingParams, bands: Sequence[str] = ()) -> list[Candidate]:
     """The claim first, then every one-change candidate that differs from it and that its profile can
     replay (``params_problems``); ``bands`` adds one model-side candidate per derived model."""
@@ -141,14 +163,9 @@ def candidate_grid(claim: SamplingParams, bands: Sequence[str] = ()) -> list[Can
 
     if not claim.is_greedy:
         temps = sorted({*TEMPERATURES, *(round(claim.temperature * f, 3) for f in TEMPERATURE_FACTORS)})
-        for t in temps:
-            add(Candidate(f"temperature {_fmt(t)}", "temperature", (("temperature", t),)))
-        for k in TOP_KS:
-            add(Candidate("top-k off" if k <= 0 else f"top-k {k}", "top_k", (("top_k", k),)))
-        for p in TOP_PS:
-            add(Candidate("top-p off" if p >= 1 else f"top-p {_fmt(p)}", "top_p", (("top_p", p),)))
-        for m in MIN_PS:
-            add(Candidate("min-p off" if m <= 0 else f"min-p {_fmt(m)}", "min_p", (("min_p", m),)))
+        for axis, values in (("temperature", temps), ("top_k", TOP_KS), ("top_p", TOP_PS), ("min_p", MIN_PS)):
+            for v in values:
+                add(Candidate(label_for(axis, v), axis, ((axis, v),)))
         for s in SEED_MAPS:  # "same" leaves a lone claim unchanged: judged on two requests
             c = Candidate("one seed for every request" if s == "same" else f"seed {s}", "seed", seed_map=s)
             pair = [claim, claim.with_(seed=(claim.seed or 0) + 1)]
@@ -158,7 +175,7 @@ def candidate_grid(claim: SamplingParams, bands: Sequence[str] = ()) -> list[Can
             if name not in ("greedy", claim.profile):
                 add(Candidate(f"profile {name}", "profile", (("profile", name),)))
     for kind, value in PENALTIES:
-        out.append(Candidate(f"{kind} penalty {_fmt(value)}", "penalty", penalty=(kind, value)))
+        out.append(Candidate(label_for(kind, value), "penalty", penalty=(kind, value)))
     for k in BUG_KS:
         out.append(Candidate(f"bug: tokens uniform in top {k}", "bug", bug=k))
     for band in bands:
@@ -391,9 +408,9 @@ class Diagnosis:
 
     @property
     def tried(self) -> int:
-        """Candidates the Bonferroni correction counts: those ranked, and every prompt offset screened."""
-        search = self.settings.get("prompt_shift") or {}
-        return len(self.ranked) + (max(int(search["searched"]) - 1, 0) if search.get("tried") else 0)
+        """Candidates the Bonferroni correction counts: those ranked, and every value screened to choose them
+        (prompt offsets, fitted families' values; ``settings["screened"]``)."""
+        return len(self.ranked) + int(self.settings.get("screened", 0))
 
     @property
     def claim_rejected(self) -> bool:
@@ -444,26 +461,26 @@ class Diagnosis:
                         f"(exact {r.exact:.1%}, margin {r.mean_margin:.3g}, LR vs the claim {r.lr:.1f}; the claim itself: "
                         f"exact {self.claim.exact:.1%}); {v.text}")
             if b.candidate != CLAIM:
-                return (f"flagged: {v.text}; the likeliest cause is {b.candidate.label} (exact {b.exact:.1%} against "
+                return (f"flagged: {v.text}; the likeliest cause is {b.candidate.named} (exact {b.exact:.1%} against "
                         f"the claim's {self.claim.exact:.1%}; {b.evidence}, p {b.p:.2g} over {self.tried} "
                         f"candidates: not significant by likelihood alone)")
             return (f"a deviation none of the candidates is: {v.text}, yet no candidate explains the tokens better "
                     f"than the claim (exact {self.claim.exact:.1%}, margin {self.claim.mean_margin:.3g}; next: "
                     f"{self._runner_up()})")
         if v.consistent and self.claim_rejected:
-            return (f"not flagged: {v.text}; of the candidates, {b.candidate.label} fits the tokens better (exact "
+            return (f"not flagged: {v.text}; of the candidates, {b.candidate.named} fits the tokens better (exact "
                     f"{b.exact:.1%}; {b.evidence}, p {b.p:.2g}), which the calibrated detectors do not confirm: "
                     f"more tokens would decide")
         if v.consistent and not self.explained:
             return (f"not flagged: {v.text}; though no candidate explains the tokens well: the best, "
-                    f"{b.candidate.label}, leaves {b.unexplained:.1%} unexplained (exact {b.exact:.1%})")
+                    f"{b.candidate.named}, leaves {b.unexplained:.1%} unexplained (exact {b.exact:.1%})")
         return f"{self._likelihood}; {v.text}"
 
     @property
     def _likelihood(self) -> str:
         b, c = self.best, self.claim
         if not self.explained:
-            return (f"no candidate explains it: the best, {b.candidate.label}, leaves {b.unexplained:.1%} of "
+            return (f"no candidate explains it: the best, {b.candidate.named}, leaves {b.unexplained:.1%} of "
                     f"tokens unexplained (exact {b.exact:.1%}; at most {MAX_UNEXPLAINED:.0%} allowed)")
         if not self.claim_rejected:
             return (f"the claim explains it (exact {c.exact:.1%}, margin {c.mean_margin:.3g}); no candidate "
@@ -473,7 +490,7 @@ class Diagnosis:
             f"served tokens once moved by {b.candidate.shift:+d} positions; the {b.unexplained:.1%} of tokens left "
             f"unexplained are what the other prompt's text changes in the logits, which a replay of the claimed "
             f"prompt cannot reproduce")
-        return (f"best explained by {b.candidate.label} (exact {b.exact:.1%}, margin {b.mean_margin:.3g}) vs the claim "
+        return (f"best explained by {b.candidate.named} (exact {b.exact:.1%}, margin {b.mean_margin:.3g}) vs the claim "
                 f"(exact {c.exact:.1%}, margin {c.mean_margin:.3g}): {b.evidence} "
                 f"p {b.p:.2g} (Bonferroni over {self.tried} candidates){context}")
 
@@ -482,7 +499,7 @@ class Diagnosis:
         if other is None:
             return "none"
         bug = "" if other.rate is None else f", {other.events} tokens only a bug explains ({other.expected:.2g} expected)"
-        return f"{other.candidate.label}, exact {other.exact:.1%}{bug}, p {other.p:.2g}"
+        return f"{other.candidate.named}, exact {other.exact:.1%}{bug}, p {other.p:.2g}"
 
     def to_dict(self) -> dict[str, Any]:
         shaped = self.shaped
@@ -501,13 +518,14 @@ class Diagnosis:
 
 
 def rank(tallies: dict[Candidate, Tally], alpha: float = ALPHA, settings: dict[str, Any] | None = None,
-         honest_rate: float = HONEST_OFF_BOUNDARY, searched: int = 0) -> Diagnosis:
+         honest_rate: float = HONEST_OFF_BOUNDARY, screened: int = 0) -> Diagnosis:
     """Candidates by log-likelihood (the claim first among equals), each tested against the claim (a bug
-    at its ML rate, by ``bug_test`` against ``honest_rate``). ``searched``: prompt offsets screened to pick
-    the one offset candidate among ``tallies`` (``diagnosis_run.search_shift``): each counts as a candidate
-    tried in the Bonferroni correction, as if every one had been replayed in full."""
+    at its ML rate, by ``bug_test`` against ``honest_rate``). ``screened``: values screened beyond the
+    candidates in ``tallies`` to choose them (prompt offsets, ``diagnosis_run.search_shift``; a family's
+    values, ``scoring.fit``): each counts as a candidate tried in the Bonferroni correction, as if every
+    one had been replayed in full."""
     claim = tallies[CLAIM]
-    k = max(len(tallies) - 1 + max(searched - 1, 0), 1)
+    k = max(len(tallies) - 1 + screened, 1)
     lines = []
     for c, t in tallies.items():
         n = max(t.tokens, 1)

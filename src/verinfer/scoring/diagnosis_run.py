@@ -28,6 +28,7 @@ from verinfer.scoring.diagnosis import (
     ALPHA, CLAIM, EPS, HONEST_OFF_BOUNDARY, SIGMA, BugTally, Candidate, Diagnosis, Tally, candidate_grid,
     effective_margin, off_boundary, penalized, rank, shifted, token_loglik,
 )
+from verinfer.scoring.fit import DROP, FIT_ROWS, MAX_FITS, SCREEN_ROWS, Family, Fit, bracket, family_of, fit_family
 from verinfer.scoring.scores import signature
 from verinfer.scoring.shape import Shape
 from verinfer.scoring.traces import check_traces
@@ -136,6 +137,60 @@ def search_shift(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, tra
             "searched": len(offsets) - 1, "range": [low, max_shift]}
 
 
+def fit_families(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, traces: Sequence[Trace],
+                 grid_ll: dict[Candidate, float], claim_ll: float, sigma: float,
+                 eps: float) -> list[tuple[Fit, dict[str, Profile], tuple]]:
+    """Fit the sampler families whose best grid candidate beats the claim on these rows (the diagnosis's
+    first) by more than an interval's drop (``scoring.fit``), the ``MAX_FITS`` best of them: each fit, the
+    profiles its replays used (the fitted candidate's from here on) and its replay of the rows ((cols,
+    margins, log-likelihoods), the fitted candidate's tally on them). ``grid_ll``: each grid candidate's
+    log-likelihood on the rows, ``claim_ll`` the claim's."""
+    claim = traces[items[0]].sampling
+    leaders: dict[Family, tuple[float, float]] = {}
+    members: dict[Family, list[float]] = {}
+    for c, ll in grid_ll.items():
+        family = family_of(c)
+        if family is None:
+            continue
+        v = family.value_of(c)
+        members.setdefault(family, []).append(v)
+        if family.low <= v <= family.high and ll > leaders.get(family, (None, -np.inf))[1]:
+            leaders[family] = (v, ll)
+    chosen = sorted((f for f, (_, ll) in leaders.items() if ll > claim_ll + DROP), key=lambda f: -leaders[f][1])
+    screen = np.unique(np.linspace(0, len(items) - 1, min(SCREEN_ROWS, len(items))).round().astype(np.int64))
+    out = []
+    for family in chosen[:MAX_FITS]:
+        profiles: dict[str, Profile] = {}
+        kept: dict[float, tuple] = {}
+
+        def loglik(values: list[float], final: bool, family: Family = family, profiles=profiles, kept=kept):
+            rows = np.arange(len(items)) if final else screen
+            x = logits if final else logits[torch.as_tensor(rows, device=logits.device)]
+            sums = []
+            for v in values:
+                c = family.candidate(v)
+                if family.penalty:
+                    lg, tr = penalized(x, _histories(traces, items[rows], steps[rows]), *c.penalty), traces
+                else:
+                    lg, tr = x, [replace(t, sampling=p) for t, p in zip(traces, c.params([t.sampling for t in traces]))]
+                scored = _score(lg, items[rows], steps[rows], tr, profiles, sigma, eps)
+                if final:
+                    kept[c.penalty[1] if family.penalty else dict(c.changes)[family.axis]] = scored
+                sums.append((float(scored[2].sum()), int(scored[0]["exact_match"].sum())))
+            return sums
+
+        start = leaders[family][0]
+        fit = fit_family(family, start, bracket(family, claim, members[family], start), loglik)
+        fit = replace(fit, rows=len(items), screened=fit.screened + len(members[family]))
+        out.append((fit, profiles, kept[fit.value]))
+    return out
+
+
+def _histories(traces: Sequence[Trace], items: np.ndarray, steps: np.ndarray) -> list[tuple[list[int], list[int]]]:
+    """Each row's (prompt ids, output ids before it): what a penalty sees (``diagnosis.penalized``)."""
+    return [(traces[i].prompt_token_ids, traces[i].output_token_ids[:k]) for i, k in zip(items, steps)]
+
+
 def _forget(traces: Sequence[Trace], items: np.ndarray, steps: np.ndarray,
             profile_sets: Sequence[dict[str, Profile]]) -> None:
     """Release per-request sampler state of traces whose last row was in the block."""
@@ -177,13 +232,17 @@ def decode_replay(band: Backend, traces: Sequence[Trace], on_block) -> None:
 def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Sequence[Candidate],
                     sigma: float = SIGMA, eps: float = EPS, alpha: float = ALPHA,
                     honest_rate: float = HONEST_OFF_BOUNDARY, token_budget: int = 4096, row_block: int = 512,
-                    on_rows: Callable[[int], None] | None = None, search_prompt: bool = True) -> Diagnosis:
+                    on_rows: Callable[[int], None] | None = None, search_prompt: bool = True,
+                    fit_sampler: bool = True) -> Diagnosis:
     """Tally every candidate over the traces and rank them (``diagnosis.rank``).
 
     Sampler candidates share the reference prefill; each ``band`` candidate costs a prefill of the
     catalogue variant's model derived from ``backend`` (``simulate.variants``), replayed with the
     claimed sampler. With ``search_prompt``, the prompt-length offset that best reproduces the first
-    block's tokens (``search_shift``) joins the candidates when it beats the claim there.
+    block's tokens (``search_shift``) joins the candidates when it beats the claim there. With
+    ``fit_sampler``, each sampler family whose grid value beats the claim on the first ``FIT_ROWS`` rows
+    (the first blocks) is fitted there (``fit_families``), and its fitted value, with an interval,
+    replaces its grid values.
     """
     traces = list(traces)
     claimed = [t.sampling for t in traces]
@@ -200,7 +259,29 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     starts = [len(t.prompt_token_ids) for t in traces]
 
     search: dict | None = None
+    fits: list[Fit] = []
     shape = Shape()
+    fitting, pending = fit_sampler, []
+
+    def fit_on(rows: list[tuple[np.ndarray, np.ndarray, torch.Tensor, np.ndarray]]) -> None:
+        """Fit the families on these rows (``fit_families``); each fitted value replaces its grid values."""
+        items, steps = np.concatenate([r[0] for r in rows]), np.concatenate([r[1] for r in rows])
+        logits = rows[0][2] if len(rows) == 1 else torch.cat([r[2] for r in rows])
+        ll0 = np.concatenate([r[3] for r in rows])
+        grid_ll = {c: tallies[c].loglik for c in sampler if c.axis != "prompt"}
+        for fit, profiles, (cc, m, ll) in fit_families(logits, items, steps, traces, grid_ll, tallies[CLAIM].loglik,
+                                                       sigma, eps):
+            fits.append(fit)
+            for c in [c for c in sampler if fit.family.value_of(c) is not None]:
+                sampler.remove(c), tallies.pop(c), profile_sets.pop(c), as_traces.pop(c, None)
+            c = fit.candidate
+            if fit.is_claim(claimed[0]):
+                continue
+            sampler.append(c), tallies.setdefault(c, Tally()).add(cc["exact_match"], m, ll, ll0, eps)
+            profile_sets[c] = profiles
+            if not c.penalty:
+                as_traces[c] = [replace(t, sampling=p) for t, p in zip(traces, c.params(claimed))]
+
     for block in backend.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
         items, steps = block.items.numpy(), block.steps.numpy()
         if search_prompt:
@@ -218,21 +299,27 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
             only_bug = off_boundary(ll0, (cols["pick"] == block.logits.argmax(-1)).cpu().numpy(), eps)
         for c in bugs:
             tallies[c].add_bug(c.bug, cols["exact_match"], m0, ll0, cols["logit_rank"], only_bug, eps)
-        histories = None
+        history = _histories(traces, items, steps) if any(c.penalty for c in sampler) else []
         for c in sampler:
             if c.penalty:
-                if histories is None:
-                    histories = [(traces[i].prompt_token_ids, traces[i].output_token_ids[:k])
-                                 for i, k in zip(items, steps)]
-                logits, cand_traces = penalized(block.logits, histories, *c.penalty), traces
+                logits, cand_traces = penalized(block.logits, history, *c.penalty), traces
             else:
                 logits, cand_traces = block.logits, as_traces[c]
             cc, m, ll = _score(logits, items, steps, cand_traces, profile_sets[c], sigma, eps, c.shift or 0)
             tallies[c].add(cc["exact_match"], m, ll, ll0, eps)
+        if fitting:  # the first FIT_ROWS rows (blocks kept until then; a copy only when a block is smaller)
+            pending.append((items, steps, block.logits if len(items) >= FIT_ROWS else block.logits.clone(), ll0))
+            if sum(len(p[0]) for p in pending) >= FIT_ROWS:
+                fitting = False
+                fit_on(pending)
+                pending.clear()
         _forget(traces, items, steps, list(profile_sets.values()))
         if on_rows:
             on_rows(len(items))
 
+    if fitting and pending:  # fewer rows than FIT_ROWS in all
+        fit_on(pending)
+        pending.clear()
     for c in bands:
         band = get_variant(c.band).build(backend)
 
@@ -248,9 +335,11 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
             continue
         for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
             score_band(block.items.numpy(), block.steps.numpy(), block.logits)
+    screened = (search["searched"] - 1 if search and search["tried"] else 0) + sum(f.screened - 1 for f in fits)
     settings = {"sigma": sigma, "eps": eps, "honest_off_boundary": honest_rate, "traces": len(traces),
-                "tokens": int(offsets[-1]), "bands": [c.band for c in bands], "prompt_shift": search}
-    result = rank(tallies, alpha, settings, honest_rate, search["searched"] if search and search["tried"] else 0)
+                "tokens": int(offsets[-1]), "bands": [c.band for c in bands], "prompt_shift": search,
+                "fits": [f.to_dict() for f in fits], "screened": screened}
+    result = rank(tallies, alpha, settings, honest_rate, screened)
     result.shape = shape
     return result
 

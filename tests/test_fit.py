@@ -1,0 +1,70 @@
+"""Fitting a sampler family's parameter (``verinfer.scoring.fit``, issue #41 item 1): the search, the
+fitted value and its profile-likelihood interval, on log-likelihood curves whose answers are known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from verinfer.sampling.params import SamplingParams
+from verinfer.scoring.diagnosis import candidate_grid
+from verinfer.scoring.fit import DROP, FAMILIES, POINTS, bracket, family_of, fit_family, interval
+
+CLAIM = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=1)
+FAMILY = {f.axis: f for f in FAMILIES}
+
+
+def test_interval_is_the_run_within_the_drop_around_the_middle_of_the_tied_best():
+    values = [1, 2, 3, 4, 5, 6, 7, 8]
+    ll = [-9.0, -2.0, -1.5, 0.0, 0.0, 0.0, -1.0, -5.0]
+    best, first, last = interval(values, ll)
+    assert (values[best], values[first], values[last]) == (5, 3, 7)  # 2 is 2 below: outside a 1.92 drop
+    assert DROP == pytest.approx(1.920729, abs=1e-6)
+    # a value within the drop but cut off by a worse one is not in the interval
+    assert interval([1, 2, 3, 4], [-1.0, -5.0, 0.0, -1.0])[1:] == (2, 3)
+    # among values tied in likelihood (mismatches at zero margin), the most exact tokens decide
+    assert interval(values, ll, [0, 0, 0, 9, 7, 7, 0, 0])[0] == 3
+
+
+@pytest.mark.parametrize("axis, truth, curvature", [("temperature", 0.873, 400.0), ("top_k", 37, 0.05),
+                                                    ("repetition", 1.17, 300.0), ("min_p", 0.07, 2000.0)])
+def test_search_finds_a_value_between_the_grid_points_and_its_interval(axis, truth, curvature):
+    """A smooth log-likelihood peaked at ``truth``: the fit lands on the resolution's nearest value, and the
+    interval is where the curve is within the drop, to the grid's step, from a search that read far fewer
+    values than the range holds."""
+    family = FAMILY[axis]
+    calls = []
+
+    def loglik(values, final):
+        calls.append((len(values), final))
+        assert len(values) <= POINTS + 1 and all(family.low <= v <= family.high for v in values)
+        return [(-curvature * (v - truth) ** 2, 0) for v in values]
+
+    grid = [family.value_of(c) for c in candidate_grid(CLAIM) if family.value_of(c) is not None]
+    start = min(grid, key=lambda v: curvature * (v - truth) ** 2)
+    fit = fit_family(family, start, bracket(family, CLAIM, grid, start), loglik)
+    assert abs(fit.value - truth) <= family.step / 2 + 1e-9
+    half = np.sqrt(DROP / curvature)
+    assert fit.interval[0] == pytest.approx(truth - half, abs=family.step)
+    assert fit.interval[1] == pytest.approx(truth + half, abs=family.step)
+    assert calls[-1][1] and fit.screened == sum(n for n, _ in calls) < (family.high - family.low) / family.step
+
+
+def test_an_interval_at_the_last_levels_edge_is_followed_past_it():
+    """A flat run wider than the last level: the interval is extended until it closes."""
+    family = FAMILY["top_k"]
+    fit = fit_family(family, 40, (30, 50), lambda values, final: [(0.0 if 20 <= v <= 60 else -10.0, 0) for v in values])
+    assert fit.interval == (20, 60) and fit.value == 40
+
+
+def test_brackets_and_families():
+    t = FAMILY["temperature"]
+    assert bracket(t, CLAIM, [0.8, 0.9, 1.1], 0.9) == (0.8, 1.0)  # the claim's own value is a neighbour
+    assert bracket(t, CLAIM, [0.8, 0.9, 1.1], 1.1) == (1.0, t.high)  # past the grid's end: the family's range
+    assert bracket(FAMILY["top_k"], CLAIM, [-1, 5, 10], 5) == (1, 10)  # "off" is no neighbour
+    grid = candidate_grid(CLAIM)
+    fitted = {family_of(c).axis for c in grid if family_of(c) is not None}
+    assert fitted == {"temperature", "top_k", "top_p", "min_p", "repetition", "presence", "frequency"}
+    c = FAMILY["presence"].candidate(0.35, (0.3, 0.4))
+    assert c.penalty == ("presence", 0.35) and c.named == "presence penalty 0.35 (fitted; 95% interval 0.3-0.4)"
+    assert FAMILY["top_k"].candidate(37.0).changes == (("top_k", 37),)
