@@ -10,8 +10,9 @@ draws, per case, a family and its parameter:
   min-p in [0.02, 0.25] (claimed: T 1, top-k 50, top-p 0.95, min-p off);
 - context (``context``, named when the offset found is the hidden text's length in tokens): a hidden
   system message of 1-30 words from a fixed word list;
-- weights (``weights``; no fitted family yet, so never named): RTN weights of 3 or 4 bits, per group of
-  32, 64 or 128 or per channel, symmetric or not; or the claimed model's first 20-29 of its 30 layers.
+- weights (``weights``, named when the searched model's 95% set holds the drawn one): RTN weights of 3
+  or 4 bits, per group of 32, 64 or 128 or per channel, symmetric or not; or the claimed model's first
+  20-29 of its 30 layers.
 
 Each provider serves ``--prompts`` chitchat prompts (a drawn sample) of up to ``--max-tokens`` tokens on
 the bundled SmolLM2-135M with drawn request seeds, claiming vLLM's model runner V2 (``vllm``, whose
@@ -20,7 +21,7 @@ batch 16) are diagnosed the same way. Each set is diagnosed as a user runs it: `
 the shipped calibration (verify's verdict beside it) and no ``--variants``.
 
 Columns: *flagged* is verify's verdict; *named* whether the best candidate is the drawn family with the
-drawn value inside its interval (or the exact offset); *class right* whether the cause named, or else
+drawn value inside its interval (the drawn model inside the searched model's 95% set; the exact offset); *class right* whether the cause named, or else
 the class given, is the expected kind; *one story* whether the conclusion says the claim deviates
 exactly when verify does.
 """
@@ -79,10 +80,12 @@ def draw(rng: random.Random) -> tuple[str, str, str, float | None]:
     return family, f"layers-{rng.randint(20, 29)}", "weights", None
 
 
-def named_right(d, family: str, value: float | None, offset: int | None) -> bool:
+def named_right(d, family: str, name: str, value: float | None, offset: int | None) -> bool:
     b = d.best.candidate
     if not d.claim_rejected:
         return False
+    if family in ("weights", "layers"):
+        return b.axis == "model" and name in b.near
     if family == "context":
         return b.axis == "prompt" and b.shift == offset
     f = family_of(b)
@@ -130,7 +133,7 @@ def main() -> None:
         flagged = v is not None and not v.consistent
         says = d.text.startswith(DEVIATES)
         story = says == flagged
-        named = named_right(d, family, value, offset) if expected else False
+        named = named_right(d, family, name, value, offset) if expected else False
         kind = class_given(d)
         if expected is None:
             ok = not flagged and not d.claim_rejected
@@ -161,9 +164,10 @@ def main() -> None:
         f"case; claims profile vllm, T 1, top-k 50, top-p 0.95; `verinfer.diagnose` with the shipped calibration, "
         f"no --variants; {time.time() - start:.0f} s in all.", "",
         f"- Drawn misconfigurations: {drawn}; flagged by verify: **{tally['flagged']}/{drawn}**.",
-        f"- Of those flagged, named with the drawn parameter inside the fitted interval (or the exact offset): "
+        f"- Of those flagged, named with the drawn parameter inside the fitted interval (or the searched model's "
+        f"95% set, or the exact offset): "
         f"**{tally['named']}/{tally['flagged']}**; of the flagged sampler-family cases: "
-        f"**{tally['sampler_named']}/{tally['sampler']}** (weights and layers have no fitted family: never named).",
+        f"**{tally['sampler_named']}/{tally['sampler']}**.",
         f"- Of those flagged, the cause named or the class given is the expected kind: **{tally['classed']}/{tally['flagged']}**.",
         f"- Honest providers neither flagged nor named: **{tally['honest_ok']}/{len(HONEST)}**.",
         f"- One story (the conclusion says the claim deviates exactly when verify does): **{tally['story']}/{len(cases)}**.", "",

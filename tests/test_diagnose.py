@@ -381,11 +381,21 @@ def test_bundled_model_hidden_system_prompt_is_found_with_its_length(model):
     assert d.best.exact > d.claim.exact + 0.3 and "context-shaped" in d.text
 
 
-def test_bundled_model_other_weights_no_candidate_names_are_classed_weights_shaped(model):
-    d = diagnose(_traces(model, "w4-g128"), model)  # no --variants: no model band to name it
-    assert not d.explained and d.text.startswith("no candidate explains it"), d.text
-    assert d.shaped.kind == "weights" and "; the deviation is weights-shaped:" in d.text
-    assert d.shape.tokens == sum(len(t.output_token_ids) for t in _traces(model, "w4-g128"))
+def test_bundled_model_other_weights_are_found_by_the_model_search_else_classed_weights_shaped(model):
+    """No --variants: no sampler candidate explains 4-bit weights, so the derived models are searched
+    (every RTN bit width, grouping and rounding, and a few depths) and the right one is named, counted
+    in the Bonferroni correction with all it was screened against (issue #41 item 1). Without the
+    search nothing names it, and the class carries the answer (item 2)."""
+    traces = _traces(model, "w4-g128")
+    d = diagnose(traces, model)
+    b, found = d.best.candidate, d.settings["model_search"]
+    assert b.band == "w4-g128" and "w4-g128" in b.near and d.claim_rejected and d.explained, d.text
+    assert d.text.startswith("best explained by model w4-g128 (searched;") and found["tried"]
+    assert found["screened"] >= 48 and d.tried >= len(d.ranked) + found["screened"] - 1
+    off = diagnose_traces(model, traces, candidate_grid(traces[0].sampling), search_models=False)
+    assert not off.explained and off.text.startswith("no candidate explains it"), off.text
+    assert off.shaped.kind == "weights" and "; the deviation is weights-shaped:" in off.text
+    assert off.shape.tokens == sum(len(t.output_token_ids) for t in traces)
 
 
 def test_bundled_model_seed_offset_not_in_the_catalogue_is_recovered(model):

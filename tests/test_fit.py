@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 from verinfer.sampling.params import SamplingParams
-from verinfer.scoring.diagnosis import candidate_grid
-from verinfer.scoring.fit import DROP, FAMILIES, POINTS, bracket, family_of, fit_family, interval
+from verinfer.scoring.diagnosis import Candidate, candidate_grid
+from verinfer.scoring.fit import (
+    DROP, FAMILIES, POINTS, bracket, family_of, fit_family, interval, model_coarse, model_refined, near_set,
+)
+from verinfer.simulate.variants import get_variant
 
 CLAIM = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=1)
 FAMILY = {f.axis: f for f in FAMILIES}
@@ -68,3 +71,21 @@ def test_brackets_and_families():
     c = FAMILY["presence"].candidate(0.35, (0.3, 0.4))
     assert c.penalty == ("presence", 0.35) and c.named == "presence penalty 0.35 (fitted; 95% interval 0.3-0.4)"
     assert FAMILY["top_k"].candidate(37.0).changes == (("top_k", 37),)
+
+
+def test_the_model_search_holds_every_weight_scheme_then_refines_depth():
+    coarse = model_coarse(30)
+    weights = [m for m in coarse if m.startswith("w")]
+    assert len(weights) == 48 and {"w4-g64-asym", "w3-channel", "w8-g128"} <= set(weights)
+    assert [m for m in coarse if m.startswith("layers-")] == ["layers-15", "layers-22", "layers-26", "layers-28",
+                                                             "layers-29"]
+    for name in coarse:
+        get_variant(name)  # every member is a catalogue family's name
+    assert model_refined("layers-26", coarse, 30) == [f"layers-{n}" for n in range(22, 29)]
+    assert model_refined("layers-15", coarse, 30) == [f"layers-{n}" for n in range(1, 23)]
+    assert model_refined("w4-g64", coarse, 30) == []
+    best, near = near_set(["a", "b", "c"], [-3.0, -1.0, -2.5], [5, 9, 7])
+    assert best == "b" and near == ("b", "c")
+    assert near_set(["a", "b"], [0.0, 0.0], [5, 9])[0] == "b"  # tied likelihood: the most exact tokens
+    c = Candidate("model w4-g64", "model", band="w4-g64", near=("w4-g64", "w4-g32"))
+    assert c.named == "model w4-g64 (searched; 95% set also holds w4-g32)"

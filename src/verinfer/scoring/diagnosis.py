@@ -92,6 +92,7 @@ class Candidate:
     band: str | None = None  # a model-side variant name (None: the reference model)
     shift: int | None = None  # the provider's prompts this many tokens longer (a position-keyed engine's noise moves)
     interval: tuple[float, float] | None = None  # a fitted value's 95% interval (``scoring.fit``)
+    near: tuple[str, ...] = ()  # a searched model's 95% set: the derived models as likely as it (``scoring.fit``)
 
     def params(self, claimed: Sequence[SamplingParams]) -> list[SamplingParams]:
         """Each trace's sampling parameters under this candidate."""
@@ -105,6 +106,9 @@ class Candidate:
     @property
     def named(self) -> str:
         """The label, with a fitted value's interval."""
+        if self.near:
+            others = [n for n in self.near if n != self.band]
+            return f"{self.label} (searched; {'95% set also holds ' + ', '.join(others) if others else 'alone in its 95% set'})"
         if self.interval is None:
             return self.label
         return f"{self.label} (fitted; 95% interval {_fmt(self.interval[0])}-{_fmt(self.interval[1])})"
@@ -118,7 +122,7 @@ class Candidate:
         return {"label": self.label, "axis": self.axis, "changes": dict(self.changes), "seed_map": self.seed_map,
                 "penalty": list(self.penalty) if self.penalty else None, "bug_top": self.bug,
                 "band": self.band, "prompt_shift": self.shift,
-                "interval": None if self.interval is None else list(self.interval)}
+                "interval": None if self.interval is None else list(self.interval), "near": list(self.near)}
 
 
 CLAIM = Candidate("claim", "claim")

@@ -28,7 +28,10 @@ from verinfer.scoring.diagnosis import (
     ALPHA, CLAIM, EPS, HONEST_OFF_BOUNDARY, SIGMA, BugTally, Candidate, Diagnosis, Tally, candidate_grid,
     effective_margin, off_boundary, penalized, rank, shifted, token_loglik,
 )
-from verinfer.scoring.fit import DROP, FIT_ROWS, MAX_FITS, SCREEN_ROWS, Family, Fit, bracket, family_of, fit_family
+from verinfer.scoring.fit import (
+    DROP, FIT_ROWS, MAX_FITS, SCREEN_ROWS, Family, Fit, bracket, family_of, fit_family, model_coarse, model_refined,
+    near_set,
+)
 from verinfer.scoring.scores import signature
 from verinfer.scoring.shape import Shape
 from verinfer.scoring.traces import check_traces
@@ -186,6 +189,44 @@ def fit_families(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, tra
     return out
 
 
+def search_model(backend: Backend, traces: Sequence[Trace], claim_ll: np.ndarray, offsets: np.ndarray,
+                 sigma: float, eps: float, token_budget: int, row_block: int) -> dict | None:
+    """The derived model (RTN weights by bits, grouping and rounding; the first N layers) that best
+    reproduces the first traces (those holding the first ``SCREEN_ROWS`` rows), each a prefill of its own
+    replayed with the claimed sampler (``scoring.fit``: a first level, then around its best when that
+    beats the claim by more than ``DROP``): the best, its 95% set, and what was screened. None when the
+    backend is no transformers model."""
+    config = getattr(getattr(backend, "model", None), "config", None)
+    if config is None:
+        return None
+    layers = int(config.get_text_config().num_hidden_layers)
+    n = min(int(np.searchsorted(offsets[1:], SCREEN_ROWS)) + 1, len(traces))
+    subset = list(traces[:n])
+    sequences = [t.prompt_token_ids + t.output_token_ids for t in subset]
+    starts = [len(t.prompt_token_ids) for t in subset]
+    claim = float(claim_ll[:offsets[n]].sum())
+    scored: dict[str, tuple[float, int]] = {}
+
+    def score(names: Sequence[str]) -> None:
+        for name in names:
+            band, profiles, ll_sum, exact = get_variant(name).build(backend), {}, 0.0, 0
+            for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
+                cols, _, ll = _score(block.logits, block.items.numpy(), block.steps.numpy(), subset, profiles, sigma, eps)
+                ll_sum, exact = ll_sum + float(ll.sum()), exact + int(cols["exact_match"].sum())
+            scored[name] = (ll_sum, exact)
+
+    coarse = model_coarse(layers)
+    score(coarse)
+    best, _ = near_set(list(scored), *zip(*scored.values()))
+    tried = scored[best][0] > claim + DROP
+    if tried:
+        score([m for m in model_refined(best, coarse, layers) if m not in scored])
+        best, near = near_set(list(scored), *zip(*scored.values()))
+    return {"tried": tried, "best": best if tried else None, "near": list(near) if tried else [],
+            "screened": len(scored), "traces": n, "rows": int(offsets[n]), "claim_loglik": claim,
+            "loglik": {name: v[0] for name, v in scored.items()}}
+
+
 def _histories(traces: Sequence[Trace], items: np.ndarray, steps: np.ndarray) -> list[tuple[list[int], list[int]]]:
     """Each row's (prompt ids, output ids before it): what a penalty sees (``diagnosis.penalized``)."""
     return [(traces[i].prompt_token_ids, traces[i].output_token_ids[:k]) for i, k in zip(items, steps)]
@@ -233,7 +274,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
                     sigma: float = SIGMA, eps: float = EPS, alpha: float = ALPHA,
                     honest_rate: float = HONEST_OFF_BOUNDARY, token_budget: int = 4096, row_block: int = 512,
                     on_rows: Callable[[int], None] | None = None, search_prompt: bool = True,
-                    fit_sampler: bool = True) -> Diagnosis:
+                    fit_sampler: bool = True, search_models: bool = True) -> Diagnosis:
     """Tally every candidate over the traces and rank them (``diagnosis.rank``).
 
     Sampler candidates share the reference prefill; each ``band`` candidate costs a prefill of the
@@ -242,7 +283,9 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     block's tokens (``search_shift``) joins the candidates when it beats the claim there. With
     ``fit_sampler``, each sampler family whose grid value beats the claim on the first ``FIT_ROWS`` rows
     (the first blocks) is fitted there (``fit_families``), and its fitted value, with an interval,
-    replaces its grid values.
+    replaces its grid values. With ``search_models``, when no candidate explains the tokens (nor a prompt
+    offset), the derived model that best reproduces the first traces (``search_model``) joins the
+    candidates, replayed over every trace like a band.
     """
     traces = list(traces)
     claimed = [t.sampling for t in traces]
@@ -254,7 +297,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     tallies = {c: BugTally() if c.bug else Tally() for c in [CLAIM, *candidates]}
     profile_sets: dict[Candidate, dict[str, Profile]] = {c: {} for c in [CLAIM, *sampler, *bands]}
     offsets = np.concatenate([[0], np.cumsum([len(t.output_token_ids) for t in traces])])
-    claim_ll = np.zeros(int(offsets[-1])) if bands else None
+    claim_ll = np.zeros(int(offsets[-1])) if bands or search_models else None
     sequences = [t.prompt_token_ids + t.output_token_ids for t in traces]
     starts = [len(t.prompt_token_ids) for t in traces]
 
@@ -320,6 +363,17 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     if fitting and pending:  # fewer rows than FIT_ROWS in all
         fit_on(pending)
         pending.clear()
+    found = None
+    if search_models:  # a deviation no sampler candidate explains: which derived model does
+        first = rank({c: t for c, t in tallies.items() if c.band is None}, alpha, {}, honest_rate)  # bands: not yet
+        if not first.explained and not first.context_led:
+            found = search_model(backend, traces, claim_ll, offsets, sigma, eps, token_budget, row_block)
+        if found and found["tried"]:
+            c = Candidate(f"model {found['best']}", "model", band=found["best"], near=tuple(found["near"]))
+            for given in [b for b in bands if b.band == c.band]:
+                bands.remove(given), tallies.pop(given)
+            bands.append(c)
+            tallies[c], profile_sets[c] = Tally(), {}
     for c in bands:
         band = get_variant(c.band).build(backend)
 
@@ -335,10 +389,11 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
             continue
         for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
             score_band(block.items.numpy(), block.steps.numpy(), block.logits)
-    screened = (search["searched"] - 1 if search and search["tried"] else 0) + sum(f.screened - 1 for f in fits)
+    screened = ((search["searched"] - 1 if search and search["tried"] else 0) + sum(f.screened - 1 for f in fits)
+                + (found["screened"] - 1 if found and found["tried"] else 0))
     settings = {"sigma": sigma, "eps": eps, "honest_off_boundary": honest_rate, "traces": len(traces),
                 "tokens": int(offsets[-1]), "bands": [c.band for c in bands], "prompt_shift": search,
-                "fits": [f.to_dict() for f in fits], "screened": screened}
+                "fits": [f.to_dict() for f in fits], "model_search": found, "screened": screened}
     result = rank(tallies, alpha, settings, honest_rate, screened)
     result.shape = shape
     return result

@@ -196,4 +196,46 @@ def bracket(family: Family, claim: SamplingParams, grid_values: Sequence[float],
     return (points[i - 1] if i > 0 else family.low), (points[i + 1] if i + 1 < len(points) else family.high)
 
 
-__all__ = ["DROP", "FAMILIES", "FIT_ROWS", "Family", "Fit", "bracket", "family_of", "fit_family", "interval"]
+# -- the model's side: weights by bits, granularity and rounding; the first N layers (a search over
+# derived models, each a prefill: ``diagnosis_run.search_model``) ------------------------------------
+
+WEIGHT_BITS = (2, 3, 4, 5, 6, 8)
+GROUPINGS = ("g32", "g64", "g128", "channel")
+
+
+def weights_name(bits: int, grouping: str, symmetric: bool = True) -> str:
+    """The catalogue's name of RTN weights (``simulate.variants``, ``wB-gG[-asym]``)."""
+    return f"w{bits}-{grouping}{'' if symmetric else '-asym'}"
+
+
+def model_coarse(layers: int) -> list[str]:
+    """The first level of the model-side search: RTN weights at every bit width, grouping and rounding (a
+    grouping or rounding other than the provider's reproduces its tokens no better than the unquantized
+    model: they are not ordered), and the first N of ``layers`` layers at a few depths."""
+    depths = sorted({n for n in (layers - 1, layers - 2, layers - 4, layers - 8, layers // 2) if 1 <= n < layers})
+    return [weights_name(b, g, sym) for b in WEIGHT_BITS for g in GROUPINGS for sym in (True, False)] + \
+        [f"layers-{n}" for n in depths]
+
+
+def model_refined(best: str, coarse: Sequence[str], layers: int) -> list[str]:
+    """The second level around ``best``: every depth between its coarse neighbours (weights: none, the
+    first level held every member)."""
+    if not best.startswith("layers-"):
+        return []
+    n = int(best.split("-")[1])
+    depths = sorted(int(c.split("-")[1]) for c in coarse if c.startswith("layers-"))
+    i = depths.index(n)
+    lo, hi = (depths[i - 1] if i else 1), (depths[i + 1] if i + 1 < len(depths) else layers - 1)
+    return [f"layers-{d}" for d in range(lo, hi + 1)]
+
+
+def near_set(names: Sequence[str], logliks: Sequence[float], exact: Sequence[int],
+             drop: float = DROP) -> tuple[str, tuple[str, ...]]:
+    """The best member (the highest log-likelihood, then the most exact tokens) and every member within
+    ``drop`` of it (its 95% set, as a profile-likelihood interval for a parameter without an order)."""
+    ll = np.asarray(logliks, dtype=np.float64)
+    best = max(range(len(names)), key=lambda i: (ll[i], exact[i], -i))
+    return names[best], tuple(n for n, v in zip(names, ll) if v >= ll[best] - drop)
+
+
+__all__ = ["DROP", "FAMILIES", "FIT_ROWS", "GROUPINGS", "WEIGHT_BITS", "model_coarse", "model_refined", "near_set", "weights_name", "Family", "Fit", "bracket", "family_of", "fit_family", "interval"]
