@@ -468,9 +468,10 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
     verdict ``verify`` gives the same traces.
 
     One prefill with the reference model, then the sampler candidates (temperature, top-k, top-p,
-    min-p, penalties, seed mappings, every engine profile, sampler bugs) replayed over its logits;
-    ``variants`` (``default``, ``catalogue`` or model-side variant names, as ``verinfer diagnose
-    --variants``) adds one prefill per derived model. With a ``calibration``, else the shipped default
+    min-p, penalties, seed mappings, every engine profile, sampler bugs) replayed over its logits, the
+    sampler families that beat the claim fitted at any value (``scoring.fit``); ``variants``
+    (``default``, ``catalogue`` or model-side variant names, as ``verinfer diagnose --variants``) adds one
+    prefill per derived model, and when nothing explains the tokens the derived models are searched. With a ``calibration``, else the shipped default
     for the claim (as ``verify`` picks it; ``default_calibration=False`` turns that off), the traces are
     also judged as ``verify`` judges them and the conclusion is reconciled with that verdict, which
     decides whether they deviate (``Diagnosis.deviates``; issue #41 item 3: one story). With ``out``

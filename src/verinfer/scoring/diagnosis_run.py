@@ -284,8 +284,8 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     ``fit_sampler``, each sampler family whose grid value beats the claim on the first ``FIT_ROWS`` rows
     (the first blocks) is fitted there (``fit_families``), and its fitted value, with an interval,
     replaces its grid values. With ``search_models``, when no candidate explains the tokens (nor a prompt
-    offset), the derived model that best reproduces the first traces (``search_model``) joins the
-    candidates, replayed over every trace like a band.
+    offset, nor a band), the derived model that best reproduces the first traces (``search_model``) joins
+    the candidates, replayed over every trace like a band.
     """
     traces = list(traces)
     claimed = [t.sampling for t in traces]
@@ -363,21 +363,11 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     if fitting and pending:  # fewer rows than FIT_ROWS in all
         fit_on(pending)
         pending.clear()
-    found = None
-    if search_models:  # a deviation no sampler candidate explains: which derived model does
-        first = rank({c: t for c, t in tallies.items() if c.band is None}, alpha, {}, honest_rate)  # bands: not yet
-        if not first.explained and not first.context_led:
-            found = search_model(backend, traces, claim_ll, offsets, sigma, eps, token_budget, row_block)
-        if found and found["tried"]:
-            c = Candidate(f"model {found['best']}", "model", band=found["best"], near=tuple(found["near"]))
-            for given in [b for b in bands if b.band == c.band]:
-                bands.remove(given), tallies.pop(given)
-            bands.append(c)
-            tallies[c], profile_sets[c] = Tally(), {}
-    for c in bands:
+
+    def replay_band(c: Candidate) -> None:
         band = get_variant(c.band).build(backend)
 
-        def score_band(items: np.ndarray, steps: np.ndarray, logits: torch.Tensor, c: Candidate = c) -> None:
+        def score_band(items: np.ndarray, steps: np.ndarray, logits: torch.Tensor) -> None:
             cols, m, ll = _score(logits, items, steps, traces, profile_sets[c], sigma, eps)
             tallies[c].add(cols["exact_match"], m, ll, claim_ll[offsets[items] + steps], eps)
             _forget(traces, items, steps, [profile_sets[c]])
@@ -385,10 +375,22 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
                 on_rows(len(items))
 
         if isinstance(band, Fp8KVBackend):
-            decode_replay(band, traces, score_band)
-            continue
+            return decode_replay(band, traces, score_band)
         for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
             score_band(block.items.numpy(), block.steps.numpy(), block.logits)
+
+    for c in bands:
+        replay_band(c)
+    found = None
+    if search_models and not rank(dict(tallies), alpha, {}, honest_rate).explained:
+        found = search_model(backend, traces, claim_ll, offsets, sigma, eps, token_budget, row_block)
+        if found and found["tried"]:  # a deviation no candidate explains: which derived model does
+            c = Candidate(f"model {found['best']}", "model", band=found["best"], near=tuple(found["near"]))
+            for given in [b for b in bands if b.band == c.band]:
+                bands.remove(given), tallies.pop(given)
+            bands.append(c)
+            tallies[c], profile_sets[c] = Tally(), {}
+            replay_band(c)
     screened = ((search["searched"] - 1 if search and search["tried"] else 0) + sum(f.screened - 1 for f in fits)
                 + (found["screened"] - 1 if found and found["tried"] else 0))
     settings = {"sigma": sigma, "eps": eps, "honest_off_boundary": honest_rate, "traces": len(traces),
