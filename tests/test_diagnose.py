@@ -381,7 +381,7 @@ def test_bundled_model_hidden_system_prompt_is_found_with_its_length(model):
     assert d.best.exact > d.claim.exact + 0.3 and "context-shaped" in d.text
 
 
-def test_bundled_model_other_weights_are_found_by_the_model_search_else_classed_weights_shaped(model):
+def test_bundled_model_other_weights_are_found_by_the_model_search_else_classed_weights_shaped(model, tmp_path):
     """No --variants: no sampler candidate explains 4-bit weights, so the derived models are searched
     (every RTN bit width, grouping and rounding, and a few depths) and the right one is named, counted
     in the Bonferroni correction with all it was screened against (issue #41 item 1). Without the
@@ -392,10 +392,15 @@ def test_bundled_model_other_weights_are_found_by_the_model_search_else_classed_
     assert b.band == "w4-g128" and "w4-g128" in b.near and d.claim_rejected and d.explained, d.text
     assert d.text.startswith("best explained by model w4-g128 (searched;") and found["tried"]
     assert found["screened"] >= 48 and d.tried >= len(d.ranked) + found["screened"] - 1
-    off = diagnose_traces(model, traces, candidate_grid(traces[0].sampling), search_models=False)
-    assert not off.explained and off.text.startswith("no candidate explains it"), off.text
-    assert off.shaped.kind == "weights" and "; the deviation is weights-shaped:" in off.text
-    assert off.shape.tokens == sum(len(t.output_token_ids) for t in traces)
+    from verinfer.trace import write_traces
+
+    path = write_traces(traces, tmp_path / "w4.jsonl")
+    result = _cli(str(path), "--no-search-models", "-o", str(tmp_path / "d.json"))
+    off = json.loads((tmp_path / "d.json").read_text())
+    assert result.exit_code == 1 and off["settings"]["model_search"] is None, result.output
+    assert not off["explained"] and off["conclusion"].startswith("no candidate explains it"), off["conclusion"]
+    assert off["deviation_class"]["kind"] == "weights" and "; the deviation is weights-shaped:" in off["conclusion"]
+    assert off["replay_counts"]["tokens"] == sum(len(t.output_token_ids) for t in traces)
 
 
 def test_bundled_model_seed_offset_not_in_the_catalogue_is_recovered(model):

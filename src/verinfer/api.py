@@ -463,7 +463,7 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
              alpha: float | None = None, out: str | Path | None = None, skip_invalid: bool = False,
              allow_model_mismatch: bool = False, backend: Backend | None = None,
              calibration: Calibrator | str | Path | None = None, default_calibration: bool = True,
-             on_rows: Progress = None) -> Diagnosis:
+             on_rows: Progress = None, search_models: bool = True) -> Diagnosis:
     """Name the configuration that best explains the traces (``verinfer.scoring.diagnosis``), beside the
     verdict ``verify`` gives the same traces.
 
@@ -471,7 +471,8 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
     min-p, penalties, seed mappings, every engine profile, sampler bugs) replayed over its logits, the
     sampler families that beat the claim fitted at any value (``scoring.fit``); ``variants``
     (``default``, ``catalogue`` or model-side variant names, as ``verinfer diagnose --variants``) adds one
-    prefill per derived model, and when nothing explains the tokens the derived models are searched. With a ``calibration``, else the shipped default
+    prefill per derived model, and when nothing explains the tokens the derived models are searched
+    (``search_models=False``: not; each is a prefill of a derived copy of the model). With a ``calibration``, else the shipped default
     for the claim (as ``verify`` picks it; ``default_calibration=False`` turns that off), the traces are
     also judged as ``verify`` judges them and the conclusion is reconciled with that verdict, which
     decides whether they deviate (``Diagnosis.deviates``; issue #41 item 3: one story). With ``out``
@@ -486,7 +487,7 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
     ensure_threads()
     backend = backend or load_model(reference_model(trace_list, model, source), dtype, device)
     result = run_diagnosis(trace_list, backend, source, band_names, sigma, alpha, None, skip_invalid,
-                           allow_model_mismatch, on_rows)
+                           allow_model_mismatch, on_rows, search_models)
     if calibrator is None and default_calibration:
         calibrator, used = shipped_calibration(trace_list, backend) or (None, None)
     if calibrator is not None:

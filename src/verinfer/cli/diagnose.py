@@ -52,6 +52,10 @@ def diagnose(
     default_calibration: bool = typer.Option(True, "--default-calibration/--no-default-calibration",
                                              help="without --calibration, judge with the shipped calibration for "
                                              "the claim, as `verify` does, if one exists"),
+    search_models: bool = typer.Option(True, "--search-models/--no-search-models",
+                                       help="when no candidate explains the tokens, search the derived models "
+                                       "(RTN weights of every bit width, grouping and rounding; the first N layers): "
+                                       "one prefill of a derived copy of the model each"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the diagnosis as JSON"),
 ):
     """Replay the traces under candidate configurations (sampler settings, seeds, engine profiles,
@@ -86,7 +90,7 @@ def diagnose(
     with err.status(f"diagnosing: one prefill, the candidate replays{extra}, the calibrated verdict"):
         result = run(traces, backend=backend, variants=band_names, sigma=sigma, alpha=alpha, out=out,
                      skip_invalid=skip_invalid, allow_model_mismatch=allow_model_mismatch, calibration=calibration,
-                     default_calibration=default_calibration)
+                     default_calibration=default_calibration, search_models=search_models)
     console.print(_table(result, rows))
     style = "red" if result.deviates else "green"
     console.print(f"[{style}]{result.text}[/{style}]", highlight=False, soft_wrap=True)

@@ -432,7 +432,8 @@ def reference_model(trace_list: Sequence[Trace], model: str | None, source: str)
 
 def diagnose(trace_list: Sequence[Trace], backend: Backend, source: str = "traces", bands: Sequence[str] = (),
              sigma: float = SIGMA, alpha: float = ALPHA, out: str | Path | None = None, skip_invalid: bool = False,
-             allow_model_mismatch: bool = False, on_rows: Callable[[int], None] | None = None) -> Diagnosis:
+             allow_model_mismatch: bool = False, on_rows: Callable[[int], None] | None = None,
+             search_models: bool = True) -> Diagnosis:
     """Check the traces against the reference, diagnose them over the whole candidate grid and
     write the diagnosis as JSON to ``out`` (atomically) when given. Traces claiming several
     sampling settings are refused: a diagnosis names one configuration."""
@@ -442,7 +443,7 @@ def diagnose(trace_list: Sequence[Trace], backend: Backend, source: str = "trace
         raise ValueError(f"{source}: traces claim {len(sampling)} sampling settings; diagnose one at a time "
                          f"(first two: {sampling[0]}, {sampling[1]})")
     result = diagnose_traces(backend, kept, candidate_grid(kept[0].sampling, bands), sigma=sigma, alpha=alpha,
-                             on_rows=on_rows)
+                             on_rows=on_rows, search_models=search_models)
     result.settings.update({"model": backend.model_id, "dtype": backend.dtype_name, "claimed": sampling[0],
                             "source": source, "skipped": skipped})
     if out is not None:
