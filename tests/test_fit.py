@@ -89,3 +89,13 @@ def test_the_model_search_holds_every_weight_scheme_then_refines_depth():
     assert near_set(["a", "b"], [0.0, 0.0], [5, 9])[0] == "b"  # tied likelihood: the most exact tokens
     c = Candidate("model w4-g64", "model", band="w4-g64", near=("w4-g64", "w4-g32"))
     assert c.named == "model w4-g64 (searched; 95% set also holds w4-g32)"
+
+
+def test_a_continuous_interval_covers_the_values_between_the_last_in_and_the_first_out():
+    """Values 0.85-0.88 within the drop, 0.84 and 0.89 not: the true ends lie between, so the interval
+    stated is 0.84-0.89 (an integer's is exact: no value lies between)."""
+    t = FAMILY["temperature"]
+    fit = fit_family(t, 0.9, (0.8, 0.95), lambda values, final: [(0.0 if 0.845 < v < 0.885 else -5.0, 0) for v in values])
+    assert fit.value in (0.86, 0.87) and fit.interval == (0.84, 0.89)
+    k = fit_family(FAMILY["top_k"], 40, (30, 50), lambda values, final: [(0.0 if 35 <= v <= 38 else -5.0, 0) for v in values])
+    assert k.interval == (35, 38)

@@ -13,7 +13,9 @@ middle of the values tied at the best log-likelihood and, among those, the most 
 replay reproduces the same tokens over a range of values); its interval holds the values, contiguous
 with it, whose log-likelihood is within ``DROP`` of the best: a 95% profile-likelihood interval
 (Wilks: half the chi-square(1) quantile) under diagnose's noise model (its ``sigma`` is assumed, not
-measured), to the grid's step. The fitted value then replaces the family's grid values over every row.
+measured). A continuous parameter's interval is widened by one step on each side where the next value
+searched fell outside it (its true ends lie between the two), so it covers the continuous interval.
+The fitted value then replaces the family's grid values over every row.
 
 Every value screened counts as a candidate tried in diagnose's Bonferroni correction.
 """
@@ -182,7 +184,11 @@ def fit_family(family: Family, start: float, bracket: tuple[float, float],
             screened += len(more)
             best, first, last = interval(values, *zip(*ll))
         if final:
-            return Fit(family, values[best], (values[first], values[last]), float(ll[best][0]), screened, 0)
+            lo, hi = values[first], values[last]
+            if not family.integer:  # a continuous parameter's ends lie between the last value in and the first out
+                lo = family.snap(lo - family.step) if first > 0 else lo
+                hi = family.snap(hi + family.step) if last < len(values) - 1 else hi
+            return Fit(family, values[best], (lo, hi), float(ll[best][0]), screened, 0)
         start = values[best]
         low, high = start - LEVEL_SPAN * spacing, start + LEVEL_SPAN * spacing
 
