@@ -175,10 +175,10 @@ def fit_families(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, tra
                 if family.penalty:
                     lg, tr = penalized(x, _histories(traces, items[rows], steps[rows]), *c.penalty), traces
                 else:
-                    lg, tr = x, [replace(t, sampling=p) for t, p in zip(traces, c.params([t.sampling for t in traces]))]
+                    lg, tr = x, _as_candidate(traces, c)
                 scored = _score(lg, items[rows], steps[rows], tr, profiles, sigma, eps)
                 if final:
-                    kept[c.penalty[1] if family.penalty else dict(c.changes)[family.axis]] = scored
+                    kept[family.value_of(c)] = scored
                 sums.append((float(scored[2].sum()), int(scored[0]["exact_match"].sum())))
             return sums
 
@@ -225,6 +225,11 @@ def search_model(backend: Backend, traces: Sequence[Trace], claim_ll: np.ndarray
     return {"tried": tried, "best": best if tried else None, "near": list(near) if tried else [],
             "screened": len(scored), "traces": n, "rows": int(offsets[n]), "claim_loglik": claim,
             "loglik": {name: v[0] for name, v in scored.items()}}
+
+
+def _as_candidate(traces: Sequence[Trace], c: Candidate) -> list[Trace]:
+    """The traces as candidate ``c`` would have sampled them (its parameters in place of the claim's)."""
+    return [replace(t, sampling=p) for t, p in zip(traces, c.params([t.sampling for t in traces]))]
 
 
 def _histories(traces: Sequence[Trace], items: np.ndarray, steps: np.ndarray) -> list[tuple[list[int], list[int]]]:
@@ -292,8 +297,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     sampler = [c for c in candidates if c.band is None and c.replays and c != CLAIM]
     bugs = [c for c in candidates if not c.replays]
     bands = [c for c in candidates if c.band is not None]
-    as_traces = {c: [replace(t, sampling=p) for t, p in zip(traces, c.params(claimed))]
-                 for c in sampler if not c.penalty}
+    as_traces = {c: _as_candidate(traces, c) for c in sampler if not c.penalty}
     tallies = {c: BugTally() if c.bug else Tally() for c in [CLAIM, *candidates]}
     profile_sets: dict[Candidate, dict[str, Profile]] = {c: {} for c in [CLAIM, *sampler, *bands]}
     offsets = np.concatenate([[0], np.cumsum([len(t.output_token_ids) for t in traces])])
@@ -323,7 +327,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
             sampler.append(c), tallies.setdefault(c, Tally()).add(cc["exact_match"], m, ll, ll0, eps)
             profile_sets[c] = profiles
             if not c.penalty:
-                as_traces[c] = [replace(t, sampling=p) for t, p in zip(traces, c.params(claimed))]
+                as_traces[c] = _as_candidate(traces, c)
 
     for block in backend.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
         items, steps = block.items.numpy(), block.steps.numpy()
