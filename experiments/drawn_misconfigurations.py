@@ -12,7 +12,10 @@ draws, per case, a family and its parameter:
   system message of 1-30 words from a fixed word list;
 - weights (``weights``, named when the searched model's 95% set holds the drawn one): RTN weights of 3
   or 4 bits, per group of 32, 64 or 128 or per channel, symmetric or not; or the claimed model's first
-  20-29 of its 30 layers.
+  20-29 of its 30 layers;
+- with ``--families all`` (the draw of RESULTS 36), also: one decoder layer removed (``skip_layer``,
+  expected ``weights``, any of the 30) and an fp8 KV cache at one of vLLM's scalings (``kv``, expected
+  ``numerics``; named like weights).
 
 Each provider serves ``--prompts`` chitchat prompts (a drawn sample) of up to ``--max-tokens`` tokens on
 the bundled SmolLM2-135M with drawn request seeds, claiming vLLM's model runner V2 (``vllm``, whose
@@ -51,14 +54,16 @@ WORDS = ("always answer as a pirate ship captain would, be brief and polite, nev
          "name is Acme and its products are widgets, refuse questions about politics, answer in French when asked, "
          "you are Max, a support agent, keep every reply under fifty words, end with a question").replace(",", "").split()
 FAMILIES = ("temperature", "top_k", "top_p", "min_p", "context", "weights", "layers")
+MORE_FAMILIES = ("skip_layer", "kv")  # --families all (RESULTS 36): families added after RESULTS 35's draw
+KV = ("fp8-kv", "fp8-kv-tensor", "fp8-kv-head", "fp8-kv-fresh")
 HONEST = ("honest", "bf16", "batch-1", "batch-16")
 SAMPLER_AXES = ("temperature", "top_k", "top_p", "min_p", "penalty", "seed", "profile", "bug")
 DEVIATES = ("flagged", "best explained", "the calibration lacks", "a deviation", "no candidate explains")
 
 
-def draw(rng: random.Random) -> tuple[str, str, str, float | None]:
+def draw(rng: random.Random, families: tuple[str, ...] = FAMILIES) -> tuple[str, str, str, float | None]:
     """(family, variant name, expected class, the drawn value a fit should hold)."""
-    family = rng.choice(FAMILIES)
+    family = rng.choice(families)
     if family == "temperature":
         t = rng.choice([rng.uniform(0.6, 0.95), rng.uniform(1.05, 1.4)])
         return family, f"temperature-{t:.2f}", "sampler", round(t, 2)
@@ -77,6 +82,10 @@ def draw(rng: random.Random) -> tuple[str, str, str, float | None]:
     if family == "weights":
         bits, group, asym = rng.choice([3, 4]), rng.choice(["g32", "g64", "g128", "channel"]), rng.random() < 0.5
         return family, f"w{bits}-{group}{'-asym' if asym else ''}", "weights", None
+    if family == "skip_layer":
+        return family, f"skip-layer-{rng.randrange(30)}", "weights", None
+    if family == "kv":
+        return family, rng.choice(KV), "numerics", None
     return family, f"layers-{rng.randint(20, 29)}", "weights", None
 
 
@@ -84,7 +93,7 @@ def named_right(d, family: str, name: str, value: float | None, offset: int | No
     b = d.best.candidate
     if not d.claim_rejected:
         return False
-    if family in ("weights", "layers"):
+    if family in ("weights", "layers", "skip_layer", "kv"):
         return b.axis == "model" and name in b.near
     if family == "context":
         return b.axis == "prompt" and b.shift == offset
@@ -97,10 +106,14 @@ def named_right(d, family: str, name: str, value: float | None, offset: int | No
 
 
 def class_given(d) -> str | None:
-    """The kind of cause diagnose states: the named candidate's, or the class it gives."""
-    if d.claim_rejected:
-        axis = d.best.candidate.axis
-        return "context" if axis == "prompt" else "sampler" if axis in SAMPLER_AXES else "weights"
+    """The kind of cause diagnose states: the named candidate's (one that beats the claim and explains the
+    tokens), or else the class its conclusion gives (a best candidate that leaves too many tokens
+    unexplained is reported as "no candidate explains it", with the class)."""
+    if d.claim_rejected and d.explained:
+        b = d.best.candidate
+        if b.band and b.band.startswith("fp8-kv"):
+            return "numerics"
+        return "context" if b.axis == "prompt" else "sampler" if b.axis in SAMPLER_AXES else "weights"
     shaped = d.shaped
     return shaped.kind if shaped is not None and shaped.kind and "shaped" in d.text else None
 
@@ -111,13 +124,17 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--seed", type=int, default=41006)
+    ap.add_argument("--families", choices=("first", "all"), default="first",
+                    help="first: RESULTS 35's seven families; all: with one layer removed and an fp8 KV cache")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     ref = api.load_model()
     rng = random.Random(args.seed)
-    cases = [draw(rng) for _ in range(args.cases)] + [("honest", name, None, None) for name in HONEST]
+    families = FAMILIES + (MORE_FAMILIES if args.families == "all" else ())
+    cases = [draw(rng, families) for _ in range(args.cases)] + [("honest", name, None, None) for name in HONEST]
     rows, start = [], time.time()
     tally = {"flagged": 0, "named": 0, "classed": 0, "story": 0, "honest_ok": 0, "sampler": 0, "sampler_named": 0}
+    by_family: dict[str, list[int]] = {}  # family -> [drawn, flagged, named, classed]
     for n, (family, name, expected, value) in enumerate(cases):
         claim = SamplingParams(profile="vllm", temperature=1.0, top_k=50, top_p=0.95, seed=rng.randrange(1, 2**31))
         requests = build_requests(ref, load_prompts("chitchat", args.prompts, seed=rng.randrange(10_000)), claim)
@@ -142,6 +159,9 @@ def main() -> None:
             tally["flagged"] += flagged
             tally["named"] += named and flagged
             tally["classed"] += flagged and kind == expected
+            counts = by_family.setdefault(family, [0, 0, 0, 0])
+            for i, x in enumerate((True, flagged, named and flagged, flagged and kind == expected)):
+                counts[i] += x
             if expected == "sampler":
                 tally["sampler"] += flagged
                 tally["sampler_named"] += named and flagged
@@ -170,7 +190,9 @@ def main() -> None:
         f"**{tally['sampler_named']}/{tally['sampler']}**.",
         f"- Of those flagged, the cause named or the class given is the expected kind: **{tally['classed']}/{tally['flagged']}**.",
         f"- Honest providers neither flagged nor named: **{tally['honest_ok']}/{len(HONEST)}**.",
-        f"- One story (the conclusion says the claim deviates exactly when verify does): **{tally['story']}/{len(cases)}**.", "",
+        f"- One story (the conclusion says the claim deviates exactly when verify does): **{tally['story']}/{len(cases)}**.",
+        "- By family (drawn, flagged, named, class right): " + "; ".join(
+            f"{f} {c[0]}, {c[1]}, {c[2]}, {c[3]}" for f, c in sorted(by_family.items())) + ".", "",
         "| # | provider | expected | drawn | verify | best candidate | named | class | one story | families fitted | s |",
         "|---:|---|---|---|---|---|---|---|---|---|---:|", *rows, ""]
     write_atomic(args.out, "\n".join(text))

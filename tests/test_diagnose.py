@@ -403,6 +403,28 @@ def test_bundled_model_other_weights_are_found_by_the_model_search_else_classed_
     assert off["replay_counts"]["tokens"] == sum(len(t.output_token_ids) for t in traces)
 
 
+def test_bundled_model_a_removed_middle_layer_is_located_by_the_model_search(model):
+    """Layer damage is searched, not listed (issue #41 item 1): every single layer's removal is screened,
+    and the one the provider's model lost is named, alone."""
+    d = diagnose(_traces(model, "skip-layer-13"), model)
+    b = d.best.candidate
+    assert b.band == "skip-layer-13" and b.near == ("skip-layer-13",) and d.claim_rejected, d.text
+    assert d.best.exact == 1.0 and d.settings["model_search"]["screened"] >= 30 + 48
+
+
+def test_bundled_model_fp8_kv_cache_flagged_by_the_verdict_is_searched_and_named(model):
+    """An fp8 KV cache leaves few tokens unexplained (numerics), so nothing triggers the search on the
+    likelihood alone; a flag from the calibrated verdict does, and the search's decode replay names it
+    (significant over the 130-odd candidates from about 600 tokens on)."""
+    traces = _traces(model, "fp8-kv", 16)
+    quiet = diagnose(traces, model)
+    assert quiet.settings["model_search"] is None and not quiet.claim_rejected, quiet.text
+    d = diagnose(traces, model, flagged=True)
+    b = d.best.candidate
+    assert b.band == "fp8-kv" and "fp8-kv" in b.near and d.claim_rejected, d.text
+    assert d.best.exact > quiet.claim.exact
+
+
 def test_bundled_model_seed_offset_not_in_the_catalogue_is_recovered(model):
     d = diagnose(_served_as(model, {"seed_shift": 1}), model)
     assert d.best.candidate.label == "seed +1" and d.claim_rejected, d.text

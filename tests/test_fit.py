@@ -79,6 +79,8 @@ def test_the_model_search_holds_every_weight_scheme_then_refines_depth():
     assert len(weights) == 48 and {"w4-g64-asym", "w3-channel", "w8-g128"} <= set(weights)
     assert [m for m in coarse if m.startswith("layers-")] == ["layers-15", "layers-22", "layers-26", "layers-28",
                                                              "layers-29"]
+    assert [m for m in coarse if m.startswith("skip-layer-")] == [f"skip-layer-{i}" for i in range(30)]
+    assert [m for m in coarse if m.startswith("fp8-kv")] == ["fp8-kv", "fp8-kv-tensor", "fp8-kv-head", "fp8-kv-fresh"]
     for name in coarse:
         get_variant(name)  # every member is a catalogue family's name
     assert model_refined("layers-26", coarse, 30) == [f"layers-{n}" for n in range(22, 29)]

@@ -237,6 +237,25 @@ def test_smaller_same_family_model_variant(backend, requests4, honest4, referenc
     assert _state_checksum(backend.model) == reference_checksum
 
 
+def test_a_model_without_one_layer_passes_its_residual_through(backend, requests4, reference_checksum):
+    """``skip-layer-I`` drops decoder layer I: removing the last equals keeping the first 29; a middle one's
+    removal is decoded with the KV cache renumbered (its prefill replays its decode), and the reference's
+    weights and layer numbering are left alone."""
+    from verinfer.models.derived import with_layers
+
+    ids = torch.tensor([list(requests4[0].prompt_token_ids)])
+    last = V.get_variant("skip-layer-29").build(backend)
+    assert torch.equal(last.hidden(ids, None)[0], with_layers(backend, 29).hidden(ids, None)[0])
+    built = V.get_variant("skip-layer-7").build(backend)
+    assert [layer.self_attn.layer_idx for layer in built.model.model.layers] == list(range(29))
+    assert backend.model.model.layers[29].self_attn.layer_idx == 29 and backend.model.config.num_hidden_layers == 30
+    traces = V.get_variant("skip-layer-7").generate(backend, requests4, max_new_tokens=16, batch_size=4)
+    assert score_traces(built, traces).exact_match == 1.0 and score_traces(backend, traces).exact_match < 0.95
+    assert _state_checksum(backend.model) == reference_checksum
+    with pytest.raises(ValueError, match="decoder layers 0-29"):
+        V.get_variant("skip-layer-30").build(backend)
+
+
 def test_serve_refuses_a_system_prompt_inside_a_composition():
     from verinfer.serve.config import parse_misconfig
 

@@ -471,8 +471,9 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
     min-p, penalties, seed mappings, every engine profile, sampler bugs) replayed over its logits, the
     sampler families that beat the claim fitted at any value (``scoring.fit``); ``variants``
     (``default``, ``catalogue`` or model-side variant names, as ``verinfer diagnose --variants``) adds one
-    prefill per derived model, and when nothing explains the tokens the derived models are searched
-    (``search_models=False``: not; each is a prefill of a derived copy of the model). With a ``calibration``, else the shipped default
+    prefill per derived model, and when nothing explains the tokens, or the verdict flags them and no
+    candidate beats the claim, the derived models are searched (``search_models=False``: not; each is a
+    prefill of a derived copy of the model). With a ``calibration``, else the shipped default
     for the claim (as ``verify`` picks it; ``default_calibration=False`` turns that off), the traces are
     also judged as ``verify`` judges them and the conclusion is reconciled with that verdict, which
     decides whether they deviate (``Diagnosis.deviates``; issue #41 item 3: one story). With ``out``
@@ -486,20 +487,22 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
         calibrator, used = calibration, "calibration given by the caller"
     ensure_threads()
     backend = backend or load_model(reference_model(trace_list, model, source), dtype, device)
-    result = run_diagnosis(trace_list, backend, source, band_names, sigma, alpha, None, skip_invalid,
-                           allow_model_mismatch, on_rows, search_models)
     if calibrator is None and default_calibration:
         calibrator, used = shipped_calibration(trace_list, backend) or (None, None)
-    if calibrator is not None:
+    judged = None
+    if calibrator is not None:  # judged first: a flag no candidate explains sends diagnose to the model search
         judged = verify(trace_list, backend=backend, calibration=calibrator, skip_invalid=skip_invalid,
                         allow_model_mismatch=allow_model_mismatch, default_calibration=False).summary
-        if judged.verdict is not None:
-            verdict = judged.verdict
-            result.verdict = Judged(bool(judged.consistent), verdict.p_value, verdict.tokens, used, verdict.decided_by,
-                                    *uncovered_noise(calibrator, band_names),
-                                    sides={k: d for k, d in verdict.detectors.items() if "on_side" in d},
-                                    detectors=max(len(verdict.detectors), 1), alpha=verdict.alpha,
-                                    honest_off=honest_other_side(calibrator))
+    flagged = judged is not None and judged.verdict is not None and not judged.consistent
+    result = run_diagnosis(trace_list, backend, source, band_names, sigma, alpha, None, skip_invalid,
+                           allow_model_mismatch, on_rows, search_models, flagged)
+    if judged is not None and judged.verdict is not None:
+        verdict = judged.verdict
+        result.verdict = Judged(bool(judged.consistent), verdict.p_value, verdict.tokens, used, verdict.decided_by,
+                                *uncovered_noise(calibrator, band_names),
+                                sides={k: d for k, d in verdict.detectors.items() if "on_side" in d},
+                                detectors=max(len(verdict.detectors), 1), alpha=verdict.alpha,
+                                honest_off=honest_other_side(calibrator))
     if out is not None:
         write_atomic(out, json.dumps(result.to_dict(), indent=2) + "\n")
     return result

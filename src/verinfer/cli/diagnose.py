@@ -53,15 +53,17 @@ def diagnose(
                                              help="without --calibration, judge with the shipped calibration for "
                                              "the claim, as `verify` does, if one exists"),
     search_models: bool = typer.Option(True, "--search-models/--no-search-models",
-                                       help="when no candidate explains the tokens, search the derived models "
-                                       "(RTN weights of every bit width, grouping and rounding; the first N layers): "
-                                       "one prefill of a derived copy of the model each"),
+                                       help="when no candidate explains the tokens, or the verdict flags them and "
+                                       "none beats the claim, search the derived models (RTN weights of every bit "
+                                       "width, grouping and rounding; the first N layers; any one layer removed; "
+                                       "an fp8 KV cache): one prefill of a derived copy of the model each"),
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="write the diagnosis as JSON"),
 ):
     """Replay the traces under candidate configurations (sampler settings, seeds, engine profiles,
     sampler bugs; with --variants, derived models) over one prefill and rank them by likelihood. A sampler
     setting that beats the claim is fitted at any value, with a 95% interval; when nothing explains the
-    tokens, derived models (quantized weights, fewer layers) are searched.
+    tokens, or the verdict flags them and nothing beats the claim, derived models (quantized weights, fewer
+    layers, a layer removed, an fp8 KV cache) are searched.
 
     With a calibration (--calibration, else the shipped one for the claim) the traces are also judged
     as `verify` judges them, the verdict is printed beside the diagnosis, and the two never say

@@ -129,6 +129,26 @@ def with_layers(backend: Backend, n: int) -> Backend:
     return _derive(backend, model=model, model_id=f"{backend.model_id}+layers:{n}")
 
 
+def without_layer(backend: Backend, i: int) -> Backend:
+    """The model with decoder layer ``i`` (0-based, ``model.layers.i``) removed: its residual stream passes
+    through unchanged (a layer lost in loading or sharding: a pipeline stage that drops a layer, a
+    checkpoint missing one). Weights shared; the later layers' KV-cache slots renumbered."""
+    model = _clone_model(backend.model)
+    layers = list(model.model.layers)
+    if not 0 <= i < len(layers) or len(layers) < 2:
+        raise ValueError(f"skip-layer-{i}: the model has decoder layers 0-{len(layers) - 1}")
+    del layers[i]
+    for n, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and hasattr(attention, "layer_idx"):
+            attention.layer_idx = n
+    model.model.layers = nn.ModuleList(layers)
+    model.config.num_hidden_layers = len(layers)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [t for n, t in enumerate(model.config.layer_types) if n != i]
+    return _derive(backend, model=model, model_id=f"{backend.model_id}-layer{i}")
+
+
 def draft_backend(backend: Backend, spec: str) -> Backend:
     """The draft model a speculative claim names: derived from the claimed model ``backend`` as
     ``layers:N`` (its first N layers) or ``wN`` (its N-bit round-to-nearest weights, groups of 128),

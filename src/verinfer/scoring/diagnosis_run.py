@@ -191,10 +191,10 @@ def fit_families(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, tra
 
 def search_model(backend: Backend, traces: Sequence[Trace], claim_ll: np.ndarray, offsets: np.ndarray,
                  sigma: float, eps: float, token_budget: int, row_block: int) -> dict | None:
-    """The derived model (RTN weights by bits, grouping and rounding; the first N layers) that best
-    reproduces the first traces (those holding the first ``SCREEN_ROWS`` rows), each a prefill of its own
-    replayed with the claimed sampler (``scoring.fit``: a first level, then around its best when that
-    beats the claim by more than ``DROP``): the best, its 95% set, and what was screened. None when the
+    """The derived model (RTN weights by bits, grouping and rounding; the first N layers; one layer removed;
+    an fp8 KV cache) that best reproduces the first traces (those holding the first ``SCREEN_ROWS`` rows),
+    each a prefill (an fp8 KV cache: a decode) of its own replayed with the claimed sampler (``scoring.fit``:
+    a first level, then around its best when that beats the claim by more than ``DROP``): the best, its 95% set, and what was screened. None when the
     backend is no transformers model."""
     config = getattr(getattr(backend, "model", None), "config", None)
     if config is None:
@@ -202,18 +202,20 @@ def search_model(backend: Backend, traces: Sequence[Trace], claim_ll: np.ndarray
     layers = int(config.get_text_config().num_hidden_layers)
     n = min(int(np.searchsorted(offsets[1:], SCREEN_ROWS)) + 1, len(traces))
     subset = list(traces[:n])
-    sequences = [t.prompt_token_ids + t.output_token_ids for t in subset]
-    starts = [len(t.prompt_token_ids) for t in subset]
+    sequences, starts = [t.prompt_token_ids + t.output_token_ids for t in subset], [len(t.prompt_token_ids) for t in subset]
     claim = float(claim_ll[:offsets[n]].sum())
     scored: dict[str, tuple[float, int]] = {}
 
     def score(names: Sequence[str]) -> None:
         for name in names:
-            band, profiles, ll_sum, exact = get_variant(name).build(backend), {}, 0.0, 0
-            for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
-                cols, _, ll = _score(block.logits, block.items.numpy(), block.steps.numpy(), subset, profiles, sigma, eps)
-                ll_sum, exact = ll_sum + float(ll.sum()), exact + int(cols["exact_match"].sum())
-            scored[name] = (ll_sum, exact)
+            profiles, sums = {}, [0.0, 0]
+
+            def add(items: np.ndarray, steps: np.ndarray, logits: torch.Tensor) -> None:
+                cols, _, ll = _score(logits, items, steps, subset, profiles, sigma, eps)
+                sums[0], sums[1] = sums[0] + float(ll.sum()), sums[1] + int(cols["exact_match"].sum())
+
+            band_logits(get_variant(name).build(backend), subset, sequences, starts, token_budget, row_block, add)
+            scored[name] = (sums[0], sums[1])
 
     coarse = model_coarse(layers)
     score(coarse)
@@ -275,11 +277,21 @@ def decode_replay(band: Backend, traces: Sequence[Trace], on_block) -> None:
     decode_batch(band, batch, longest, band.stop_ids(), {}, token_hook=_Forced(traces, on_block))
 
 
+def band_logits(band: Backend, traces: Sequence[Trace], sequences: Sequence[Sequence[int]], starts: Sequence[int],
+                token_budget: int, row_block: int, on_block: Callable[[np.ndarray, np.ndarray, torch.Tensor], None]) -> None:
+    """Hand ``on_block(items, steps, logits)`` the logits a derived model computes for the traces' tokens: its
+    prefill, or, for a model whose prefill is not its decode (``Fp8KVBackend``), its decode (``decode_replay``)."""
+    if isinstance(band, Fp8KVBackend):
+        return decode_replay(band, traces, on_block)
+    for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
+        on_block(block.items.numpy(), block.steps.numpy(), block.logits)
+
+
 def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Sequence[Candidate],
                     sigma: float = SIGMA, eps: float = EPS, alpha: float = ALPHA,
                     honest_rate: float = HONEST_OFF_BOUNDARY, token_budget: int = 4096, row_block: int = 512,
                     on_rows: Callable[[int], None] | None = None, search_prompt: bool = True,
-                    fit_sampler: bool = True, search_models: bool = True) -> Diagnosis:
+                    fit_sampler: bool = True, search_models: bool = True, flagged: bool = False) -> Diagnosis:
     """Tally every candidate over the traces and rank them (``diagnosis.rank``).
 
     Sampler candidates share the reference prefill; each ``band`` candidate costs a prefill of the
@@ -289,8 +301,9 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     ``fit_sampler``, each sampler family whose grid value beats the claim on the first ``FIT_ROWS`` rows
     (the first blocks) is fitted there (``fit_families``), and its fitted value, with an interval,
     replaces its grid values. With ``search_models``, when no candidate explains the tokens (nor a prompt
-    offset, nor a band), the derived model that best reproduces the first traces (``search_model``) joins
-    the candidates, replayed over every trace like a band.
+    offset, nor a band), or when they are ``flagged`` (by the calibrated verdict) and no candidate beats the
+    claim nor a band explains them, the derived model that best reproduces the first traces (``search_model``) joins the candidates,
+    replayed over every trace like a band.
     """
     traces = list(traces)
     claimed = [t.sampling for t in traces]
@@ -378,15 +391,14 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
             if on_rows:
                 on_rows(len(items))
 
-        if isinstance(band, Fp8KVBackend):
-            return decode_replay(band, traces, score_band)
-        for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
-            score_band(block.items.numpy(), block.steps.numpy(), block.logits)
+        band_logits(band, traces, sequences, starts, token_budget, row_block, score_band)
 
     for c in bands:
         replay_band(c)
     found = None
-    if search_models and not rank(dict(tallies), alpha, {}, honest_rate).explained:
+    so_far = rank(dict(tallies), alpha, {}, honest_rate) if search_models else None
+    if so_far is not None and (not so_far.explained or (flagged and not so_far.claim_rejected and not any(
+            r.explains for r in so_far.ranked if r.candidate.band))):  # a given band that explains answers it
         found = search_model(backend, traces, claim_ll, offsets, sigma, eps, token_budget, row_block)
         if found and found["tried"]:  # a deviation no candidate explains: which derived model does
             c = Candidate(f"model {found['best']}", "model", band=found["best"], near=tuple(found["near"]))
@@ -437,7 +449,7 @@ def reference_model(trace_list: Sequence[Trace], model: str | None, source: str)
 def diagnose(trace_list: Sequence[Trace], backend: Backend, source: str = "traces", bands: Sequence[str] = (),
              sigma: float = SIGMA, alpha: float = ALPHA, out: str | Path | None = None, skip_invalid: bool = False,
              allow_model_mismatch: bool = False, on_rows: Callable[[int], None] | None = None,
-             search_models: bool = True) -> Diagnosis:
+             search_models: bool = True, flagged: bool = False) -> Diagnosis:
     """Check the traces against the reference, diagnose them over the whole candidate grid and
     write the diagnosis as JSON to ``out`` (atomically) when given. Traces claiming several
     sampling settings are refused: a diagnosis names one configuration."""
@@ -447,7 +459,7 @@ def diagnose(trace_list: Sequence[Trace], backend: Backend, source: str = "trace
         raise ValueError(f"{source}: traces claim {len(sampling)} sampling settings; diagnose one at a time "
                          f"(first two: {sampling[0]}, {sampling[1]})")
     result = diagnose_traces(backend, kept, candidate_grid(kept[0].sampling, bands), sigma=sigma, alpha=alpha,
-                             on_rows=on_rows, search_models=search_models)
+                             on_rows=on_rows, search_models=search_models, flagged=flagged)
     result.settings.update({"model": backend.model_id, "dtype": backend.dtype_name, "claimed": sampling[0],
                             "source": source, "skipped": skipped})
     if out is not None:

@@ -202,11 +202,13 @@ def bracket(family: Family, claim: SamplingParams, grid_values: Sequence[float],
     return (points[i - 1] if i > 0 else family.low), (points[i + 1] if i + 1 < len(points) else family.high)
 
 
-# -- the model's side: weights by bits, granularity and rounding; the first N layers (a search over
-# derived models, each a prefill: ``diagnosis_run.search_model``) ------------------------------------
+# -- the model's side: weights by bits, granularity and rounding; the first N layers; one layer removed;
+# the KV cache's precision (a search over derived models, each a prefill or a decode replay of its own:
+# ``diagnosis_run.search_model``) ------------------------------------------------------------------------
 
 WEIGHT_BITS = (2, 3, 4, 5, 6, 8)
 GROUPINGS = ("g32", "g64", "g128", "channel")
+KV_CACHES = ("fp8-kv", "fp8-kv-tensor", "fp8-kv-head", "fp8-kv-fresh")  # fp8 KV: scale 1, per layer, per head; fresh
 
 
 def weights_name(bits: int, grouping: str, symmetric: bool = True) -> str:
@@ -217,10 +219,12 @@ def weights_name(bits: int, grouping: str, symmetric: bool = True) -> str:
 def model_coarse(layers: int) -> list[str]:
     """The first level of the model-side search: RTN weights at every bit width, grouping and rounding (a
     grouping or rounding other than the provider's reproduces its tokens no better than the unquantized
-    model: they are not ordered), and the first N of ``layers`` layers at a few depths."""
+    model: they are not ordered), the first N of ``layers`` layers at a few depths, every single layer
+    removed (which layer a damaged model lost: removals are not ordered either, so each is screened) and
+    an fp8 KV cache at each of vLLM's scalings."""
     depths = sorted({n for n in (layers - 1, layers - 2, layers - 4, layers - 8, layers // 2) if 1 <= n < layers})
     return [weights_name(b, g, sym) for b in WEIGHT_BITS for g in GROUPINGS for sym in (True, False)] + \
-        [f"layers-{n}" for n in depths]
+        [f"layers-{n}" for n in depths] + [f"skip-layer-{i}" for i in range(layers) if layers > 1] + list(KV_CACHES)
 
 
 def model_refined(best: str, coarse: Sequence[str], layers: int) -> list[str]:
@@ -244,4 +248,4 @@ def near_set(names: Sequence[str], logliks: Sequence[float], exact: Sequence[int
     return names[best], tuple(n for n, v in zip(names, ll) if v >= ll[best] - drop)
 
 
-__all__ = ["DROP", "FAMILIES", "FIT_ROWS", "GROUPINGS", "WEIGHT_BITS", "model_coarse", "model_refined", "near_set", "weights_name", "Family", "Fit", "bracket", "family_of", "fit_family", "interval"]
+__all__ = ["DROP", "FAMILIES", "FIT_ROWS", "GROUPINGS", "KV_CACHES", "WEIGHT_BITS", "model_coarse", "model_refined", "near_set", "weights_name", "Family", "Fit", "bracket", "family_of", "fit_family", "interval"]

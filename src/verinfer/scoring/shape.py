@@ -20,7 +20,8 @@ happened. Read from the claimed sampler's replay of the traces (sums only, like 
   reach: above the likelihood floor), on both sides: precision noise, more of it than the claim's.
 - **weights-shaped**: most mismatches have margins no precision noise explains, spread over the
   output: other weights (a quantization, a damaged or missing layer, another model). On engines whose
-  noise is keyed by the step, a changed prompt gives the same picture: the issue's proposed tell,
+  noise is keyed by the step, a changed prompt gives the same picture, and on those keyed by position a
+  changed prompt of the claimed length does (its draws fall where the claim's do): the issue's proposed tell,
   divergence fading with position, was measured not to separate them (RESULTS.md section 34: a
   missing layer fades, a hidden system prompt does not), so the class says so.
 
@@ -113,5 +114,5 @@ def classify(shape: Shape, sides: Mapping[str, Mapping] | None = None, detectors
                                   f"claim does not hold")
     return Shaped("weights", f"{k} mismatches ({k / max(n, 1):.1%} of tokens), {1 - share:.0%} of them with "
                              f"margins no precision noise explains, {sides_text}: other weights (quantized, "
-                             f"damaged, another model), or, on an engine whose noise is not keyed by position, "
-                             f"another prompt, which these margins do not tell apart")
+                             f"damaged, another model) or another prompt (on an engine whose noise is keyed by "
+                             f"position, one of the claimed length), which these margins do not tell apart")

@@ -57,6 +57,8 @@ Semantics worth knowing:
   first N decoder layers with its own final norm and head (no second SmolLM2 size ships offline;
   a different family, e.g. Gemma-3-270M, has another tokenizer, so token-level audits cannot
   compare it with SmolLM2 at all).
+- ``skip-layer-I``: a damaged model: the claimed model without its decoder layer I (0-based), the
+  residual stream passing that layer unchanged (a layer lost in loading or by a pipeline stage).
 - Speculative decoding (``simulate/speculative.py``): a request whose actual parameters carry
   ``speculative`` is decoded speculatively, with the draft derived from the claimed model (a
   misconfigured target still drafts with the claimed draft). ``spec-draft-only`` returns the draft's
@@ -78,7 +80,9 @@ import numpy as np
 import torch
 
 from verinfer.models.backend import Backend
-from verinfer.models.derived import draft_backend, with_attention, with_dtype, with_layers, with_quantized_weights
+from verinfer.models.derived import (
+    draft_backend, with_attention, with_dtype, with_layers, with_quantized_weights, without_layer,
+)
 from verinfer.models.fp8_kv import Fp8KV, with_fp8_kv
 from verinfer.prompts import Prompt, inject_system, render, system_prefix_ids
 from verinfer.sampling.params import SamplingParams
@@ -366,6 +370,11 @@ def layers_variant(n: int) -> Variant:
                    settings={"layers": n})
 
 
+def skip_layer_variant(i: int) -> Variant:
+    return Variant(f"skip-layer-{i}", f"a damaged model: the claimed model without decoder layer {i} (0-based; its "
+                   "residual passes through)", transform=lambda b: without_layer(b, i), settings={"skip_layer": i})
+
+
 def _wrong_seed(p: SamplingParams) -> SamplingParams:
     if p.seed is None:
         return p
@@ -431,6 +440,8 @@ _FAMILIES: list[tuple[re.Pattern, Callable[[re.Match], Variant], str]] = [
      "bug-topK[-rateR]: rate R (default 0.01) of tokens uniform among the top K"),
     (re.compile(r"layers-(\d+)"), lambda m: layers_variant(int(m[1])),
      "layers-N: the claimed model's first N decoder layers (a smaller model, same tokenizer)"),
+    (re.compile(r"skip-layer-(\d+)"), lambda m: skip_layer_variant(int(m[1])),
+     "skip-layer-I: the claimed model without decoder layer I (0-based), its residual passed through"),
     (re.compile(r"system-prompt:(.+)", re.S), lambda m: system_prompt_variant(m[1]),
      "system-prompt:TEXT: TEXT as a hidden system message"),
 ]
@@ -462,6 +473,6 @@ def family_docs() -> list[str]:
 
 __all__ = [
     "TopKUniformBug", "Variant", "batch_variant", "bug_variant", "compose", "family_docs", "fp8_kv_variant",
-    "get_variant", "layers_variant", "list_variants", "min_p_variant", "register", "system_prompt_variant",
-    "temperature_variant", "top_k_variant", "top_p_variant", "weight_quant_variant",
+    "get_variant", "layers_variant", "list_variants", "min_p_variant", "register", "skip_layer_variant",
+    "system_prompt_variant", "temperature_variant", "top_k_variant", "top_p_variant", "weight_quant_variant",
 ]
