@@ -349,6 +349,7 @@ def _traces(model, variant: str, n: int = 6, tokens: int = 48):
 def test_bundled_model_honest_traces_keep_the_claim(model):
     d = diagnose(_traces(model, "honest"), model)
     assert not d.claim_rejected and d.explained, d.text
+    assert d.settings["template_search"] is None and d.settings["model_search"] is None  # searches cost honest traces nothing
 
 
 @pytest.mark.parametrize("variant, label", [("temperature-0.8", "temperature 0.8"), ("wrong-seed", "seed +1000003")])
@@ -403,19 +404,31 @@ def test_bundled_model_other_weights_are_found_by_the_model_search_else_classed_
     assert off["replay_counts"]["tokens"] == sum(len(t.output_token_ids) for t in traces)
 
 
-def test_bundled_model_a_removed_middle_layer_is_located_by_the_model_search(model):
+def _coarse_only(monkeypatch, keep):
+    """The model search's first level cut to the members ``keep`` passes (the whole level is screened in
+    ``test_bundled_model_other_weights_are_found_by_the_model_search_else_classed_weights_shaped`` and
+    listed in test_fit; here the trigger and the member kind are what is tested)."""
+    from verinfer.scoring import diagnosis_run
+    from verinfer.scoring.fit import model_coarse
+
+    monkeypatch.setattr(diagnosis_run, "model_coarse", lambda layers: [m for m in model_coarse(layers) if keep(m)])
+
+
+def test_bundled_model_a_removed_middle_layer_is_located_by_the_model_search(model, monkeypatch):
     """Layer damage is searched, not listed (issue #41 item 1): every single layer's removal is screened,
     and the one the provider's model lost is named, alone."""
+    _coarse_only(monkeypatch, lambda m: m.startswith(("skip-layer-", "w4-g32", "layers-")))
     d = diagnose(_traces(model, "skip-layer-13"), model)
     b = d.best.candidate
     assert b.band == "skip-layer-13" and b.near == ("skip-layer-13",) and d.claim_rejected, d.text
-    assert d.best.exact == 1.0 and d.settings["model_search"]["screened"] >= 30 + 48
+    assert d.best.exact == 1.0 and d.settings["model_search"]["screened"] >= 30
 
 
-def test_bundled_model_fp8_kv_cache_flagged_by_the_verdict_is_searched_and_named(model):
+def test_bundled_model_fp8_kv_cache_flagged_by_the_verdict_is_searched_and_named(model, monkeypatch):
     """An fp8 KV cache leaves few tokens unexplained (numerics), so nothing triggers the search on the
     likelihood alone; a flag from the calibrated verdict does, and the search's decode replay names it
-    (significant over the 130-odd candidates from about 600 tokens on)."""
+    (significant over the 130-odd candidates a full search counts from about 600 tokens on)."""
+    _coarse_only(monkeypatch, lambda m: m.startswith(("fp8-kv", "w8-", "skip-layer-2")))
     traces = _traces(model, "fp8-kv", 16)
     quiet = diagnose(traces, model)
     assert quiet.settings["model_search"] is None and not quiet.claim_rejected, quiet.text
@@ -423,6 +436,20 @@ def test_bundled_model_fp8_kv_cache_flagged_by_the_verdict_is_searched_and_named
     b = d.best.candidate
     assert b.band == "fp8-kv" and "fp8-kv" in b.near and d.claim_rejected, d.text
     assert d.best.exact > quiet.claim.exact
+
+
+def test_bundled_model_another_chat_template_is_found_by_the_template_search(model):
+    """A server that renders the messages with another template (here ChatML without SmolLM2's default
+    system message) answers another prompt: the template search re-renders the traces' messages and names
+    it, ahead of the prompt offset the length difference also gives (which leaves the text's tokens
+    unexplained); the class is context."""
+    d = diagnose(_traces(model, "chat-template:chatml"), model)
+    b, found = d.best.candidate, d.settings["template_search"]
+    assert b.template == "chatml" and b.axis == "prompt" and d.claim_rejected and d.best.exact == 1.0, d.text
+    assert d.text.startswith("best explained by prompts rendered by the ChatML chat template without a default "
+                             "system message (searched;"), d.text
+    assert found["tried"] and found["screened"] == 7 and d.settings["model_search"] is None
+    assert d.shaped.kind == "context" and "reproduces the tokens" in d.shaped.evidence
 
 
 def test_bundled_model_seed_offset_not_in_the_catalogue_is_recovered(model):

@@ -5,7 +5,8 @@ top-p or min-p, a repetition / presence / frequency penalty, the seeds (an offse
 every request), the engine profile, a sampler bug (a rate of tokens uniform among the top K), or the
 model (a derived model from the catalogue: ``band``, which needs a prefill of its own), or, for engines
 whose noise is keyed by absolute position, prompts of another length (a hidden system or prefix message:
-its length fitted by a search over offsets, ``shifted``). Each candidate
+its length fitted by a search over offsets, ``shifted``), or the prompts rendered by another chat
+template (``template``, a prefill of its own). Each candidate
 is replayed on the same logits (``token_difr.score_block``, the verifier's own replay) and scored
 token by token under one noise model:
 
@@ -93,6 +94,7 @@ class Candidate:
     shift: int | None = None  # the provider's prompts this many tokens longer (a position-keyed engine's noise moves)
     interval: tuple[float, float] | None = None  # a fitted value's 95% interval (``scoring.fit``)
     near: tuple[str, ...] = ()  # a searched model's 95% set: the derived models as likely as it (``scoring.fit``)
+    template: str | None = None  # the prompts rendered by this chat template (``verinfer.chat_templates``)
 
     def params(self, claimed: Sequence[SamplingParams]) -> list[SamplingParams]:
         """Each trace's sampling parameters under this candidate."""
@@ -107,7 +109,7 @@ class Candidate:
     def named(self) -> str:
         """The label, with a fitted value's interval."""
         if self.near:
-            others = [n for n in self.near if n != self.band]
+            others = [n for n in self.near if n not in (self.band, self.template)]
             return f"{self.label} (searched; {'95% set also holds ' + ', '.join(others) if others else 'alone in its 95% set'})"
         if self.interval is None:
             return self.label
@@ -121,7 +123,7 @@ class Candidate:
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.label, "axis": self.axis, "changes": dict(self.changes), "seed_map": self.seed_map,
                 "penalty": list(self.penalty) if self.penalty else None, "bug_top": self.bug,
-                "band": self.band, "prompt_shift": self.shift,
+                "band": self.band, "prompt_shift": self.shift, "chat_template": self.template,
                 "interval": None if self.interval is None else list(self.interval), "near": list(self.near)}
 
 
@@ -403,8 +405,16 @@ class Diagnosis:
             return None
         v = self.verdict
         return classify(self.shape, v.sides if v else None, v.detectors if v else 1, v.alpha if v else self.alpha,
-                        self.best.candidate.label if self.context_led else None, v.honest_off if v else None,
+                        self._context if self.context_led else None, v.honest_off if v else None,
                         v.tokens if v else 0)
+
+    @property
+    def _context(self) -> str:
+        """What the context candidate that leads explains (``scoring.shape``'s context class)."""
+        c = self.best.candidate
+        if c.template is not None:
+            return f"{c.label} reproduces the tokens (exact {self.best.exact:.1%})"
+        return f"{c.label} explains the engine's position-keyed noise"
 
     @property
     def best(self) -> Ranked:
@@ -489,7 +499,7 @@ class Diagnosis:
         if not self.claim_rejected:
             return (f"the claim explains it (exact {c.exact:.1%}, margin {c.mean_margin:.3g}); no candidate "
                     f"explains it better at p < {self.alpha:g} (next: {self._runner_up()})")
-        context = "" if b.explains or not self.context_led else (
+        context = "" if b.explains or not self.context_led or b.candidate.shift is None else (
             f"; a context-shaped deviation: the engine draws its noise by position, and the claim's draws match the "
             f"served tokens once moved by {b.candidate.shift:+d} positions; the {b.unexplained:.1%} of tokens left "
             f"unexplained are what the other prompt's text changes in the logits, which a replay of the claimed "

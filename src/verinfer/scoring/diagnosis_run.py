@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from verinfer.chat_templates import DESCRIBED, TEMPLATES, rendered
 from verinfer.files import check_outputs, write_atomic
 from verinfer.models.backend import Backend
 from verinfer.models.fp8_kv import Fp8KVBackend
@@ -189,44 +190,93 @@ def fit_families(logits: torch.Tensor, items: np.ndarray, steps: np.ndarray, tra
     return out
 
 
+def _first_traces(traces: Sequence[Trace], offsets: np.ndarray) -> int:
+    """How many of the first traces hold ``SCREEN_ROWS`` rows (all when fewer): what a search screens on."""
+    return min(int(np.searchsorted(offsets[1:], SCREEN_ROWS)) + 1, len(traces))
+
+
+def _screen(members: Sequence[str], build: Callable[[str], tuple[Backend, list[Trace]]], sigma: float, eps: float,
+            token_budget: int, row_block: int) -> dict[str, tuple[float, int]]:
+    """Each member's log-likelihood and exact tokens, replayed with the claimed sampler: ``build(name)`` gives
+    the model that computes its logits and the traces as that member served them."""
+    scored: dict[str, tuple[float, int]] = {}
+    for name in members:
+        band, own = build(name)
+        profiles, sums = {}, [0.0, 0]
+
+        def add(items: np.ndarray, steps: np.ndarray, logits: torch.Tensor, own=own, profiles=profiles, sums=sums):
+            cols, _, ll = _score(logits, items, steps, own, profiles, sigma, eps)
+            sums[0], sums[1] = sums[0] + float(ll.sum()), sums[1] + int(cols["exact_match"].sum())
+
+        band_logits(band, own, token_budget, row_block, add)
+        scored[name] = (sums[0], sums[1])
+    return scored
+
+
+def _searched(scored: dict[str, tuple[float, int]], claim: float, n: int, offsets: np.ndarray) -> dict:
+    """A search's outcome: the best member when it beats the claim by more than ``DROP``, its 95% set, and
+    what was screened on how many traces and rows."""
+    best, near = near_set(list(scored), *zip(*scored.values()))
+    tried = scored[best][0] > claim + DROP
+    return {"tried": tried, "best": best if tried else None, "near": list(near) if tried else [],
+            "screened": len(scored), "traces": n, "rows": int(offsets[n]), "claim_loglik": claim,
+            "loglik": {name: v[0] for name, v in scored.items()}}
+
+
 def search_model(backend: Backend, traces: Sequence[Trace], claim_ll: np.ndarray, offsets: np.ndarray,
                  sigma: float, eps: float, token_budget: int, row_block: int) -> dict | None:
     """The derived model (RTN weights by bits, grouping and rounding; the first N layers; one layer removed;
     an fp8 KV cache) that best reproduces the first traces (those holding the first ``SCREEN_ROWS`` rows),
     each a prefill (an fp8 KV cache: a decode) of its own replayed with the claimed sampler (``scoring.fit``:
-    a first level, then around its best when that beats the claim by more than ``DROP``): the best, its 95% set, and what was screened. None when the
-    backend is no transformers model."""
+    a first level, then around its best when that beats the claim by more than ``DROP``): the best, its 95%
+    set, and what was screened. None when the backend is no transformers model."""
     config = getattr(getattr(backend, "model", None), "config", None)
     if config is None:
         return None
     layers = int(config.get_text_config().num_hidden_layers)
-    n = min(int(np.searchsorted(offsets[1:], SCREEN_ROWS)) + 1, len(traces))
-    subset = list(traces[:n])
-    sequences, starts = [t.prompt_token_ids + t.output_token_ids for t in subset], [len(t.prompt_token_ids) for t in subset]
-    claim = float(claim_ll[:offsets[n]].sum())
-    scored: dict[str, tuple[float, int]] = {}
+    n = _first_traces(traces, offsets)
+    subset, claim = list(traces[:n]), float(claim_ll[:offsets[n]].sum())
 
-    def score(names: Sequence[str]) -> None:
-        for name in names:
-            profiles, sums = {}, [0.0, 0]
-
-            def add(items: np.ndarray, steps: np.ndarray, logits: torch.Tensor) -> None:
-                cols, _, ll = _score(logits, items, steps, subset, profiles, sigma, eps)
-                sums[0], sums[1] = sums[0] + float(ll.sum()), sums[1] + int(cols["exact_match"].sum())
-
-            band_logits(get_variant(name).build(backend), subset, sequences, starts, token_budget, row_block, add)
-            scored[name] = (sums[0], sums[1])
+    def score(names: Sequence[str]) -> dict[str, tuple[float, int]]:
+        return _screen(names, lambda name: (get_variant(name).build(backend), subset), sigma, eps, token_budget,
+                       row_block)
 
     coarse = model_coarse(layers)
-    score(coarse)
-    best, _ = near_set(list(scored), *zip(*scored.values()))
-    tried = scored[best][0] > claim + DROP
-    if tried:
-        score([m for m in model_refined(best, coarse, layers) if m not in scored])
-        best, near = near_set(list(scored), *zip(*scored.values()))
-    return {"tried": tried, "best": best if tried else None, "near": list(near) if tried else [],
-            "screened": len(scored), "traces": n, "rows": int(offsets[n]), "claim_loglik": claim,
-            "loglik": {name: v[0] for name, v in scored.items()}}
+    scored = score(coarse)
+    found = _searched(scored, claim, n, offsets)
+    if found["tried"]:
+        scored.update(score([m for m in model_refined(found["best"], coarse, layers) if m not in scored]))
+        found = _searched(scored, claim, n, offsets)
+    return found
+
+
+def retemplated(traces: Sequence[Trace], tokenizer, name: str) -> list[Trace]:
+    """The traces with their messages rendered by chat template ``name`` as the prompts (``chat_templates``)."""
+    return [replace(t, prompt_token_ids=rendered(tokenizer, t.messages, name)) for t in traces]
+
+
+def search_template(backend: Backend, traces: Sequence[Trace], claim_ll: np.ndarray, offsets: np.ndarray,
+                    sigma: float, eps: float, token_budget: int, row_block: int) -> dict | None:
+    """The chat template (``chat_templates.TEMPLATES``) whose rendering of the messages best reproduces the
+    first traces (those holding the first ``SCREEN_ROWS`` rows), each a prefill of the reference on those
+    prompts replayed with the claimed sampler at their positions: the best, when it beats the claim by more
+    than ``DROP``, its 95% set, and what was screened. None when a trace records no messages to render."""
+    if any(not t.messages for t in traces):
+        return None
+    n = _first_traces(traces, offsets)
+    subset, claim = list(traces[:n]), float(claim_ll[:offsets[n]].sum())
+    own: dict[str, list[Trace]] = {}
+    for name in TEMPLATES:
+        try:
+            served = retemplated(subset, backend.tokenizer, name)
+        except ValueError:  # a template the tokenizer cannot render (no chat template of its own)
+            continue
+        if any(s.prompt_token_ids != t.prompt_token_ids for s, t in zip(served, subset)):
+            own[name] = served
+    if not own:
+        return None
+    return _searched(_screen(list(own), lambda name: (backend, own[name]), sigma, eps, token_budget, row_block),
+                     claim, n, offsets)
 
 
 def _as_candidate(traces: Sequence[Trace], c: Candidate) -> list[Trace]:
@@ -277,12 +327,14 @@ def decode_replay(band: Backend, traces: Sequence[Trace], on_block) -> None:
     decode_batch(band, batch, longest, band.stop_ids(), {}, token_hook=_Forced(traces, on_block))
 
 
-def band_logits(band: Backend, traces: Sequence[Trace], sequences: Sequence[Sequence[int]], starts: Sequence[int],
-                token_budget: int, row_block: int, on_block: Callable[[np.ndarray, np.ndarray, torch.Tensor], None]) -> None:
+def band_logits(band: Backend, traces: Sequence[Trace], token_budget: int, row_block: int,
+                on_block: Callable[[np.ndarray, np.ndarray, torch.Tensor], None]) -> None:
     """Hand ``on_block(items, steps, logits)`` the logits a derived model computes for the traces' tokens: its
     prefill, or, for a model whose prefill is not its decode (``Fp8KVBackend``), its decode (``decode_replay``)."""
     if isinstance(band, Fp8KVBackend):
         return decode_replay(band, traces, on_block)
+    sequences = [t.prompt_token_ids + t.output_token_ids for t in traces]
+    starts = [len(t.prompt_token_ids) for t in traces]
     for block in band.prefill(sequences, starts, token_budget=token_budget, row_block=row_block, on_device=True):
         on_block(block.items.numpy(), block.steps.numpy(), block.logits)
 
@@ -291,7 +343,8 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
                     sigma: float = SIGMA, eps: float = EPS, alpha: float = ALPHA,
                     honest_rate: float = HONEST_OFF_BOUNDARY, token_budget: int = 4096, row_block: int = 512,
                     on_rows: Callable[[int], None] | None = None, search_prompt: bool = True,
-                    fit_sampler: bool = True, search_models: bool = True, flagged: bool = False) -> Diagnosis:
+                    fit_sampler: bool = True, search_models: bool = True, flagged: bool = False,
+                    search_templates: bool = True) -> Diagnosis:
     """Tally every candidate over the traces and rank them (``diagnosis.rank``).
 
     Sampler candidates share the reference prefill; each ``band`` candidate costs a prefill of the
@@ -300,10 +353,13 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     block's tokens (``search_shift``) joins the candidates when it beats the claim there. With
     ``fit_sampler``, each sampler family whose grid value beats the claim on the first ``FIT_ROWS`` rows
     (the first blocks) is fitted there (``fit_families``), and its fitted value, with an interval,
-    replaces its grid values. With ``search_models``, when no candidate explains the tokens (nor a prompt
-    offset, nor a band), or when they are ``flagged`` (by the calibrated verdict) and no candidate beats the
-    claim nor a band explains them, the derived model that best reproduces the first traces (``search_model``) joins the candidates,
-    replayed over every trace like a band.
+    replaces its grid values. With ``search_templates``, when no candidate explains the tokens (a prompt
+    offset leaves the other text's tokens unexplained), or when they are ``flagged`` (by the calibrated
+    verdict) and no candidate beats the claim nor a band explains them, the chat template whose rendering
+    of the messages best reproduces the first traces (``search_template``) joins the candidates, replayed
+    over every trace. With ``search_models``, when still nothing explains the tokens (nor a prompt offset,
+    nor a band), or they are flagged and nothing beats the claim, the derived model that best reproduces
+    the first traces (``search_model``) joins them, replayed over every trace like a band.
     """
     traces = list(traces)
     claimed = [t.sampling for t in traces]
@@ -314,7 +370,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     tallies = {c: BugTally() if c.bug else Tally() for c in [CLAIM, *candidates]}
     profile_sets: dict[Candidate, dict[str, Profile]] = {c: {} for c in [CLAIM, *sampler, *bands]}
     offsets = np.concatenate([[0], np.cumsum([len(t.output_token_ids) for t in traces])])
-    claim_ll = np.zeros(int(offsets[-1])) if bands or search_models else None
+    claim_ll = np.zeros(int(offsets[-1]))  # the claim's log-likelihood per token, which later replays beat or not
     sequences = [t.prompt_token_ids + t.output_token_ids for t in traces]
     starts = [len(t.prompt_token_ids) for t in traces]
 
@@ -353,8 +409,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
         cols, m0, ll0 = _score(block.logits, items, steps, traces, profile_sets[CLAIM], sigma, eps)
         tallies[CLAIM].add(cols["exact_match"], m0, ll0, ll0, eps)
         shape.add(cols["exact_match"], ll0, cols["depth_shift"], cols["filtered"], float(np.log(eps)))
-        if claim_ll is not None:
-            claim_ll[offsets[items] + steps] = ll0
+        claim_ll[offsets[items] + steps] = ll0
         if bugs:
             only_bug = off_boundary(ll0, (cols["pick"] == block.logits.argmax(-1)).cpu().numpy(), eps)
         for c in bugs:
@@ -381,24 +436,36 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
         fit_on(pending)
         pending.clear()
 
-    def replay_band(c: Candidate) -> None:
-        band = get_variant(c.band).build(backend)
+    def replay_band(c: Candidate, own: Sequence[Trace] | None = None) -> None:
+        """Candidate ``c``'s model (the reference for a template: ``own``, the traces as it rendered them)
+        over every trace."""
+        band, own = (backend, own) if own is not None else (get_variant(c.band).build(backend), traces)
 
         def score_band(items: np.ndarray, steps: np.ndarray, logits: torch.Tensor) -> None:
-            cols, m, ll = _score(logits, items, steps, traces, profile_sets[c], sigma, eps)
+            cols, m, ll = _score(logits, items, steps, own, profile_sets[c], sigma, eps)
             tallies[c].add(cols["exact_match"], m, ll, claim_ll[offsets[items] + steps], eps)
             _forget(traces, items, steps, [profile_sets[c]])
             if on_rows:
                 on_rows(len(items))
 
-        band_logits(band, traces, sequences, starts, token_budget, row_block, score_band)
+        band_logits(band, own, token_budget, row_block, score_band)
 
     for c in bands:
         replay_band(c)
-    found = None
-    so_far = rank(dict(tallies), alpha, {}, honest_rate) if search_models else None
-    if so_far is not None and (not so_far.explained or (flagged and not so_far.claim_rejected and not any(
-            r.explains for r in so_far.ranked if r.candidate.band))):  # a given band that explains answers it
+    found = template = None
+    so_far = rank(dict(tallies), alpha, {}, honest_rate)
+    unanswered = flagged and not so_far.claim_rejected and not any(  # a given band that explains answers it
+        r.explains for r in so_far.ranked if r.candidate.band)
+    if search_templates and (not any(r.explains for r in so_far.ranked) or unanswered):
+        template = search_template(backend, traces, claim_ll, offsets, sigma, eps, token_budget, row_block)
+        if template and template["tried"]:  # the messages rendered otherwise reproduce the tokens
+            c = Candidate(f"prompts rendered by {DESCRIBED[template['best']]}", "prompt", template=template["best"],
+                          near=tuple(template["near"]))
+            tallies[c], profile_sets[c] = Tally(), {}
+            replay_band(c, retemplated(traces, backend.tokenizer, c.template))
+            so_far = rank(dict(tallies), alpha, {}, honest_rate)
+            unanswered = flagged and not so_far.claim_rejected
+    if search_models and (not so_far.explained or unanswered):
         found = search_model(backend, traces, claim_ll, offsets, sigma, eps, token_budget, row_block)
         if found and found["tried"]:  # a deviation no candidate explains: which derived model does
             c = Candidate(f"model {found['best']}", "model", band=found["best"], near=tuple(found["near"]))
@@ -408,10 +475,11 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
             tallies[c], profile_sets[c] = Tally(), {}
             replay_band(c)
     screened = ((search["searched"] - 1 if search and search["tried"] else 0) + sum(f.screened - 1 for f in fits)
-                + (found["screened"] - 1 if found and found["tried"] else 0))
+                + sum(s["screened"] - 1 for s in (found, template) if s and s["tried"]))
     settings = {"sigma": sigma, "eps": eps, "honest_off_boundary": honest_rate, "traces": len(traces),
                 "tokens": int(offsets[-1]), "bands": [c.band for c in bands], "prompt_shift": search,
-                "fits": [f.to_dict() for f in fits], "model_search": found, "screened": screened}
+                "fits": [f.to_dict() for f in fits], "model_search": found, "template_search": template,
+                "screened": screened}
     result = rank(tallies, alpha, settings, honest_rate, screened)
     result.shape = shape
     return result

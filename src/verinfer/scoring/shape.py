@@ -15,7 +15,8 @@ happened. Read from the claimed sampler's replay of the traces (sums only, like 
   the other side's count is held to the 99% binomial quantile of the largest per-token rate of such
   mismatches among the calibration's honest groups.
 - **context-shaped**: a prompt of another length explains the noise (``diagnosis.shifted``: on engines
-  whose noise is keyed by absolute position, a hidden or changed system message moves every draw).
+  whose noise is keyed by absolute position, a hidden or changed system message moves every draw), or
+  the prompts rendered by another chat template explain the tokens (``verinfer.chat_templates``).
 - **numerics-shaped**: most mismatches have margins the noise model explains (within ``SIGMA``'s
   reach: above the likelihood floor), on both sides: precision noise, more of it than the claim's.
 - **weights-shaped**: most mismatches have margins no precision noise explains, spread over the
@@ -90,9 +91,9 @@ def classify(shape: Shape, sides: Mapping[str, Mapping] | None = None, detectors
     """The deviation's class (module docstring). ``sides``: the calibrated verdict's side detectors
     (name -> {"on_side", "mismatches", "honest_share", "p"}) over its ``judged`` tokens, ``detectors`` how
     many the verdict corrected over, and ``honest_off`` (name -> the largest honest per-token rate of
-    mismatches not on that side); ``context``: the label of a prompt candidate that beat the claim."""
+    mismatches not on that side); ``context``: what a prompt candidate that beat the claim explains."""
     if context:
-        return Shaped("context", f"{context} explains the engine's position-keyed noise")
+        return Shaped("context", context)
     off = honest_off or {}
     significant = {k: v for k, v in (sides or {}).items()
                    if v.get("mismatches") and v["p"] * detectors < alpha and k in off

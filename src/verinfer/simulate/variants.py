@@ -57,6 +57,9 @@ Semantics worth knowing:
   first N decoder layers with its own final norm and head (no second SmolLM2 size ships offline;
   a different family, e.g. Gemma-3-270M, has another tokenizer, so token-level audits cannot
   compare it with SmolLM2 at all).
+- ``chat-template:NAME``: the request's messages rendered by another chat template than the claimed
+  model's (``verinfer.chat_templates``: no template, another family's, ChatML without a default
+  system message); the trace keeps the client's prompt ids.
 - ``skip-layer-I``: a damaged model: the claimed model without its decoder layer I (0-based), the
   residual stream passing that layer unchanged (a layer lost in loading or by a pipeline stage).
 - Speculative decoding (``simulate/speculative.py``): a request whose actual parameters carry
@@ -84,6 +87,7 @@ from verinfer.models.derived import (
     draft_backend, with_attention, with_dtype, with_layers, with_quantized_weights, without_layer,
 )
 from verinfer.models.fp8_kv import Fp8KV, with_fp8_kv
+from verinfer.chat_templates import TEMPLATES, rendered
 from verinfer.prompts import Prompt, inject_system, render, system_prefix_ids
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.speculative import is_speculative
@@ -364,6 +368,19 @@ def system_prompt_variant(text: str) -> Variant:
                    settings={"system_prompt": text})
 
 
+def chat_template_variant(name: str) -> Variant:
+    if name not in TEMPLATES:
+        raise ValueError(f"chat-template:NAME: unknown template {name!r} (known: {', '.join(TEMPLATES)})")
+
+    def seen(backend: Backend, r: Request) -> Request:
+        if not r.messages:
+            raise ValueError(f"chat-template:{name}: request {r.id!r} has no messages to render")
+        return replace(r, prompt_token_ids=tuple(rendered(backend.tokenizer, r.messages, name)))
+
+    return Variant(f"chat-template:{name}", f"the messages rendered by another chat template ({name}) than the "
+                   "claimed model's", prompt=seen, settings={"chat_template": name})
+
+
 def layers_variant(n: int) -> Variant:
     return Variant(f"layers-{n}", f"a smaller model of the same family: the claimed model's first {n} decoder "
                    "layers, its final norm and head (same tokenizer)", transform=lambda b: with_layers(b, n),
@@ -442,6 +459,8 @@ _FAMILIES: list[tuple[re.Pattern, Callable[[re.Match], Variant], str]] = [
      "layers-N: the claimed model's first N decoder layers (a smaller model, same tokenizer)"),
     (re.compile(r"skip-layer-(\d+)"), lambda m: skip_layer_variant(int(m[1])),
      "skip-layer-I: the claimed model without decoder layer I (0-based), its residual passed through"),
+    (re.compile(r"chat-template:(.+)"), lambda m: chat_template_variant(m[1]),
+     "chat-template:NAME: the messages rendered by another chat template (verinfer.chat_templates)"),
     (re.compile(r"system-prompt:(.+)", re.S), lambda m: system_prompt_variant(m[1]),
      "system-prompt:TEXT: TEXT as a hidden system message"),
 ]
@@ -472,7 +491,7 @@ def family_docs() -> list[str]:
 
 
 __all__ = [
-    "TopKUniformBug", "Variant", "batch_variant", "bug_variant", "compose", "family_docs", "fp8_kv_variant",
-    "get_variant", "layers_variant", "list_variants", "min_p_variant", "register", "skip_layer_variant",
+    "TopKUniformBug", "Variant", "batch_variant", "bug_variant", "chat_template_variant", "compose", "family_docs",
+    "fp8_kv_variant", "get_variant", "layers_variant", "list_variants", "min_p_variant", "register", "skip_layer_variant",
     "system_prompt_variant", "temperature_variant", "top_k_variant", "top_p_variant", "weight_quant_variant",
 ]
