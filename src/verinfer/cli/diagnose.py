@@ -62,8 +62,9 @@ def diagnose(
     """Replay the traces under candidate configurations (sampler settings, seeds, engine profiles,
     sampler bugs; with --variants, derived models) over one prefill and rank them by likelihood. A sampler
     setting that beats the claim is fitted at any value, with a 95% interval; when nothing explains the
-    tokens, or the verdict flags them and nothing beats the claim, derived models (quantized weights, fewer
-    layers, a layer removed, an fp8 KV cache) are searched.
+    tokens, or the verdict flags them and nothing beats the claim, other chat templates (for traces that
+    record their messages) and derived models (quantized weights, fewer layers, a layer removed, an fp8 KV
+    cache) are searched.
 
     With a calibration (--calibration, else the shipped one for the claim) the traces are also judged
     as `verify` judges them, the verdict is printed beside the diagnosis, and the two never say
