@@ -52,3 +52,18 @@ def test_the_chat_template_variant_serves_other_prompts_and_names_unknown_templa
     assert get_variant("chat-template:gemma").settings == {"chat_template": "gemma"}
     with pytest.raises(ValueError, match="unknown template 'nope'"):
         get_variant("chat-template:nope")
+
+
+def test_the_template_search_skips_traces_without_text_messages():
+    """Traces recorded without messages, or with content parts instead of text, are not re-rendered (the
+    search returns None before any model is needed)."""
+    import numpy as np
+
+    from verinfer.sampling.params import SamplingParams
+    from verinfer.scoring.diagnosis_run import search_template
+    from verinfer.trace import Trace
+
+    parts = Trace("a", "m", [1, 2], [3], SamplingParams(), messages=[{"role": "user", "content": [{"type": "text"}]}])
+    bare = Trace("b", "m", [1, 2], [3], SamplingParams())
+    for traces in ([parts], [bare]):
+        assert search_template(None, traces, np.zeros(1), np.array([0, 1]), 0.1, 1e-4, 4096, 512) is None

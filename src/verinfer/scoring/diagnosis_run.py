@@ -260,8 +260,9 @@ def search_template(backend: Backend, traces: Sequence[Trace], claim_ll: np.ndar
     """The chat template (``chat_templates.TEMPLATES``) whose rendering of the messages best reproduces the
     first traces (those holding the first ``SCREEN_ROWS`` rows), each a prefill of the reference on those
     prompts replayed with the claimed sampler at their positions: the best, when it beats the claim by more
-    than ``DROP``, its 95% set, and what was screened. None when a trace records no messages to render."""
-    if any(not t.messages for t in traces):
+    than ``DROP``, its 95% set, and what was screened. None when a trace records no text messages to render."""
+    if any(not t.messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                     and isinstance(m.get("content"), str) for m in t.messages) for t in traces):
         return None
     n = _first_traces(traces, offsets)
     subset, claim = list(traces[:n]), float(claim_ll[:offsets[n]].sum())
