@@ -72,9 +72,17 @@ DESCRIBED = {"plain": "no chat template (the messages as plain text)",
              "mistral": "the Mistral [INST] chat template", "alpaca": "the Alpaca instruction format"}
 
 
+def renderable(messages: object) -> bool:
+    """Whether ``messages`` can be rendered: a non-empty list of messages with a text role and content (not
+    OpenAI's content parts)."""
+    return bool(messages) and isinstance(messages, (list, tuple)) and all(
+        isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages)
+
+
 def rendered(tokenizer, messages: Messages, name: str) -> list[int]:
     """The messages' prompt ids under template ``name`` (``TEMPLATES``), tokenized by ``tokenizer``."""
-    if not all(isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages):
+    if not renderable(messages):
         raise ValueError(f"chat template {name}: every message needs a text role and content")
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if name == "plain":
@@ -89,4 +97,4 @@ def rendered(tokenizer, messages: Messages, name: str) -> list[int]:
     return tokenizer.encode(TEXT_TEMPLATES[name](messages), add_special_tokens=False)
 
 
-__all__ = ["DESCRIBED", "TEMPLATES", "rendered"]
+__all__ = ["DESCRIBED", "TEMPLATES", "renderable", "rendered"]

@@ -115,38 +115,38 @@ def with_quantized_weights(backend: Backend, bits: int, group_size: int | None, 
     return _derive(backend, model=_clone_model(backend.model, weight))
 
 
-def with_layers(backend: Backend, n: int) -> Backend:
-    """The model's first ``n`` decoder layers with its own final norm and head (a cheap self-draft:
-    weights shared, nothing copied)."""
+def _with_decoder_layers(backend: Backend, keep: list[int], model_id: str) -> Backend:
+    """The model with only its decoder layers ``keep`` (in order), its own final norm and head: weights
+    shared, nothing copied; the kept layers' KV-cache slots renumbered so that its decode runs."""
     model = _clone_model(backend.model)
-    layers = model.model.layers
-    if not 1 <= n <= len(layers):
-        raise ValueError(f"draft layers:{n}: the model has {len(layers)} decoder layers")
-    model.model.layers = nn.ModuleList(list(layers)[:n])
-    model.config.num_hidden_layers = n
+    layers = list(model.model.layers)
+    model.model.layers = nn.ModuleList(layers[i] for i in keep)
+    for n, layer in enumerate(model.model.layers):
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and hasattr(attention, "layer_idx"):
+            attention.layer_idx = n
+    model.config.num_hidden_layers = len(keep)
     if getattr(model.config, "layer_types", None):
-        model.config.layer_types = model.config.layer_types[:n]
-    return _derive(backend, model=model, model_id=f"{backend.model_id}+layers:{n}")
+        model.config.layer_types = [model.config.layer_types[i] for i in keep]
+    return _derive(backend, model=model, model_id=model_id)
+
+
+def with_layers(backend: Backend, n: int) -> Backend:
+    """The model's first ``n`` decoder layers with its own final norm and head (a cheap self-draft)."""
+    total = len(backend.model.model.layers)
+    if not 1 <= n <= total:
+        raise ValueError(f"draft layers:{n}: the model has {total} decoder layers")
+    return _with_decoder_layers(backend, list(range(n)), f"{backend.model_id}+layers:{n}")
 
 
 def without_layer(backend: Backend, i: int) -> Backend:
     """The model with decoder layer ``i`` (0-based, ``model.layers.i``) removed: its residual stream passes
     through unchanged (a layer lost in loading or sharding: a pipeline stage that drops a layer, a
-    checkpoint missing one). Weights shared; the later layers' KV-cache slots renumbered."""
-    model = _clone_model(backend.model)
-    layers = list(model.model.layers)
-    if not 0 <= i < len(layers) or len(layers) < 2:
-        raise ValueError(f"skip-layer-{i}: the model has decoder layers 0-{len(layers) - 1}")
-    del layers[i]
-    for n, layer in enumerate(layers):
-        attention = getattr(layer, "self_attn", None)
-        if attention is not None and hasattr(attention, "layer_idx"):
-            attention.layer_idx = n
-    model.model.layers = nn.ModuleList(layers)
-    model.config.num_hidden_layers = len(layers)
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = [t for n, t in enumerate(model.config.layer_types) if n != i]
-    return _derive(backend, model=model, model_id=f"{backend.model_id}-layer{i}")
+    checkpoint missing one)."""
+    total = len(backend.model.model.layers)
+    if not 0 <= i < total or total < 2:
+        raise ValueError(f"skip-layer-{i}: the model has decoder layers 0-{total - 1}")
+    return _with_decoder_layers(backend, [n for n in range(total) if n != i], f"{backend.model_id}-layer{i}")
 
 
 def draft_backend(backend: Backend, spec: str) -> Backend:

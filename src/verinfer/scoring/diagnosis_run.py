@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from verinfer.chat_templates import DESCRIBED, TEMPLATES, rendered
+from verinfer.chat_templates import DESCRIBED, TEMPLATES, renderable, rendered
 from verinfer.files import check_outputs, write_atomic
 from verinfer.models.backend import Backend
 from verinfer.models.fp8_kv import Fp8KVBackend
@@ -261,8 +261,7 @@ def search_template(backend: Backend, traces: Sequence[Trace], claim_ll: np.ndar
     first traces (those holding the first ``SCREEN_ROWS`` rows), each a prefill of the reference on those
     prompts replayed with the claimed sampler at their positions: the best, when it beats the claim by more
     than ``DROP``, its 95% set, and what was screened. None when a trace records no text messages to render."""
-    if any(not t.messages or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                     and isinstance(m.get("content"), str) for m in t.messages) for t in traces):
+    if not all(renderable(t.messages) for t in traces):
         return None
     n = _first_traces(traces, offsets)
     subset, claim = list(traces[:n]), float(claim_ll[:offsets[n]].sum())
@@ -454,10 +453,12 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
     for c in bands:
         replay_band(c)
     found = template = None
+    def unanswered(d: Diagnosis) -> bool:
+        """Flagged by the verdict, yet no candidate beats the claim and no band given explains the tokens."""
+        return flagged and not d.claim_rejected and not any(r.explains for r in d.ranked if r.candidate.band)
+
     so_far = rank(dict(tallies), alpha, {}, honest_rate)
-    unanswered = flagged and not so_far.claim_rejected and not any(  # a given band that explains answers it
-        r.explains for r in so_far.ranked if r.candidate.band)
-    if search_templates and (not any(r.explains for r in so_far.ranked) or unanswered):
+    if search_templates and (not any(r.explains for r in so_far.ranked) or unanswered(so_far)):
         template = search_template(backend, traces, claim_ll, offsets, sigma, eps, token_budget, row_block)
         if template and template["tried"]:  # the messages rendered otherwise reproduce the tokens
             c = Candidate(f"prompts rendered by {DESCRIBED[template['best']]}", "prompt", template=template["best"],
@@ -465,8 +466,7 @@ def diagnose_traces(backend: Backend, traces: Sequence[Trace], candidates: Seque
             tallies[c], profile_sets[c] = Tally(), {}
             replay_band(c, retemplated(traces, backend.tokenizer, c.template))
             so_far = rank(dict(tallies), alpha, {}, honest_rate)
-            unanswered = flagged and not so_far.claim_rejected
-    if search_models and (not so_far.explained or unanswered):
+    if search_models and (not so_far.explained or unanswered(so_far)):
         found = search_model(backend, traces, claim_ll, offsets, sigma, eps, token_budget, row_block)
         if found and found["tried"]:  # a deviation no candidate explains: which derived model does
             c = Candidate(f"model {found['best']}", "model", band=found["best"], near=tuple(found["near"]))
