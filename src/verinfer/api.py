@@ -59,15 +59,27 @@ Progress = Callable[[int], None] | None
 
 
 @functools.lru_cache(maxsize=4)
-def _load(model: str, dtype: str, device: str) -> Backend:
-    return Backend.load(model, dtype, device=device)
+def _load(model: str, dtype: str, device: str, backend: str) -> Backend:
+    if backend == "transformers":
+        return Backend.load(model, dtype, device=device)
+    from verinfer.models.vllm_backend import VllmBackend, engine_args
+
+    return VllmBackend.load(model, dtype, device, engine_args(backend))
 
 
-def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu") -> Backend:
-    """The reference or provider model, loaded offline once per (model, dtype, device)."""
+def load_model(model: str = DEFAULT_MODEL, dtype: str = "float32", device: str = "cpu",
+               backend: str = "transformers") -> Backend:
+    """The reference or provider model, loaded offline once per (model, dtype, device, backend).
+
+    ``backend``: ``transformers`` (the model here, on ``device``), or ``vllm[:KEY=VALUE,...]``: hidden
+    states from vLLM itself, the head applied on ``device`` (``verinfer.models.vllm_backend``)."""
     check_device(device)
     ensure_threads()
-    return _load(model, dtype, device)
+    if backend != "transformers":
+        from verinfer.models.vllm_backend import engine_args
+
+        engine_args(backend)  # an unknown backend is named before anything loads
+    return _load(model, dtype, device, backend)
 
 
 def _positive(name: str, value: int) -> None:
@@ -487,6 +499,12 @@ def diagnose(traces: str | Path | Sequence[Trace], *, model: str | None = None, 
         calibrator, used = calibration, "calibration given by the caller"
     ensure_threads()
     backend = backend or load_model(reference_model(trace_list, model, source), dtype, device)
+    if not backend.decodes:  # vLLM's hidden states: the sampler, context and template candidates only
+        from verinfer.models.vllm_backend import DERIVED_NEED_TRANSFORMERS
+
+        if band_names:
+            raise ValueError(DERIVED_NEED_TRANSFORMERS)
+        search_models = False
     if calibrator is None and default_calibration:
         calibrator, used = shipped_calibration(trace_list, backend) or (None, None)
     judged = None

@@ -163,6 +163,7 @@ def run(
                                                "vLLM's --served-model-name); default: the reference model's id; a "
                                                "providers file's 'model' wins"),
     device: str = opt.device(),
+    backend: str = opt.backend(),
     reference_url: Optional[str] = typer.Option(None, help="trusted reference API base URL (e.g. your own vllm "
                                                 "serve) returning prompt logprobs (echo) and, for rank / mmd / auto, "
                                                 "n samples; default: the local reference model"),
@@ -224,18 +225,21 @@ def run(
         token_ids = not opt.alias(no_token_ids, no_token_ids, "--no-token-ids", "--token-ids/--text-only")
     model = _reference_model(ctx, model, reference_model)
     _endpoints(provider, providers_file, served_model or model, api_key_env)  # refused before torch or a model loads
+    if backend != "transformers" and mode in ("rank", "mmd", "auto") and not reference_url:
+        raise ValueError(f"--mode {mode} draws reference samples, which decode with a KV cache: with --backend "
+                         "vllm give --reference-url (your own vllm serve), or use --backend transformers")
     from verinfer import api
     from verinfer.auditing.report import warning_lines
 
-    backend = api.load_model(model, "float32", device)
-    endpoints = _endpoints(provider, providers_file, served_model or backend.model_id, api_key_env)
+    reference = api.load_model(model, "float32", device, backend)
+    endpoints = _endpoints(provider, providers_file, served_model or reference.model_id, api_key_env)
     result = api.audit(endpoints, out=out, prompts=prompts, n=n, prompt_seed=prompt_seed, mode=mode, **sampling,
                        max_tokens=max_tokens, endpoint=endpoint, token_ids=token_ids, bands=bands_file,
                        calibration=calibration, batch_size=verdict_batch, fpr=fpr, concurrency=concurrency,
                        timeout=timeout, retries=retries, deadline=deadline, max_response_mb=max_response_mb,
                        reference_url=reference_url,
                        reference_api_model=reference_api_model, reference_api_key_env=reference_api_key_env,
-                       backend=backend, on_stage=lambda s: err.print(s), samples=samples, stream=stream,
+                       backend=reference, on_stage=lambda s: err.print(s), samples=samples, stream=stream,
                        top_logprobs=top_logprobs, extra_body=opt.json_object("--extra-body", extra_body),
                        choices=choices, seeds=seeds)
     json_path, html_path = result.reports

@@ -33,6 +33,7 @@ def diagnose(
     model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
     dtype: str = opt.dtype("float32", "reference compute dtype"),
     device: str = opt.device(),
+    backend: str = opt.backend(),
     threads: int = opt.threads(),
     bands: Optional[str] = typer.Option(None, "--variants", help="also rank model-side variants, one extra prefill "
                                         "each (an fp8 KV cache variant: one teacher-forced decode of all the traces "
@@ -81,17 +82,24 @@ def diagnose(
     if rows < 1:
         raise ValueError(f"--rows must be >= 1, got {rows}")
     trace_list, source, _, _, band_names = prepare(traces, out, sigma, alpha, bands)
+    if backend != "transformers" and band_names:
+        from verinfer.models.vllm_backend import DERIVED_NEED_TRANSFORMERS
+
+        raise ValueError(DERIVED_NEED_TRANSFORMERS)
     if calibration is not None:  # a bad calibration or an --out over it is refused before the model loads
         from verinfer.files import check_outputs
         from verinfer.stats.calibration import Calibrator
 
         check_outputs([out], [traces, calibration])
         Calibrator.load(calibration)
+    if backend != "transformers" and search_models:
+        err.print("model search off: it builds derived copies of the model (--backend transformers)", highlight=False)
+        search_models = False
     with err.status(f"loading the reference model ({dtype})"):
-        backend = load_model(reference_model(trace_list, model, source), dtype, device)
+        reference = load_model(reference_model(trace_list, model, source), dtype, device, backend)
     extra = ", one prefill per model variant" if band_names else ""
     with err.status(f"diagnosing: one prefill, the candidate replays{extra}, the calibrated verdict"):
-        result = run(traces, backend=backend, variants=band_names, sigma=sigma, alpha=alpha, out=out,
+        result = run(traces, backend=reference, variants=band_names, sigma=sigma, alpha=alpha, out=out,
                      skip_invalid=skip_invalid, allow_model_mismatch=allow_model_mismatch, calibration=calibration,
                      default_calibration=default_calibration, search_models=search_models)
     console.print(_table(result, rows))

@@ -29,10 +29,10 @@ def one_line_errors(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         from verinfer.extras import MissingExtra
-        from verinfer.models.load import ModelNotAvailable
+        from verinfer.models.load import ModelNotAvailable, ReferenceFailed
 
         try:  # TraceError, PromptError, StreamError... are ValueErrors
             return fn(*args, **kwargs)
-        except (ModelNotAvailable, MissingExtra, ValueError, OSError) as exc:
+        except (ModelNotAvailable, ReferenceFailed, MissingExtra, ValueError, OSError) as exc:
             fail(str(exc))
     return wrapper

@@ -47,11 +47,12 @@ def _progress() -> Progress:
                     console=err, transient=True, disable=not err.is_terminal)
 
 
-def _load_backend(model: str, dtype: str, device: str = "cpu"):
+def _load_backend(model: str, dtype: str, device: str = "cpu", backend: str = "transformers"):
     from verinfer.api import load_model
 
-    with err.status(f"loading {model} ({dtype}); the first load converts the GGUF file (about 30 s)"):
-        return load_model(model, dtype, device)
+    how = "" if backend == "transformers" else f" in vLLM ({backend})"
+    with err.status(f"loading {model} ({dtype}){how}; the first load converts the GGUF file (about 30 s)"):
+        return load_model(model, dtype, device, backend)
 
 
 def _summary_table(rows: dict) -> Table:
@@ -146,6 +147,7 @@ def verify(
     model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
     dtype: str = opt.dtype("float32", "verifier compute dtype"),
     device: str = opt.device(),
+    backend: str = opt.backend(),
     threads: int = opt.threads(),
     calibration: Optional[Path] = opt.input_file("--calibration", "calibration file from `verinfer calibrate`"),
     default_calibration: bool = typer.Option(True, "--default-calibration/--no-default-calibration",
@@ -181,16 +183,16 @@ def verify(
             raise ValueError(f"{traces_arg}: --scores / --commit-scores name one trace file's outputs; "
                              "the shards of a directory or glob go to --out-dir")
         _verify_shards(traces_arg, out_dir, model, dtype, device, calibration, batch_size, skip_invalid,
-                       allow_model_mismatch, json_out, ray or bool(ray_address), ray_address, workers)
+                       allow_model_mismatch, json_out, ray or bool(ray_address), ray_address, workers, backend)
         return
     check_outputs([json_out], [traces_path, calibration, scores])
     traces = read_traces(traces_path)
-    backend = _load_backend(reference_model(traces, model, str(traces_path)), dtype, device)
+    reference = _load_backend(reference_model(traces, model, str(traces_path)), dtype, device, backend)
     with _progress() as bar:
         task = bar.add_task("verifying", total=sum(len(t.output_token_ids) for t in traces))
         result = api.verify(traces_path, calibration=calibration, batch_size=batch_size, scores=scores,
                             commit_scores_out=commit_scores, skip_invalid=skip_invalid,
-                            allow_model_mismatch=allow_model_mismatch, backend=backend,
+                            allow_model_mismatch=allow_model_mismatch, backend=reference,
                             on_rows=lambda k: bar.advance(task, k), default_calibration=default_calibration)
     for line in result.skipped:
         err.print(f"[yellow]skipped:[/yellow] {line}", highlight=False)
@@ -223,7 +225,8 @@ def verify(
 
 def _verify_shards(spec: str, out_dir: Path | None, model: str | None, dtype: str, device: str,
                    calibration: Path | None, batch_size: int | None, skip_invalid: bool, allow_model_mismatch: bool,
-                   json_out: Path | None, use_ray: bool, address: str | None, workers: int | None) -> None:
+                   json_out: Path | None, use_ray: bool, address: str | None, workers: int | None,
+                   backend: str = "transformers") -> None:
     """``verify`` over many shards (``verinfer.sharded``): per-shard scores in ``out_dir``, one merged verdict."""
     from verinfer import api, sharded
     from verinfer.extras import require
@@ -231,6 +234,7 @@ def _verify_shards(spec: str, out_dir: Path | None, model: str | None, dtype: st
     from verinfer.stats.calibration import Calibrator
     from verinfer.trace import read_traces
 
+    opt.check_ray_backend(use_ray, backend)
     if use_ray:
         require("ray", "verinfer verify --ray")
     shards = sharded.find_shards(spec)
@@ -250,7 +254,7 @@ def _verify_shards(spec: str, out_dir: Path | None, model: str | None, dtype: st
             result = sharded.run_ray(shards, out_dir, model, dtype, address, workers, skip_invalid,
                                      allow_model_mismatch, on_shard=step)
         else:
-            result = sharded.run_local(shards, out_dir, _load_backend(model, dtype, device), skip_invalid,
+            result = sharded.run_local(shards, out_dir, _load_backend(model, dtype, device, backend), skip_invalid,
                                        allow_model_mismatch, on_shard=step)
     for line in result.errors:
         err.print(f"[red]error:[/red] {line}", highlight=False, soft_wrap=True)

@@ -43,6 +43,7 @@ def monitor(
     model: Optional[str] = typer.Option(None, help="reference model; default: the model the traces claim"),
     dtype: str = opt.dtype("float32", "verifier compute dtype"),
     device: str = opt.device(),
+    backend: str = opt.backend(),
     threads: int = opt.threads(),
     out_dir: Optional[Path] = typer.Option(None, help="per-token scores per shard (default: DIR.verinfer)"),
     lease: float = typer.Option(120.0, help="seconds a claim holds without renewal before another monitor "
@@ -90,6 +91,7 @@ def monitor(
     window_s = parse_duration(window)
     if poll <= 0 or lease <= 0:
         raise ValueError("--poll and --lease must be positive")
+    opt.check_ray_backend(ray, backend)
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     if not 0 < alpha < 1:
@@ -106,7 +108,8 @@ def monitor(
     token = service_token(metrics_host, auth_token_env, "--metrics-host") if metrics_port is not None else None
     store = open_store(db)
     mon = Monitor(directory, store, out_dir=out_dir, judge=Judge(calibrator, str(calibration or ""), alpha),
-                  window_s=window_s, model=model, dtype=dtype, device=device, lease_s=lease, use_ray=ray,
+                  window_s=window_s, model=model, dtype=dtype, device=device, reference=backend, lease_s=lease,
+                  use_ray=ray,
                   workers=workers, on_event=_event, budget=budget, keep_up=keep_up,
                   retain_shards_s=parse_duration(retain_shards, "--retain-shards") if retain_shards else None,
                   retain_history_s=parse_duration(retain_history, "--retain-history") if retain_history else None)

@@ -56,6 +56,32 @@ def _check_device(value: str) -> str:
     return value
 
 
+def backend():
+    return typer.Option("transformers", "--backend", callback=_check_backend, help=(
+        "what computes the reference: transformers (the model here, on --device), or vllm[:KEY=VALUE,...]: "
+        "its hidden states computed by vLLM itself, with vLLM engine arguments (e.g. "
+        "vllm:tensor_parallel_size=4 across GPUs; vLLM's python: $VERINFER_VLLM_PYTHON, else this one)"))
+
+
+def _check_backend(value: str) -> str:
+    """An unknown backend, or vLLM arguments that are not KEY=VALUE, refused as they are parsed."""
+    if value != "transformers":
+        from verinfer.models.vllm_backend import engine_args
+
+        try:
+            engine_args(value)
+        except ValueError as exc:
+            fail(str(exc))
+    return value
+
+
+def check_ray_backend(use_ray: bool, backend: str) -> None:
+    """Ray replicas are transformers models; vLLM shards one model across GPUs itself."""
+    if use_ray and backend != "transformers":
+        raise ValueError("--ray runs transformers replicas; --backend vllm spreads one model across GPUs itself "
+                         "(tensor_parallel_size): use one or the other")
+
+
 def prompts(default: str = "chitchat", help: str = "built-in prompt set (chitchat, human-eval, gsm8k) or a JSONL file"):
     return typer.Option(default, "--prompts", help=help, callback=_check_prompts)
 

@@ -38,14 +38,18 @@ class PrefillBlock:
 class Backend:
     """A causal LM ready for verification and generation, loaded offline."""
 
+    decodes = True  # a KV-cache decode and derived copies of the model (False: prefills only, as vLLM's)
+
     def __init__(self, model, tokenizer, model_id: str, dtype: torch.dtype = torch.float32):
         self.model = model
-        self.device = next(model.parameters()).device
-        self.tokenizer = tokenizer
-        self.model_id = model_id
-        self.dtype = dtype
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        self._softcap = getattr(model.config, "final_logit_softcapping", None)
+        self._setup(tokenizer, model.config, model_id, dtype, next(model.parameters()).device,
+                    int(model.get_output_embeddings().weight.shape[0]))
+
+    def _setup(self, tokenizer, config, model_id: str, dtype: torch.dtype, device: torch.device, vocab_size: int):
+        """What every backend knows of its model, whoever computes the hidden states."""
+        self.tokenizer, self.config, self.model_id, self.dtype = tokenizer, config, model_id, dtype
+        self.device, self.vocab_size = device, vocab_size
+        self._softcap = getattr(config, "final_logit_softcapping", None)
         eos = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
 
@@ -66,12 +70,12 @@ class Backend:
     @property
     def max_length(self) -> int | None:
         """The longest sequence the model's positions cover (None when the config does not say)."""
-        n = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        n = getattr(self.config.get_text_config(), "max_position_embeddings", None)
         return int(n) if n else None
 
     @property
     def hidden_size(self) -> int:
-        return int(self.model.config.get_text_config().hidden_size)
+        return int(self.config.get_text_config().hidden_size)
 
     TURN_TERMINATORS = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
 
@@ -79,12 +83,15 @@ class Backend:
         """Token ids that end a generation (EOS, plus the chat turn terminator where defined)."""
         vocab = self.tokenizer.get_vocab()
         ids = {vocab[t] for t in self.TURN_TERMINATORS if t in vocab}
-        for value in (self.tokenizer.eos_token_id, getattr(self.model.generation_config, "eos_token_id", None)):
+        for value in (self.tokenizer.eos_token_id, self._generation_eos()):
             if isinstance(value, int):
                 ids.add(value)
             elif isinstance(value, (list, tuple)):
                 ids.update(v for v in value if isinstance(v, int))
         return ids
+
+    def _generation_eos(self) -> int | list[int] | None:
+        return getattr(self.model.generation_config, "eos_token_id", None)
 
     @torch.inference_mode()
     def hidden(self, input_ids, attention_mask, position_ids=None, cache=None):
@@ -99,10 +106,13 @@ class Backend:
         )
         return out.last_hidden_state, out.cache
 
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.get_output_embeddings()(hidden)
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, on_device: bool = False) -> torch.Tensor:
         """lm_head (and the final soft-cap some models use) in fp32, on the CPU unless ``on_device``."""
-        out = self.model.get_output_embeddings()(hidden.to(self.device, self.dtype)).float()
+        out = self._head(hidden.to(self.device, self.dtype)).float()
         if self._softcap:
             out = torch.tanh(out / self._softcap) * self._softcap
         return out if on_device else out.cpu()
@@ -138,25 +148,26 @@ class Backend:
 
     def _prefill_batch(self, sequences, starts, batch: list[int], row_block: int,
                        on_sequence_hidden=None, on_device: bool = False) -> Iterator[PrefillBlock]:
-        width = max(len(sequences[i]) for i in batch)
-        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for b, i in enumerate(batch):
-            ids[b, : len(sequences[i])] = torch.as_tensor(sequences[i], dtype=torch.long)
-            mask[b, : len(sequences[i])] = 1
-        h, _ = self.hidden(ids, mask if len(batch) > 1 else None)
+        hs = self.sequence_hidden([sequences[i] for i in batch])
         if on_sequence_hidden is not None:
             for b, i in enumerate(batch):
-                on_sequence_hidden(i, h[b, : len(sequences[i])].float().cpu())
-        rows_b, rows_t, items, steps = [], [], [], []
-        for b, i in enumerate(batch):
-            n_out = len(sequences[i]) - starts[i]
-            rows_b.append(torch.full((n_out,), b))
-            rows_t.append(torch.arange(starts[i] - 1, starts[i] - 1 + n_out))
-            items.append(torch.full((n_out,), i))
-            steps.append(torch.arange(n_out))
-        rb, rt, it, st = (torch.cat(x) for x in (rows_b, rows_t, items, steps))
-        for lo in range(0, rb.numel(), row_block):
-            sl = slice(lo, lo + row_block)
-            hid = h[rb[sl].to(h.device), rt[sl].to(h.device)]
-            yield PrefillBlock(it[sl], st[sl], self.logits(hid, on_device), hid.float().cpu())
+                on_sequence_hidden(i, hs[b].float().cpu())
+        # Row k of sequence i is the hidden state at position starts[i] - 1 + k: it predicts output token k.
+        rows = torch.cat([hs[b][starts[i] - 1: len(sequences[i]) - 1] for b, i in enumerate(batch)])
+        items = torch.cat([torch.full((len(sequences[i]) - starts[i],), i) for i in batch])
+        steps = torch.cat([torch.arange(len(sequences[i]) - starts[i]) for i in batch])
+        for lo in range(0, rows.shape[0], row_block):
+            hid = rows[lo: lo + row_block]
+            yield PrefillBlock(items[lo: lo + row_block], steps[lo: lo + row_block], self.logits(hid, on_device),
+                               hid.float().cpu())
+
+    def sequence_hidden(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Each sequence's final normed hidden states [len, D], from one padded forward pass."""
+        width = max(len(s) for s in sequences)
+        ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        for b, seq in enumerate(sequences):
+            ids[b, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            mask[b, : len(seq)] = 1
+        h, _ = self.hidden(ids, mask if len(sequences) > 1 else None)
+        return [h[b, : len(seq)] for b, seq in enumerate(sequences)]

@@ -22,6 +22,8 @@ def _derive(backend: Backend, cls: type | None = None, **changes: Any) -> Backen
     new = (cls or type(backend)).__new__(cls or type(backend))
     new.__dict__.update(backend.__dict__)
     new.__dict__.update(changes)
+    if "model" in changes:
+        new.config = changes["model"].config
     return new
 
 

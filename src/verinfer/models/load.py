@@ -29,6 +29,11 @@ class ModelNotAvailable(RuntimeError):
     """A model spec that cannot be resolved offline; the message says how to get it."""
 
 
+class ReferenceFailed(RuntimeError):
+    """An engine computing the reference (``--backend vllm``) failed to load or to answer; the message
+    names the failure and where its log is."""
+
+
 @dataclass(frozen=True)
 class ModelSource:
     """Where a model comes from and the id traces record for it."""

@@ -267,7 +267,8 @@ class Monitor:
 
     def __init__(self, directory: str | Path, store: Store, *, out_dir: str | Path | None = None,
                  judge: Judge | None = None, window_s: int = 600, model: str | None = None,
-                 dtype: str = "float32", device: str = "cpu", lease_s: float = 120.0, max_attempts: int = 3,
+                 dtype: str = "float32", device: str = "cpu", reference: str = "transformers",
+                 lease_s: float = 120.0, max_attempts: int = 3,
                  use_ray: bool = False, workers: int | None = None, backend=None,
                  on_event: Callable[[str, dict], None] | None = None, budget: Budget | None = None,
                  retain_shards_s: float | None = None, retain_history_s: float | None = None,
@@ -289,6 +290,7 @@ class Monitor:
         self.retain_shards_s, self.retain_history_s = retain_shards_s, retain_history_s
         self.out_dir = Path(out_dir) if out_dir else Path(f"{self.directory}.verinfer")
         self.model, self.dtype, self.device, self.backend = model, dtype, device, backend
+        self.reference = reference  # load_model's backend: transformers, or vllm[:KEY=VALUE,...]
         self.lease = dt.timedelta(seconds=lease_s)
         self.max_attempts, self.use_ray, self.workers = max_attempts, use_ray, workers
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
@@ -365,7 +367,7 @@ class Monitor:
         if self.backend is None or self.backend.model_id != model:
             from verinfer.api import load_model
 
-            self.backend = load_model(model, self.dtype, self.device)
+            self.backend = load_model(model, self.dtype, self.device, self.reference)
         return self.backend
 
     def shard_budget(self) -> Budget | None:
