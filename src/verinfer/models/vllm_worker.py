@@ -56,13 +56,18 @@ def _serve(llm, reply) -> None:
         reply.flush()
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
+    """The worker's arguments (a stand-in for tests takes the same)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--engine-args", default="{}")
     ap.add_argument("--reply-fd", type=int, required=True)
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> int:
+    args = parser().parse_args()
     reply = os.fdopen(args.reply_fd, "w")
     os.dup2(2, 1)  # vLLM prints to stdout; its subprocesses inherit this
     try:
