@@ -7,7 +7,7 @@ Usage: python benchmarks/vllm_backend.py [--prompts 32] [--max-tokens 64] [--rou
 2. Four references score every trace set: transformers fp32 and bf16 (the model here), and vLLM fp32 and
    bf16 (``--backend vllm``: hidden states from vLLM itself, the head applied here). Shown per pair:
    exact-match rate, share of margin 0, mean margin, and for the vLLM references the agreement with the
-   transformers reference of the same dtype (tokens whose exact match agrees, largest margin gap).
+   transformers reference of the same dtype (tokens whose exact match and finiteness agree, largest margin gap).
 3. The claims again under a wrong seed (each trace's seed + 1): the rate the reference still matches.
 4. Cost: wall time of ``verify`` on the fp32 traces with each fp32 reference, alternating A/B over
    ``--rounds`` (vLLM runs in its own process, so process CPU time would miss it); medians and the ratio.
@@ -32,6 +32,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
 import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
 from verinfer import api  # noqa: E402
 from verinfer.machine import describe  # noqa: E402
@@ -90,8 +91,10 @@ def main() -> int:
             base = _rates(api.verify(traces, backend=refs[("transformers", dtype)], default_calibration=False))
             other = _rates(api.verify(traces, backend=refs[("vllm", dtype)], default_calibration=False))
             agree = (np.asarray(base["cols"]["exact_match"], bool) == np.asarray(other["cols"]["exact_match"], bool))
-            gap = np.abs(np.asarray(base["cols"]["margin"], float) - np.asarray(other["cols"]["margin"], float))
-            rows.append((name, dtype, base, other, agree.mean(), float(np.nanmax(gap))))
+            ma, mb = np.asarray(base["cols"]["margin"], float), np.asarray(other["cols"]["margin"], float)
+            both = np.isfinite(ma) & np.isfinite(mb)  # an infinite margin (a filtered token) on one side only
+            agree &= np.isfinite(ma) == np.isfinite(mb)  # counts as a disagreement
+            rows.append((name, dtype, base, other, agree.mean(), float(np.abs(ma - mb)[both].max(initial=0.0))))
 
     fp32 = served["float32"]
     times: dict[str, list[float]] = {"transformers": [], "vllm": []}
@@ -108,15 +111,15 @@ def main() -> int:
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    lines = [f"# `--backend vllm` against the transformers reference", "",
+    lines = ["# `--backend vllm` against the transformers reference", "",
              f"Command: `python benchmarks/vllm_backend.py --prompts {args.prompts} --max-tokens {args.max_tokens} "
              f"--rounds {args.rounds}`  ",
              f"Date: {dt.date.today()}, commit {commit}  ",
-             f"Machine: {describe()}; vLLM CPU 0.32.0 in its own venv; model smollm2-135m; "
+             f"Machine: {describe(torch.get_num_threads())}; vLLM CPU 0.32.0 in its own venv; model smollm2-135m; "
              f"{args.prompts} chitchat prompts x {args.max_tokens} tokens, seeded (T 1, top-k 50, top-p 0.95).", "",
              "## Scores: each trace set under the transformers and the vLLM reference of one dtype", "",
              "| traces | reference dtype | tokens | exact (transformers) | exact (vLLM) | margin 0 (transformers) "
-             "| margin 0 (vLLM) | exact match agrees | largest margin gap |", "|---|---|---|---|---|---|---|---|---|"]
+             "| margin 0 (vLLM) | exact match and finiteness agree | largest margin gap |", "|---|---|---|---|---|---|---|---|---|"]
     for name, dtype, base, other, agree, gap in rows:
         lines.append(f"| {name} | {dtype} | {base['tokens']} | {100 * base['exact']:.2f}% | "
                      f"{100 * other['exact']:.2f}% | {100 * base['margin0']:.2f}% | {100 * other['margin0']:.2f}% | "
