@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from verinfer import api
+from verinfer.commits.trace_commits import CommitSpec
 from verinfer.models import vllm_backend
 from verinfer.trace import read_traces
 
@@ -48,6 +49,11 @@ def test_vllm_hidden_states_score_as_the_transformers_reference(backend, monkeyp
             assert (a.consistent, a.summary.verdict_text) == (b.consistent, b.summary.verdict_text)
         assert a.consistent is False  # the wrong seed is caught by both
         assert np.asarray(api.verify(honest, backend=reference).columns["exact_match"], bool).mean() == 1.0
+        # TOPLOC proofs (built by the transformers generator) checked against vLLM's hidden states
+        committed = api.generate("chitchat", n=4, max_tokens=48, seed=9, backend=backend,
+                                 commits=CommitSpec(toploc_k=128))
+        checks = api.verify(committed, backend=reference).scored.commit_checks
+        assert len(checks) == 4 and all(c.error is None and c.toploc_passed.all() for c in checks), checks
     finally:
         reference.worker.close()
     assert reference.worker.proc.returncode == 0  # the engine shut down cleanly, its scratch removed

@@ -11,9 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import sqlalchemy
 
 from tests.cli_app import invoke
 from verinfer import api
+from verinfer.commits.activation_difr import FingerprintSpec
+from verinfer.commits.trace_commits import CommitSpec
 from verinfer.models import vllm_backend
 from verinfer.models.load import ReferenceFailed
 from verinfer.models.vllm_backend import VllmBackend, engine_args
@@ -63,6 +66,11 @@ def test_scores_from_the_workers_hidden_states_equal_the_transformers_backends(f
                                    equal_nan=True), column
             assert a.summary.verdict_text == b.summary.verdict_text
         assert np.mean(np.asarray(api.verify(wrong, backend=ref).columns["exact_match"], bool)) < 0.9
+        # activation commits are checked against the same hidden states (TOPLOC and fingerprints)
+        spec = CommitSpec(fingerprint=FingerprintSpec(dim=8, hidden_size=ref.hidden_size), toploc_k=128)
+        committed = api.generate("chitchat", n=2, max_tokens=40, seed=5, backend=backend, commits=spec)
+        checks = api.verify(committed, backend=ref).scored.commit_checks
+        assert len(checks) == 2 and all(c.error is None and c.toploc_passed.all() for c in checks)
         with pytest.raises(ValueError, match="prefills only"):
             ref.hidden(None, None)
         with pytest.raises(ValueError, match="derived copies"):
@@ -89,10 +97,19 @@ def test_an_engine_that_fails_is_named_with_its_log(fake_vllm, monkeypatch, trac
 
 
 def test_commands_take_the_backend_and_refuse_what_it_cannot_do(fake_vllm, traces, tmp_path):
-    path = tmp_path / "wrong.jsonl"
-    write_traces(traces[1], path)
-    done = invoke("verify", path, "--backend", "vllm", "--json", tmp_path / "v.json")
+    path = tmp_path / "shards" / "wrong.jsonl"
+    write_traces([replace(t, provider="acme", meta={"request_time": "2026-12-01T00:00:00Z"}) for t in traces[1]],
+                 path)
+    done = invoke("verify", path, "--backend", "vllm", "--scores", tmp_path / "v.parquet")
     assert done.returncode == 1 and "INCONSISTENT" in done.stdout, done.stdout + done.stderr
+    db = f"sqlite:///{tmp_path}/m.db"
+    done = invoke("monitor", path.parent, "--db", db, "--once", "--backend", "vllm")
+    assert done.returncode == 1, done.stderr  # a window this run touched is INCONSISTENT
+    engine = sqlalchemy.create_engine(db)
+    with engine.connect() as conn:
+        windows = conn.execute(sqlalchemy.text("SELECT verdict, tokens FROM windows")).all()
+    engine.dispose()
+    assert windows == [("INCONSISTENT", sum(len(t.output_token_ids) for t in traces[1]))], windows
     for args, said in ((("verify", path, "--backend", "sglang"), "unknown backend 'sglang'"),
                        (("verify", path, "--backend", "vllm", "--ray"), "--ray runs transformers replicas"),
                        (("diagnose", path, "--backend", "vllm", "--variants", "default"), "derived copies"),
