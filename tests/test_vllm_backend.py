@@ -66,6 +66,14 @@ def test_scores_from_the_workers_hidden_states_equal_the_transformers_backends(f
                                    equal_nan=True), column
             assert a.summary.verdict_text == b.summary.verdict_text
         assert np.mean(np.asarray(api.verify(wrong, backend=ref).columns["exact_match"], bool)) < 0.9
+        # a null fitted on the vLLM reference's scores records it, and judges no other reference's scores
+        own = api.calibrate(api.verify(honest, backend=ref, default_calibration=False), batch_sizes=(1,))
+        assert own.signature["reference"] == "vllm" and "reference" not in a.scored.signature
+        assert api.verify(honest, backend=ref, calibration=own).summary.verdict is not None
+        with pytest.raises(ValueError, match="reference: calibrated on the vllm reference's scores, these are the "
+                                             "transformers reference's"):
+            api.verify(honest, backend=backend, calibration=own)
+        assert api.verify(wrong, backend=ref).summary.calibration.endswith("(shipped default)")  # transformers'
         # activation commits are checked against the same hidden states (TOPLOC and fingerprints)
         spec = CommitSpec(fingerprint=FingerprintSpec(dim=8, hidden_size=ref.hidden_size), toploc_k=128)
         committed = api.generate("chitchat", n=2, max_tokens=40, seed=5, backend=backend, commits=spec)

@@ -33,7 +33,7 @@ from verinfer.auditing.responses import Claim, parse_generation, summarize_drift
 from verinfer.auditing.seedless import judge_logprobs, judge_sampled
 from verinfer.auditing.store import ResponseStore
 from verinfer.prompts import Prompt
-from verinfer.scoring.scores import signature
+from verinfer.scoring.scores import signature, with_reference
 from verinfer.scoring.traces import Replays, by_trace
 from verinfer.stats.calibration import Calibrator, signature_mismatch
 from verinfer.stats.pooling import MARGIN_CLIP, sequence_stats
@@ -93,8 +93,8 @@ def reference_signature(reference, spec: AuditSpec) -> dict | None:
     backend = getattr(reference, "backend", None)
     if backend is None:
         return None
-    return {"model": backend.model_id, "dtype": backend.dtype_name,
-            "sampling": [spec.signature()]}
+    return with_reference({"model": backend.model_id, "dtype": backend.dtype_name, "sampling": [spec.signature()]},
+                          backend.reference_name)
 
 
 def _unspeculative(sig: dict | None) -> dict | None:
@@ -205,7 +205,8 @@ def _replayed_audit(e: Endpoint, store: ResponseStore, client: ProviderClient, r
     traces = claim_traces(claims, e.name, model_id, spec.params)
     write_traces(traces, out_dir / e.name / "traces.jsonl")
     if calibrator is not None:  # the traces may claim speculative decoding: judged only by its calibration
-        problem = signature_mismatch(calibrator.signature, signature(traces, model_id, reference.backend.dtype_name)
+        problem = signature_mismatch(calibrator.signature, signature(traces, model_id, reference.backend.dtype_name,
+                                                                       reference.backend.reference_name)
                                      if getattr(reference, "backend", None) is not None else None)
         if problem:
             raise ValueError(f"provider {e.name!r}: the calibration does not match its traces "

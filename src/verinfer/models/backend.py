@@ -39,6 +39,7 @@ class Backend:
     """A causal LM ready for verification and generation, loaded offline."""
 
     decodes = True  # a KV-cache decode and derived copies of the model (False: prefills only, as vLLM's)
+    reference_name = "transformers"  # what computes the hidden states (score signatures record it)
 
     def __init__(self, model, tokenizer, model_id: str, dtype: torch.dtype = torch.float32):
         self.model = model

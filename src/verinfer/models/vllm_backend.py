@@ -178,6 +178,7 @@ class VllmBackend(Backend):
     """A reference whose hidden states come from vLLM: prefills only (``sequence_hidden``)."""
 
     decodes = False
+    reference_name = "vllm"
 
     def __init__(self, worker: VllmWorker, head: torch.Tensor, tokenizer, config, generation_eos, model_id: str,
                  dtype: torch.dtype, device: str = "cpu"):

@@ -462,7 +462,8 @@ class Monitor:
         trace_stats = per_trace(data.columns) if data.traces else {}  # none chosen by the budget: no scores
         buckets: dict[tuple[Key, dt.datetime], list[Trace]] = {}
         for key, traces in data.groups(self.window_s).items():
-            sig = signature(traces, data.verifier["model"], data.verifier["dtype"])
+            sig = signature(traces, data.verifier["model"], data.verifier["dtype"],
+                            data.verifier.get("reference", "transformers"))
             s.add(ShardResult(shard_id=shard.id, signature=json.dumps(sig, sort_keys=True), provider=key.provider,
                               model=key.model, profile=key.profile,
                               **self.judge(data.select({t.id for t in traces}), sig)))

@@ -34,10 +34,18 @@ COMMIT_METRICS = {"fingerprint_l2": "Activation-DiFR L2 per logged token",
 SIGNATURE_KEY = b"verinfer.signature"
 
 
-def signature(traces: Sequence[Trace], model: str, dtype: str) -> dict[str, Any]:
-    """The verified configuration: reference model and dtype, and each distinct sampling setting."""
+def signature(traces: Sequence[Trace], model: str, dtype: str, reference: str = "transformers") -> dict[str, Any]:
+    """The verified configuration: reference model and dtype, and each distinct sampling setting; the
+    reference's implementation when it is not transformers (``--backend vllm``: its noise is its own)."""
     sampling = {json.dumps(t.sampling.signature(), sort_keys=True) for t in traces}
-    return {"model": model, "dtype": dtype, "sampling": [json.loads(s) for s in sorted(sampling)]}
+    return with_reference({"model": model, "dtype": dtype, "sampling": [json.loads(s) for s in sorted(sampling)]},
+                          reference)
+
+
+def with_reference(sig: dict[str, Any], reference: str) -> dict[str, Any]:
+    """``sig`` naming the reference's implementation, where it is not transformers (older signatures
+    and the shipped calibrations' have none: transformers)."""
+    return sig if reference == "transformers" else {**sig, "reference": reference}
 
 
 def _with_signature(schema: pa.Schema, sig: dict | None) -> pa.Schema:

@@ -141,7 +141,7 @@ def score_traces(backend: Backend, traces: Sequence[Trace], scores_path: Path | 
     """
     parts: dict[str, list[np.ndarray]] = {k: [] for k in COMPACT}
     checks: list[CommitCheck] = []
-    sig = signature(traces, backend.model_id, backend.dtype_name)
+    sig = signature(traces, backend.model_id, backend.dtype_name, backend.reference_name)
 
     reused = reusable(traces, reuse)
     fresh = [t for t in traces if t.id not in reused]

@@ -393,6 +393,11 @@ def signature_mismatch(calibration: dict | None, data: dict | None) -> str | Non
     for key in ("model", "dtype"):
         if calibration.get(key) != data.get(key):
             return f"{key}: calibrated on {calibration.get(key)!r}, these scores have {data.get(key)!r}"
+    # A null fitted on vLLM's own hidden states (an engine judged by itself: less honest noise) would
+    # flag honest scores of another reference; the transformers null (the shipped ones) judges both.
+    fitted_on, scored_by = calibration.get("reference", "transformers"), data.get("reference", "transformers")
+    if fitted_on != "transformers" and fitted_on != scored_by:
+        return f"reference: calibrated on the {fitted_on} reference's scores, these are the {scored_by} reference's"
     fitted = [json.dumps(s, sort_keys=True) for s in calibration.get("sampling", [])]
     for s in data.get("sampling", []):
         if json.dumps(s, sort_keys=True) not in fitted:
