@@ -9,8 +9,8 @@ by hand. ``engines/vllm_cpu/run.py`` drives it from verinfer's environment.
 ``req.jsonl``: one object per line, ``{"id", "prompt_token_ids", "mode", "dtype", "max_tokens",
 "seed"}`` (all lines share one dtype). Modes: ``greedy`` (T=0), ``seeded`` (T=1, top-k 50,
 top-p 0.95), ``seeded-nofilter`` (T=1, no top-k/top-p), ``seeded-minp`` (T=1, min-p 0.1),
-``seeded-minp-topk`` (T=0.7, top-k 40, top-p 0.9, min-p 0.05). Token ids go in as given
-(``TokensPrompt(prompt_token_ids=...)``): no re-tokenization.
+``seeded-minp-topk`` (T=0.7, top-k 40, top-p 0.9, min-p 0.05), ``seeded-topk40`` (T=1, top-k 40,
+top-p 0.95). Token ids go in as given (``TokensPrompt(prompt_token_ids=...)``): no re-tokenization.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ MODES = {
     "seeded-nofilter": dict(temperature=1.0, top_k=-1, top_p=1.0),
     "seeded-minp": dict(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.1),
     "seeded-minp-topk": dict(temperature=0.7, top_k=40, top_p=0.9, min_p=0.05),
+    "seeded-topk40": dict(temperature=1.0, top_k=40, top_p=0.95),
 }
 
 

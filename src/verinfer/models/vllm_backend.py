@@ -115,8 +115,8 @@ class VllmWorker:
             if time.monotonic() > deadline:
                 self._failed = True
                 self.close()
-                raise ReferenceFailed(f"vLLM worker for {self.model}: no reply after {timeout_s:.0f} s while {what} "
-                                   f"(log: {self.log_path})")
+                raise ReferenceFailed(f"vLLM worker for {self.model}: no reply after {timeout_s:.0f} s while "
+                                      f"{what} (log: {self.log_path})")
 
     def hidden(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Each sequence's final hidden states [len, D] in fp32, from one vLLM ``encode`` call."""
@@ -125,8 +125,11 @@ class VllmWorker:
         self._requests += 1
         out = self.scratch / f"hidden-{self._requests}.f32"
         request = {"sequences": [[int(t) for t in s] for s in sequences], "out": str(out)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write(json.dumps(request) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it died since the last reply
+            raise self._failure("serving") from None
         self._reply(LOAD_TIMEOUT_S, f"prefilling {sum(map(len, sequences))} tokens")
         flat = torch.from_numpy(np.fromfile(out, dtype=np.float32)).view(-1, self.hidden_size)
         out.unlink()

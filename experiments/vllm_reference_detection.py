@@ -1,0 +1,148 @@
+"""An honest bf16 vLLM engine and two deviating ones judged by a bf16 vLLM reference and by the fp32
+transformers reference (issue #40 item 4): exact-match rates, false and true flags per token budget.
+
+    python experiments/vllm_reference_detection.py --out experiments/results/vllm_reference_detection.md
+
+The real vLLM CPU engine (0.32.0, ``engines/vllm_cpu``) serves the bundled SmolLM2-135M in bf16, seeded
+(T 1, top-k 50, top-p 0.95 claimed), on three disjoint sets of ``--prompts`` chitchat prompts (prompt seed
+4041) of ``--max-tokens`` tokens:
+
+- *honest, fit*: the honest engine; the nulls fitted here (``api.calibrate``, batch sizes 1 and 10, at 1% FPR);
+- *honest, test*: the honest engine on other prompts: the false-positive rate;
+- *top-k 40*: the engine sampling top-k 40, claimed as top-k 50;
+- *8-bit weights*: the engine serving the model's weights rounded to 8 bits per output channel (RTN,
+  ``verinfer.models.derived.with_quantized_weights``), claimed as the model.
+
+An fp8 KV cache is not run: this CPU build does not take one. Each set is scored once by each reference;
+the verdicts are those of disjoint chunks of k consecutive traces (k = 4, 8, 16: about 250, 500, 1,000
+tokens), each judged by ``summarize`` as ``verify`` judges a file. References and nulls:
+
+- ``transformers fp32 + shipped``: the fp32 reference here with the shipped vllm-cpu calibration (pooled
+  fp32 + bf16 honest traffic of verinfer's simulator), as a user runs ``verify`` by default;
+- ``transformers fp32 + fitted``: the same reference, the null fitted on *honest, fit*;
+- ``vLLM bf16 + fitted``: ``--backend vllm --dtype bfloat16``, the null fitted on *honest, fit* scored by it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import os
+import shlex
+import sys
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from verinfer import api  # noqa: E402
+from verinfer.files import write_atomic  # noqa: E402
+from verinfer.machine import describe  # noqa: E402
+from verinfer.models import vllm_backend  # noqa: E402
+from verinfer.models.derived import with_quantized_weights  # noqa: E402
+from verinfer.stats.summary import summarize  # noqa: E402
+from verinfer.trace import read_traces  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+CHUNKS = (4, 8, 16)
+
+
+def _engine():
+    spec = importlib.util.spec_from_file_location("vllm_cpu_run", ROOT / "engines" / "vllm_cpu" / "run.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _served(run, python, directory, prompts, mode, seed_base, max_tokens, out: Path):
+    out.mkdir(parents=True, exist_ok=True)
+    files, _ = run.generate(python, directory, prompts, (mode,), "bfloat16", max_tokens, seed_base, out)
+    return read_traces(files[mode])
+
+
+def _flags(columns: dict, calibrator, k: int) -> tuple[int, int]:
+    """Chunks of k consecutive traces flagged INCONSISTENT, and chunks judged."""
+    ids = np.asarray(columns["trace_id"], dtype=str)
+    order = list(dict.fromkeys(ids))
+    flagged = judged = 0
+    for lo in range(0, len(order) - k + 1, k):
+        keep = np.isin(ids, order[lo: lo + k])
+        summary = summarize({c: np.asarray(v)[keep] for c, v in columns.items()}, calibrator)
+        if summary.consistent is not None:
+            judged += 1
+            flagged += summary.consistent is False
+    return flagged, judged
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=64, help="prompts per set")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    run = _engine()
+    python = run.engine_python()
+    os.environ[vllm_backend.PYTHON_ENV] = str(python)
+    directory = run.model_dir("smollm2-135m")
+    n = args.prompts
+    prompts = run.rendered_prompts(directory, "chitchat", 3 * n, seed=4041)
+    work = Path(tempfile.mkdtemp(prefix="vllm-reference-detection-"))
+
+    fp32 = api.load_model("smollm2-135m", "float32")
+    w8_dir = work / "w8-model"
+    w8 = with_quantized_weights(fp32, 8, None)
+    w8.model.save_pretrained(w8_dir)
+    w8.tokenizer.save_pretrained(w8_dir)
+    del w8
+
+    honest = _served(run, python, directory, prompts[: 2 * n], "seeded", 7000, args.max_tokens, work / "honest")
+    fit = [t for t in honest if int(t.id.split("-")[2]) < n]
+    sets = {"honest, test": [t for t in honest if int(t.id.split("-")[2]) >= n]}
+    topk = _served(run, python, directory, prompts[2 * n:], "seeded-topk40", 9000, args.max_tokens, work / "topk")
+    sets["top-k 40 claimed 50"] = [replace(t, sampling=t.sampling.with_(top_k=50)) for t in topk]
+    sets["8-bit weights"] = _served(run, python, w8_dir, prompts[2 * n:], "seeded", 9000, args.max_tokens,
+                                    work / "w8")
+
+    vllm = api.load_model("smollm2-135m", "bfloat16", "cpu", "vllm")
+    shipped, shipped_name = api.shipped_calibration(fit, fp32)
+    references = {}
+    for name, backend in (("transformers fp32", fp32), ("vLLM bf16", vllm)):
+        fitted = api.calibrate(api.verify(fit, backend=backend, default_calibration=False), batch_sizes=(1, 10),
+                               precisions=["bf16"])
+        scored = {s: api.verify(ts, backend=backend, default_calibration=False).columns for s, ts in sets.items()}
+        references[f"{name} + fitted"] = (fitted, scored)
+        if backend is fp32:
+            references[f"{name} + shipped"] = (shipped, scored)
+    vllm.worker.close()
+
+    tokens = {s: sum(len(t.output_token_ids) for t in ts) for s, ts in sets.items()}
+    lines = ["# An honest bf16 vLLM engine and two deviating ones, judged by a bf16 vLLM reference and by the fp32 "
+             "transformers reference", "",
+             f"Command: `python experiments/vllm_reference_detection.py {shlex.join(sys.argv[1:])}`  ",
+             f"Date: {dt.date.today()}  ",
+             f"Machine: {describe(torch.get_num_threads())}; vLLM CPU 0.32.0 (its own venv) serving in bf16.  ",
+             f"Sets: {n} prompts each, up to {args.max_tokens} tokens: "
+             + ", ".join(f"{s} {tokens[s]} tokens" for s in sets) + f"; the nulls fitted on {len(fit)} honest "
+             f"traces ({sum(len(t.output_token_ids) for t in fit)} tokens). Shipped null: {shipped_name}.", "",
+             "| reference + null | set | exact match | " + " | ".join(f"flagged, chunks of {k} traces" for k in CHUNKS)
+             + " |", "|---|---|---|" + "---|" * len(CHUNKS)]
+    for ref, (calibrator, scored) in references.items():
+        for s, columns in scored.items():
+            exact = np.asarray(columns["exact_match"], bool).mean()
+            cells = [f"{f}/{j}" for f, j in (_flags(columns, calibrator, k) for k in CHUNKS)]
+            lines.append(f"| {ref} | {s} | {100 * exact:.2f}% | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        write_atomic(args.out, text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
