@@ -5,7 +5,7 @@ transformers reference (issue #40 item 4): exact-match rates, false and true fla
 
 The real vLLM CPU engine (0.32.0, ``engines/vllm_cpu``) serves the bundled SmolLM2-135M in bf16, seeded
 (T 1, top-k 50, top-p 0.95 claimed), on three disjoint sets of ``--prompts`` chitchat prompts (prompt seed
-4041) of ``--max-tokens`` tokens:
+4041; the first that fit the engine's 1,024-token context with the output) of ``--max-tokens`` tokens:
 
 - *honest, fit*: the honest engine; the nulls fitted here (``api.calibrate``, batch sizes 1 and 10, at 1% FPR);
 - *honest, test*: the honest engine on other prompts: the false-positive rate;
@@ -61,9 +61,25 @@ def _engine():
 
 
 def _served(run, python, directory, prompts, mode, seed_base, max_tokens, out: Path):
-    out.mkdir(parents=True, exist_ok=True)
-    files, _ = run.generate(python, directory, prompts, (mode,), "bfloat16", max_tokens, seed_base, out)
-    return read_traces(files[mode])
+    """The engine's traces for ``prompts`` in order, prompt i seeded ``seed_base + i``: one engine run per
+    group of prompts whose tokens fit one step's budget (a seeded prompt prefilled in chunks kills this
+    build's engine, README "Audit your own vLLM")."""
+    groups, group, size = [], [], 0
+    for i, p in enumerate(prompts):
+        if group and size + len(p[1]) > 3500:
+            groups.append(group)
+            group, size = [], 0
+        group.append(i)
+        size += len(p[1])
+    groups.append(group)
+    traces = []
+    for g, members in enumerate(groups):
+        part = out / f"part-{g}"
+        part.mkdir(parents=True, exist_ok=True)
+        files, _ = run.generate(python, directory, [prompts[i] for i in members], (mode,), "bfloat16", max_tokens,
+                                seed_base + members[0], part)
+        traces += read_traces(files[mode])
+    return traces
 
 
 def _flags(columns: dict, calibrator, k: int) -> tuple[int, int]:
@@ -91,7 +107,10 @@ def main() -> int:
     os.environ[vllm_backend.PYTHON_ENV] = str(python)
     directory = run.model_dir("smollm2-135m")
     n = args.prompts
-    prompts = run.rendered_prompts(directory, "chitchat", 3 * n, seed=4041)
+    drawn = run.rendered_prompts(directory, "chitchat", 4 * n, seed=4041)
+    prompts = [p for p in drawn if len(p[1]) + args.max_tokens <= 1024][: 3 * n]  # generate.py's context: 1,024
+    if len(prompts) < 3 * n:
+        raise SystemExit(f"only {len(prompts)} of {4 * n} drawn prompts fit the engine's context")
     work = Path(tempfile.mkdtemp(prefix="vllm-reference-detection-"))
 
     fp32 = api.load_model("smollm2-135m", "float32")
@@ -101,9 +120,9 @@ def main() -> int:
     w8.tokenizer.save_pretrained(w8_dir)
     del w8
 
-    honest = _served(run, python, directory, prompts[: 2 * n], "seeded", 7000, args.max_tokens, work / "honest")
-    fit = [t for t in honest if int(t.id.split("-")[2]) < n]
-    sets = {"honest, test": [t for t in honest if int(t.id.split("-")[2]) >= n]}
+    fit = _served(run, python, directory, prompts[:n], "seeded", 7000, args.max_tokens, work / "fit")
+    sets = {"honest, test": _served(run, python, directory, prompts[n: 2 * n], "seeded", 7000 + n, args.max_tokens,
+                                    work / "honest")}
     topk = _served(run, python, directory, prompts[2 * n:], "seeded-topk40", 9000, args.max_tokens, work / "topk")
     sets["top-k 40 claimed 50"] = [replace(t, sampling=t.sampling.with_(top_k=50)) for t in topk]
     sets["8-bit weights"] = _served(run, python, w8_dir, prompts[2 * n:], "seeded", 9000, args.max_tokens,

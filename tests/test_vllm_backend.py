@@ -120,6 +120,8 @@ def test_commands_take_the_backend_and_refuse_what_it_cannot_do(fake_vllm, trace
     assert windows == [("INCONSISTENT", sum(len(t.output_token_ids) for t in traces[1]))], windows
     for args, said in ((("verify", path, "--backend", "sglang"), "unknown backend 'sglang'"),
                        (("verify", path, "--backend", "vllm", "--ray"), "--ray runs transformers replicas"),
+                       (("monitor", path.parent, "--db", db, "--once", "--ray", "--backend", "vllm"),
+                        "--ray runs transformers replicas"),
                        (("diagnose", path, "--backend", "vllm", "--variants", "default"), "derived copies"),
                        (("audit", "run", "-p", "x=http://127.0.0.1:9/v1", "--mode", "rank", "--backend", "vllm",
                          "-o", tmp_path / "a"), "--mode rank draws reference samples")):

@@ -231,10 +231,11 @@ def _verify_shards(spec: str, out_dir: Path | None, model: str | None, dtype: st
     from verinfer import api, sharded
     from verinfer.extras import require
     from verinfer.files import check_outputs, write_atomic
+    from verinfer.models.vllm_backend import check_with_ray
     from verinfer.stats.calibration import Calibrator
     from verinfer.trace import read_traces
 
-    opt.check_ray_backend(use_ray, backend)
+    check_with_ray(use_ray, backend)
     if use_ray:
         require("ray", "verinfer verify --ray")
     shards = sharded.find_shards(spec)

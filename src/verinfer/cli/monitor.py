@@ -91,7 +91,6 @@ def monitor(
     window_s = parse_duration(window)
     if poll <= 0 or lease <= 0:
         raise ValueError("--poll and --lease must be positive")
-    opt.check_ray_backend(ray, backend)
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be at least 1, got {workers}")
     if not 0 < alpha < 1:

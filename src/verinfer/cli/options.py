@@ -75,13 +75,6 @@ def _check_backend(value: str) -> str:
     return value
 
 
-def check_ray_backend(use_ray: bool, backend: str) -> None:
-    """Ray replicas are transformers models; vLLM shards one model across GPUs itself."""
-    if use_ray and backend != "transformers":
-        raise ValueError("--ray runs transformers replicas; --backend vllm spreads one model across GPUs itself "
-                         "(tensor_parallel_size): use one or the other")
-
-
 def prompts(default: str = "chitchat", help: str = "built-in prompt set (chitchat, human-eval, gsm8k) or a JSONL file"):
     return typer.Option(default, "--prompts", help=help, callback=_check_prompts)
 

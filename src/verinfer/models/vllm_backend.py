@@ -58,6 +58,13 @@ def engine_args(spec: str) -> dict:
     return args
 
 
+def check_with_ray(use_ray: bool, backend: str) -> None:
+    """Ray replicas are transformers models; vLLM shards one model across GPUs itself."""
+    if use_ray and backend != "transformers":
+        raise ValueError("--ray runs transformers replicas; --backend vllm spreads one model across GPUs itself "
+                         "(tensor_parallel_size): use one or the other")
+
+
 def vllm_python() -> str:
     """The interpreter that runs vLLM: ``$VERINFER_VLLM_PYTHON``, else this one if it has vLLM."""
     given = os.environ.get(PYTHON_ENV)

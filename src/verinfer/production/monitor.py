@@ -290,6 +290,10 @@ class Monitor:
         self.retain_shards_s, self.retain_history_s = retain_shards_s, retain_history_s
         self.out_dir = Path(out_dir) if out_dir else Path(f"{self.directory}.verinfer")
         self.model, self.dtype, self.device, self.backend = model, dtype, device, backend
+        if reference != "transformers":
+            from verinfer.models.vllm_backend import check_with_ray
+
+            check_with_ray(use_ray, reference)
         self.reference = reference  # load_model's backend: transformers, or vllm[:KEY=VALUE,...]
         self.lease = dt.timedelta(seconds=lease_s)
         self.max_attempts, self.use_ray, self.workers = max_attempts, use_ray, workers
