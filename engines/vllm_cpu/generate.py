@@ -38,6 +38,7 @@ def main() -> int:
     ap.add_argument("--requests", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="vLLM's kv_cache_dtype (auto, fp8, fp8_e4m3, ...)")
     args = ap.parse_args()
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
@@ -55,6 +56,7 @@ def main() -> int:
 
     t0 = time.perf_counter()
     llm = LLM(model=args.model_dir, dtype=dtype, enforce_eager=True, max_model_len=args.max_model_len,
+              kv_cache_dtype=args.kv_cache_dtype,
               seed=0)
     t_load = time.perf_counter() - t0
 

@@ -50,8 +50,9 @@ def rendered_prompts(directory: Path, source: str, n: int, seed: int) -> list[tu
 
 
 def generate(python: Path, directory: Path, prompts, modes, dtype: str, max_tokens: int, seed_base: int,
-             out_dir: Path) -> tuple[dict[str, Path], dict]:
-    """One engine run for ``dtype`` over every mode; returns the trace file per mode and the timing."""
+             out_dir: Path, kv_cache_dtype: str = "auto") -> tuple[dict[str, Path], dict]:
+    """One engine run for ``dtype`` over every mode (its KV cache in ``kv_cache_dtype``); returns the trace
+    file per mode and the timing."""
     req = out_dir / f"requests-{dtype}.jsonl"
     with open(req, "w") as fh:
         for mode in modes:
@@ -62,7 +63,8 @@ def generate(python: Path, directory: Path, prompts, modes, dtype: str, max_toke
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run([str(python), str(HERE / "generate.py"), "--model-dir", str(directory),
-                           "--requests", str(req), "--out", str(raw)], env=env, capture_output=True, text=True)
+                           "--requests", str(req), "--out", str(raw), "--kv-cache-dtype", kv_cache_dtype],
+                          env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode:
         sys.stderr.write(proc.stderr[-6000:])
