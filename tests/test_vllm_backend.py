@@ -20,6 +20,7 @@ from verinfer.commits.trace_commits import CommitSpec
 from verinfer.models import vllm_backend
 from verinfer.models.load import ReferenceFailed
 from verinfer.models.vllm_backend import VllmBackend, engine_args
+from verinfer.serve import ServeConfig, serve_in_thread
 from verinfer.trace import write_traces
 
 FAKE = Path(__file__).parent / "fixtures" / "fake_vllm_worker.py"
@@ -50,7 +51,7 @@ def test_engine_arguments_are_parsed_or_refused():
             engine_args(bad)
 
 
-def test_scores_from_the_workers_hidden_states_equal_the_transformers_backends(fake_vllm, backend, traces):
+def test_scores_from_the_workers_hidden_states_equal_the_transformers_backends(fake_vllm, backend, traces, tmp_path):
     honest, wrong = traces
     ref = VllmBackend.load("smollm2-135m", "float32", "cpu", {"tensor_parallel_size": 1})
     try:
@@ -74,6 +75,12 @@ def test_scores_from_the_workers_hidden_states_equal_the_transformers_backends(f
                                              "transformers reference's"):
             api.verify(honest, backend=backend, calibration=own)
         assert api.verify(wrong, backend=ref).summary.calibration.endswith("(shipped default)")  # transformers'
+        # a seeded audit of a live server, judged with the vLLM reference by the shipped calibration
+        with serve_in_thread(backend, ServeConfig(max_batch=4)) as url:
+            audited = api.audit({"p": url}, out=tmp_path / "audit", prompts="chitchat", n=3, mode="seeded",
+                                profile="vllm", top_k=50, top_p=0.95, max_tokens=16, api_key_env=None, backend=ref)
+        assert audited.providers[0].verdict.consistent, audited.providers[0].verdict.text
+        assert audited.judged_by.endswith("(shipped default)")
         # activation commits are checked against the same hidden states (TOPLOC and fingerprints)
         spec = CommitSpec(fingerprint=FingerprintSpec(dim=8, hidden_size=ref.hidden_size), toploc_k=128)
         committed = api.generate("chitchat", n=2, max_tokens=40, seed=5, backend=backend, commits=spec)
