@@ -8,7 +8,7 @@ The real vLLM CPU engine (0.32.0, ``engines/vllm_cpu``) serves the bundled SmolL
 4041; the first that fit the engine's 1,024-token context with the output) of ``--max-tokens`` tokens:
 
 - *honest, fit* (``--fit-prompts``): the honest engine; the nulls fitted here (``api.calibrate`` at 1% FPR,
-  with the shipped calibration's batch sizes and detectors);
+  with the shipped calibration's detectors and those of its batch sizes the fit set holds);
 - *honest, test* (``--prompts``, as each set below): the honest engine on other prompts: the false-positive rate;
 - *top-k 40*: the engine sampling top-k 40, claimed as top-k 50;
 - *8-bit weights*: the engine serving the model's weights rounded to 8 bits per output channel (RTN,
@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import hashlib
 import importlib.util
+import json
 import os
 import shlex
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,6 +49,7 @@ from verinfer.files import write_atomic  # noqa: E402
 from verinfer.machine import describe  # noqa: E402
 from verinfer.models import vllm_backend  # noqa: E402
 from verinfer.models.derived import with_quantized_weights  # noqa: E402
+from verinfer.stats.calibration import min_batches  # noqa: E402
 from verinfer.stats.summary import summarize  # noqa: E402
 from verinfer.trace import read_traces  # noqa: E402
 
@@ -62,10 +64,12 @@ def _engine():
     return module
 
 
-def _served(run, python, directory, prompts, mode, seed_base, max_tokens, out: Path, kv_cache_dtype: str = "auto"):
+def _served(run, python, directory, prompts, mode, seed_base, max_tokens, work: Path,
+            kv_cache_dtype: str = "auto"):
     """The engine's traces for ``prompts`` in order, prompt i seeded ``seed_base + i``: one engine run per
     group of prompts whose tokens fit one step's budget (a seeded prompt prefilled in chunks kills this
-    build's engine, README "Audit your own vLLM")."""
+    build's engine, README "Audit your own vLLM"). Each group's traces are kept in ``work`` under a key
+    of everything they depend on, so a rerun reuses them."""
     groups, group, size = [], [], 0
     for i, p in enumerate(prompts):
         if group and size + len(p[1]) > 3500:
@@ -75,12 +79,19 @@ def _served(run, python, directory, prompts, mode, seed_base, max_tokens, out: P
         size += len(p[1])
     groups.append(group)
     traces = []
-    for g, members in enumerate(groups):
-        part = out / f"part-{g}"
-        part.mkdir(parents=True, exist_ok=True)
-        files, _ = run.generate(python, directory, [prompts[i] for i in members], (mode,), "bfloat16", max_tokens,
-                                seed_base + members[0], part, kv_cache_dtype)
-        traces += read_traces(files[mode])
+    for members in groups:
+        part = [prompts[i] for i in members]
+        key = hashlib.sha256(json.dumps([str(directory), part, mode, seed_base + members[0], max_tokens,
+                                         kv_cache_dtype]).encode()).hexdigest()[:16]
+        out = work / key
+        done = out / f"vllm-cpu-{mode}-bfloat16.jsonl"
+        if not (out / "done").exists():
+            out.mkdir(parents=True, exist_ok=True)
+            files, _ = run.generate(python, directory, part, (mode,), "bfloat16", max_tokens, seed_base + members[0],
+                                    out, kv_cache_dtype)
+            assert files[mode] == done
+            (out / "done").write_text("")
+        traces += read_traces(done)
     return traces
 
 
@@ -101,9 +112,11 @@ def _flags(columns: dict, calibrator, k: int) -> tuple[int, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=64, help="prompts per judged set")
-    ap.add_argument("--fit-prompts", type=int, default=192, help="prompts of the honest set the nulls are fitted on")
+    ap.add_argument("--fit-prompts", type=int, default=256, help="prompts of the honest set the nulls are fitted on")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--work", type=Path, help="where the engine's traces are kept for a rerun (default: "
+                    "$VERINFER_CACHE/experiments/vllm_reference_detection)")
     args = ap.parse_args()
     run = _engine()
     python = run.engine_python()
@@ -115,7 +128,9 @@ def main() -> int:
     prompts = [p for p in drawn if len(p[1]) + args.max_tokens <= 1024][: f + 2 * n]  # generate.py's context
     if len(prompts) < f + 2 * n:
         raise SystemExit(f"only {len(prompts)} of {len(drawn)} drawn prompts fit the engine's 1,024-token context")
-    work = Path(tempfile.mkdtemp(prefix="vllm-reference-detection-"))
+    from verinfer.models.load import cache_root
+
+    work = args.work or cache_root() / "experiments" / "vllm_reference_detection"
 
     fp32 = api.load_model("smollm2-135m", "float32")
     w8_dir = work / "w8-model"
@@ -124,22 +139,23 @@ def main() -> int:
     w8.tokenizer.save_pretrained(w8_dir)
     del w8
 
-    fit = _served(run, python, directory, prompts[:f], "seeded", 7000, args.max_tokens, work / "fit")
+    fit = _served(run, python, directory, prompts[:f], "seeded", 7000, args.max_tokens, work)
     sets = {"honest, test": _served(run, python, directory, prompts[f: f + n], "seeded", 7000 + f, args.max_tokens,
-                                    work / "honest")}
-    topk = _served(run, python, directory, prompts[f + n:], "seeded-topk40", 9000, args.max_tokens, work / "topk")
+                                    work)}
+    topk = _served(run, python, directory, prompts[f + n:], "seeded-topk40", 9000, args.max_tokens, work)
     sets["top-k 40 claimed 50"] = [replace(t, sampling=t.sampling.with_(top_k=50)) for t in topk]
-    sets["8-bit weights"] = _served(run, python, w8_dir, prompts[f + n:], "seeded", 9000, args.max_tokens,
-                                    work / "w8")
-    sets["fp8 KV cache"] = _served(run, python, directory, prompts[f + n:], "seeded", 9000, args.max_tokens,
-                                   work / "fp8kv", kv_cache_dtype="fp8")
+    sets["8-bit weights"] = _served(run, python, w8_dir, prompts[f + n:], "seeded", 9000, args.max_tokens, work)
+    sets["fp8 KV cache"] = _served(run, python, directory, prompts[f + n:], "seeded", 9000, args.max_tokens, work,
+                                   kv_cache_dtype="fp8")
 
     vllm = api.load_model("smollm2-135m", "bfloat16", "cpu", "vllm")
     shipped, shipped_name = api.shipped_calibration(fit, fp32)
+    fit_tokens = sum(len(t.output_token_ids) for t in fit)
+    sizes = [b for b in shipped.batch_sizes if b * min_batches(shipped.fpr) <= fit_tokens]  # what the fit set holds
     references = {}
     for name, backend in (("transformers fp32", fp32), ("vLLM bf16", vllm)):
         fitted = api.calibrate(api.verify(fit, backend=backend, default_calibration=False),
-                               batch_sizes=shipped.batch_sizes, precisions=["bf16"])
+                               batch_sizes=sizes, precisions=["bf16"])
         scored = {s: api.verify(ts, backend=backend, default_calibration=False).columns for s, ts in sets.items()}
         references[f"{name} + fitted"] = (fitted, scored)
         if backend is fp32:
@@ -154,7 +170,8 @@ def main() -> int:
              f"Machine: {describe(torch.get_num_threads())}; vLLM CPU 0.32.0 (its own venv) serving in bf16.  ",
              f"Sets: {n} prompts each, up to {args.max_tokens} tokens: "
              + ", ".join(f"{s} {tokens[s]} tokens" for s in sets) + f"; the nulls fitted on {len(fit)} honest "
-             f"traces ({sum(len(t.output_token_ids) for t in fit)} tokens). Shipped null: {shipped_name}.", "",
+             f"traces ({fit_tokens} tokens), batch sizes {sizes}. Shipped null: {shipped_name} (batch sizes "
+             f"{list(shipped.batch_sizes)}).", "",
              "| reference + null | set | exact match | " + " | ".join(f"flagged, chunks of {k} traces" for k in CHUNKS)
              + " |", "|---|---|---|" + "---|" * len(CHUNKS)]
     for ref, (calibrator, scored) in references.items():
