@@ -47,6 +47,7 @@ class StoredLogits:
     """A backend stand-in: ``prefill`` yields each trace's stored logits in blocks, as Backend.prefill does."""
 
     model_id, dtype_name, vocab_size, max_length = "synthetic", "float32", VOCAB, None
+    decodes, reference_name = True, "transformers"  # as Backend: it claims to decode, but is never asked to
 
     def __init__(self, logits: list[torch.Tensor]):
         self.logits = logits

@@ -59,6 +59,7 @@ MEANINGS = {
     "--token-ids": "token ids",
     "--auth-token-env": "environment variable holding the token",  # dashboard, gateway, monitor --metrics-port
     "--top-k": "top-k",
+    "--backend": "what computes the reference",  # verify, monitor, diagnose, audit run
     "--top-p": "top-p",
     "--workers": "",  # verify/monitor --ray: model replicas; gateway: processes sharing its port (uvicorn's word)
 }
