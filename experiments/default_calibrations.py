@@ -42,8 +42,8 @@ from verinfer.machine import describe  # noqa: E402
 from verinfer.models.backend import Backend  # noqa: E402
 from verinfer.models.load import cache_root  # noqa: E402
 from verinfer.prompts import load_prompts  # noqa: E402
-from verinfer.scoring.scores import read_scores  # noqa: E402
-from verinfer.scoring.traces import COMPACT, score_traces, signature  # noqa: E402
+from verinfer.scoring.scores import read_scores, verified_signature  # noqa: E402
+from verinfer.scoring.traces import COMPACT, score_traces  # noqa: E402
 from verinfer.stats.calibration import Calibrator, min_batches  # noqa: E402
 from verinfer.stats.shipped import DATA_DIR, calibration_filename, find_calibration  # noqa: E402
 from verinfer.stats.summary import fit_calibrator, summarize  # noqa: E402
@@ -87,7 +87,7 @@ def honest_chunk(backend: Backend, profile: str, start: int, size: int, max_toke
         traces = traces_for(backend, variant, chosen, split, max_tokens, cache, claim)
         made = time.perf_counter() - began
         cols[precision] = scored(backend, traces, cache / f"{split}-m{max_tokens}-{variant}.scores.parquet")
-        sig = signature(traces, backend.model_id, backend.dtype_name)
+        sig = verified_signature(traces, backend)
         if made > 5:
             tokens = sum(len(t.output_token_ids) for t in traces)
             print(f"{split} {precision}: {len(traces)} traces, {tokens} tokens in {made:.0f} s "
@@ -117,7 +117,7 @@ def judge_held_out(backend: Backend, profile: str, n: int, max_tokens: int, cach
                                                for t in traces], f"{variant}-seed+1")
         for label, (ts, name) in sets.items():
             cols = scored(backend, ts, cache / f"{tag}held{n}-m{max_tokens}-{name}.scores.parquet")
-            path = find_calibration(signature(ts, backend.model_id, backend.dtype_name))
+            path = find_calibration(verified_signature(ts, backend))
             if path is None:
                 raise SystemExit(f"{profile}: no shipped calibration fits its held-out traces; build it first")
             summary = summarize(cols, Calibrator.load(path))

@@ -52,7 +52,7 @@ from verinfer.stats.verdict import Verdict
 from verinfer.trace import Trace, TraceError, read_traces, write_traces
 from verinfer.scoring.diagnosis import Diagnosis, Judged
 from verinfer.scoring.diagnosis_run import diagnose as run_diagnosis, prepare, reference_model
-from verinfer.scoring.scores import commit_scores, read_commit_scores, read_scores, read_signature, signature
+from verinfer.scoring.scores import commit_scores, read_commit_scores, read_scores, read_signature, verified_signature
 from verinfer.scoring.traces import Scored, align_retokenized, check_traces, score_traces
 
 Progress = Callable[[int], None] | None
@@ -199,7 +199,7 @@ def default_outputs(traces_path: str | Path) -> tuple[Path, Path]:
 def shipped_calibration(traces: Sequence[Trace], backend: Backend) -> tuple[Calibrator, str] | None:
     """The shipped default calibration for the traces' model and sampling settings, and how a summary
     names it (``verinfer.stats.shipped``); None when none ships. One rule for verify and diagnose."""
-    shipped = find_calibration(signature(traces, backend.model_id, backend.dtype_name, backend.reference_name))
+    shipped = find_calibration(verified_signature(traces, backend))
     return None if shipped is None else (Calibrator.load(shipped), f"{shipped.name} (shipped default)")
 
 
@@ -255,9 +255,9 @@ def verify(traces: str | Path | Sequence[Trace], *, model: str | None = None, dt
             calibrator, used = shipped
             check_batch_size(batch_size, calibrator, used)
         else:
-            missing = no_default(signature(kept, backend.model_id, backend.dtype_name, backend.reference_name))
+            missing = no_default(verified_signature(kept, backend))
     if calibrator is not None:  # refuse a calibration of another configuration before scoring
-        problem = signature_mismatch(calibrator.signature, signature(kept, backend.model_id, backend.dtype_name, backend.reference_name))
+        problem = signature_mismatch(calibrator.signature, verified_signature(kept, backend))
         if problem:
             raise ValueError(f"{calibration_path or 'calibration'}: does not match {source}: {problem}")
     scored = score_traces(backend, kept, scores, commit_scores_out, on_rows, skip=unaligned, reuse=replays)

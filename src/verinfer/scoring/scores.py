@@ -42,6 +42,11 @@ def signature(traces: Sequence[Trace], model: str, dtype: str, reference: str = 
                           reference)
 
 
+def verified_signature(traces: Sequence[Trace], backend) -> dict[str, Any]:
+    """``signature`` of ``traces`` as ``backend`` (the reference) verifies them."""
+    return signature(traces, backend.model_id, backend.dtype_name, backend.reference_name)
+
+
 def with_reference(sig: dict[str, Any], reference: str) -> dict[str, Any]:
     """``sig`` naming the reference's implementation, where it is not transformers (older signatures
     and the shipped calibrations' have none: transformers)."""

@@ -15,7 +15,7 @@ from verinfer.commits.trace_commits import CommitCheck, check_commits, commit_ro
 from verinfer.models.backend import Backend
 from verinfer.scoring.alignment import align, keep_rows, lost_bytes_tail, occurrences
 from verinfer.trace import Trace, TraceError
-from verinfer.scoring.scores import ScoreWriter, signature, write_commit_scores
+from verinfer.scoring.scores import ScoreWriter, verified_signature, write_commit_scores
 from verinfer.scoring.token_difr import verify_traces
 
 Progress = Callable[[int], None] | None
@@ -141,7 +141,7 @@ def score_traces(backend: Backend, traces: Sequence[Trace], scores_path: Path | 
     """
     parts: dict[str, list[np.ndarray]] = {k: [] for k in COMPACT}
     checks: list[CommitCheck] = []
-    sig = signature(traces, backend.model_id, backend.dtype_name, backend.reference_name)
+    sig = verified_signature(traces, backend)
 
     reused = reusable(traces, reuse)
     fresh = [t for t in traces if t.id not in reused]
