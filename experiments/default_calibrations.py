@@ -3,7 +3,7 @@
     python experiments/default_calibrations.py
 
 For every sampler profile that replays seeded sampling (``PROFILES``) it generates honest traces
-of the bundled model with ``verinfer generate``'s default sampling (T=1, top-k 50, top-p 0.95)
+of the bundled model (or ``--model``) with ``verinfer generate``'s default sampling (T=1, top-k 50, top-p 0.95)
 from an fp32 and a bf16 provider on calibration prompts (the first ones of
 ``experiments/sampler_deviation.py``'s pool, disjoint from its held-out prompts; its trace cache
 and ``traces_for``, which decodes 12 prompts per batch, here in cached chunks of ``--chunk``
@@ -156,6 +156,8 @@ def build(profile: str, pools: dict[str, dict], sig: dict, command: str) -> tupl
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", help="the reference model (a bundled alias or a directory); "
+                    "a model other than the default caches its traces in a directory of its own")
     ap.add_argument("--profiles", default=",".join(PROFILES))
     ap.add_argument("--prompts", default="vllm=200,*=100",
                     help=f"calibration prompts per precision, per profile (PROFILE=N, * for the rest; <= {TEST_OFFSET})")
@@ -174,8 +176,10 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--prompts / --chunk: {p} needs 1..{TEST_OFFSET} prompts in chunks of >= 1, "
                              f"got {n} and {chunk}")
     cache = cache_root() / "experiments" / "sampler_deviation"
+    if args.model != "smollm2-135m":  # the default model's traces are sampler_deviation.py's own
+        cache = cache / args.model.replace("/", "_")
     cache.mkdir(parents=True, exist_ok=True)
-    backend = Backend.load("smollm2-135m", "float32")
+    backend = Backend.load(args.model, "float32")
     command = " ".join(shlex.quote(a) for a in ["python", "experiments/default_calibrations.py", *(argv or sys.argv[1:])])
     parts: dict[str, list] = {p: [] for p in profiles}
     for start in range(0, max(n for n, _ in plan.values()), min(c for _, c in plan.values())):
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         write_atomic(args.out, "\n".join([
             f"# Shipped default calibrations ({dt.date.today()})", "",
             f"Command: `{command}`  ", f"Machine: {describe(torch.get_num_threads())}; load average {os.getloadavg()[0]:.1f} at the report  ",
-            f"Claim: smollm2-135m, T={CLAIM.temperature:g}, top-k {CLAIM.top_k}, top-p {CLAIM.top_p:g}, min-p "
+            f"Claim: {args.model}, T={CLAIM.temperature:g}, top-k {CLAIM.top_k}, top-p {CLAIM.top_p:g}, min-p "
             f"{CLAIM.min_p:g} (generate's default sampling) under each profile; "
             f"honest providers fp32 and bf16 (the simulator's `honest` and `bf16` variants), up to {args.max_tokens} "
             "tokens per chitchat prompt, verified by the fp32 reference; pooled calibration at 1% FPR on disjoint "

@@ -21,6 +21,14 @@ def backend():
     return Backend.load("smollm2-135m")
 
 
+@pytest.fixture(scope="session")
+def gemma():
+    """Gemma-3-270M, the second bundled model (the ``gemma`` extra, in the test install)."""
+    from verinfer.models.backend import Backend
+
+    return Backend.load("gemma3-270m")
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """One torch thread for a module whose server decodes in its own thread beside the test's."""

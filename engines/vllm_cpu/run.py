@@ -50,9 +50,9 @@ def rendered_prompts(directory: Path, source: str, n: int, seed: int) -> list[tu
 
 
 def generate(python: Path, directory: Path, prompts, modes, dtype: str, max_tokens: int, seed_base: int,
-             out_dir: Path, kv_cache_dtype: str = "auto") -> tuple[dict[str, Path], dict]:
-    """One engine run for ``dtype`` over every mode (its KV cache in ``kv_cache_dtype``); returns the trace
-    file per mode and the timing."""
+             out_dir: Path, kv_cache_dtype: str = "auto", model_id: str = "smollm2-135m") -> tuple[dict[str, Path], dict]:
+    """One engine run for ``dtype`` over every mode (its KV cache in ``kv_cache_dtype``), its traces naming
+    ``model_id`` (the reference ``verify`` loads); returns the trace file per mode and the timing."""
     req = out_dir / f"requests-{dtype}.jsonl"
     with open(req, "w") as fh:
         for mode in modes:
@@ -63,7 +63,7 @@ def generate(python: Path, directory: Path, prompts, modes, dtype: str, max_toke
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
     t0 = time.perf_counter()
     proc = subprocess.run([str(python), str(HERE / "generate.py"), "--model-dir", str(directory),
-                           "--requests", str(req), "--out", str(raw), "--kv-cache-dtype", kv_cache_dtype],
+                           "--requests", str(req), "--out", str(raw), "--kv-cache-dtype", kv_cache_dtype, "--model-id", model_id],
                           env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode:
@@ -136,7 +136,8 @@ def main() -> int:
     modes = args.modes.split(",")
     rows, timings = [], {}
     for dtype in args.dtypes.split(","):
-        files, timing = generate(python, directory, prompts, modes, dtype, args.max_tokens, args.seed_base, args.out)
+        files, timing = generate(python, directory, prompts, modes, dtype, args.max_tokens, args.seed_base, args.out,
+                                 model_id=args.model)
         timings[dtype] = timing
         print(f"{dtype}: {json.dumps(timing)}", file=sys.stderr)
         for mode in modes:
