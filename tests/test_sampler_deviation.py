@@ -114,6 +114,10 @@ def test_depth_from_the_samplers_view_equals_the_definition_on_the_whole_row(see
     rows = torch.arange(1, n, 2)
     got = depth(x, tokens[rows], [params[i] for i in rows.tolist()], kept.view[rows], rows)
     assert torch.allclose(got, want[rows], atol=1e-6)
+    # the sampler's own normalizer over what min-p and top-k keep (no pass over the row here), as replay passes it
+    got = depth(x, tokens[rows], [params[i] for i in rows.tolist()], kept.view[rows], rows, kept.base_norm[rows])
+    assert torch.allclose(got, want[rows], atol=1e-6)
+    assert not torch.allclose(kept.base_norm, kept.log_norm)  # top-p's renormalization is not what depth reads
     assert (want[:, 1] >= 1.0).any() and (want[:, 1] < 1.0).any()  # filtered and kept claims both tested
 
 

@@ -36,7 +36,7 @@ from typing import Sequence
 
 import torch
 
-from verinfer.sampling.filters import masked_logsumexp
+from verinfer.sampling.filters import masked_logsumexp, row_count
 from verinfer.sampling.params import SamplingParams
 
 DEPTH_CAP = 2.0  # a claim twice as deep as the claimed boundary allows counts no more than at 2x
@@ -44,11 +44,14 @@ VIEW = 64  # the row's largest logits at hand when no view is given (the kept se
 
 
 def depth(x: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
-          view: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:
+          view: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+          log_z: torch.Tensor | None = None) -> torch.Tensor:
     """Depth of ``tokens`` ([M], or [M, J] for J tokens per row) in M rows of tempered logits ``x``
     (all of ``x`` [M, V], or its ``rows``, read without copying the block) under each row's claimed
     filters (module docstring). ``view``: those rows' largest values, descending (``KeptSet.view``),
-    when the caller has them; taken here when not, or too narrow."""
+    when the caller has them; taken here when not, or too narrow. ``log_z``: those rows' log-normalizer
+    over the tokens min-p and top-k keep (``KeptSet.base_norm``), when the caller has it: a row without
+    top-k then needs no pass over its vocabulary here unless a token lies below its view."""
     one = tokens.dim() == 1
     tokens = tokens[:, None] if one else tokens
     rows = torch.arange(x.shape[0], device=x.device) if rows is None else rows
@@ -70,30 +73,36 @@ def depth(x: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams
     # log of the normalizer over the tokens min-p and top-k keep: from the view when they all lie in it
     inside = vals[:, -1] < tau if width < vocab else torch.ones(m, dtype=torch.bool, device=dev)
     kept_v = vals >= tau[:, None]
-    log_z = torch.empty(m, dtype=torch.float64, device=dev)
-    log_z[inside] = torch.logsumexp(vals[inside].double().masked_fill(~kept_v[inside], float("-inf")), dim=-1)
-    wide = (~inside).nonzero().squeeze(1)
-    if wide.numel():
-        log_z[wide] = masked_logsumexp(x[rows[wide]], tau[wide], row_max[wide])
+    if log_z is None:
+        log_z = torch.empty(m, dtype=torch.float64, device=dev)
+        log_z[inside] = torch.logsumexp(vals[inside].double().masked_fill(~kept_v[inside], float("-inf")), dim=-1)
+        wide = (~inside).nonzero().squeeze(1)
+        if wide.numel():
+            log_z[wide] = masked_logsumexp(x[rows[wide]], tau[wide], row_max[wide])
 
     xt = x[rows[:, None], tokens]  # [M, J]
     above = vals[:, None, :] > xt[:, :, None]  # [M, J, W]
-    rank = above.sum(-1)
+    rank = row_count(above)
     p_view = torch.exp(vals.double() - log_z[:, None]).masked_fill(~kept_v, 0.0)
     mass = (p_view[:, None, :] * above).sum(-1)
     below = (xt < vals[:, -1:]).nonzero(as_tuple=True)  # tokens with some larger logits outside the view
     if below[0].numel():
         r, xb = below[0], xt[below]
         xr = x[rows[r]]
-        rank[below] = (xr > xb[:, None]).sum(-1)
+        above_t = xr > xb[:, None]
+        rank[below] = row_count(above_t)
         before = torch.ones(r.numel(), dtype=torch.float64, device=dev)  # a filtered token: all kept mass
         kept_t = (xb >= tau[r]).nonzero().squeeze(1)  # is before it
         if kept_t.numel():
-            xk, rk = xr[kept_t], r[kept_t]
-            e = torch.exp(xk - row_max[rk, None]).masked_fill(xk <= xb[kept_t, None], 0.0)
+            # The mass before the token: exponentials of the kept tokens above it only (a deep claim
+            # has a few thousand of them in a row of 262k), summed in fp64.
+            rk, sel = r[kept_t], above_t[kept_t]
             if bool(torch.isfinite(tau[rk]).any()):
-                e = e.masked_fill(xk < tau[rk, None], 0.0)
-            before[kept_t] = torch.exp(row_max[rk].double() - log_z[rk]) * e.sum(-1).double()
+                sel = sel & (xr[kept_t] >= tau[rk, None])
+            i, j = sel.nonzero(as_tuple=True)
+            e = torch.exp(xr[kept_t[i], j] - row_max[rk[i]]).double()
+            total = torch.zeros(kept_t.numel(), dtype=torch.float64, device=dev).index_add_(0, i, e)
+            before[kept_t] = torch.exp(row_max[rk].double() - log_z[rk]) * total
         mass[below] = before
     d = mass / top_p[:, None]
     d = torch.where(k_on[:, None], torch.maximum(d, rank.double() / top_k.clamp_min(1).double()[:, None]), d)
@@ -103,15 +112,16 @@ def depth(x: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams
 
 
 def depth_shift(x: torch.Tensor, verifier: torch.Tensor, claimed: torch.Tensor, params: Sequence[SamplingParams],
-                view: torch.Tensor | None = None) -> torch.Tensor:
+                view: torch.Tensor | None = None, log_z: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row ``depth(verifier) - depth(claim)`` [N] fp64 for rows of tempered logits ``x`` [N, V]:
-    0 where they agree and for greedy rows, whose sampler has no filter or temperature to deviate."""
+    0 where they agree and for greedy rows, whose sampler has no filter or temperature to deviate.
+    ``view`` and ``log_z``: the rows' ``KeptSet.view`` and ``KeptSet.base_norm`` where the caller has them."""
     out = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
     greedy = torch.tensor([p.is_greedy for p in params], dtype=torch.bool, device=x.device)
     rows = ((verifier != claimed) & ~greedy).nonzero().squeeze(1)
     if rows.numel():
         d = depth(x, torch.stack([verifier[rows], claimed[rows]], 1), [params[i] for i in rows.tolist()],
-                  None if view is None else view[rows], rows)
+                  None if view is None else view[rows], rows, None if log_z is None else log_z[rows])
         out[rows] = d[:, 0] - d[:, 1]
     return out
 

@@ -34,6 +34,9 @@ class KeptSet:
     view: torch.Tensor  # [N, W] the row's W largest x, descending (for ranks without a full pass)
     view_ids: torch.Tensor  # [N, W] their token ids
     inside: torch.Tensor  # [N] bool: every kept token is in the view (else the row keeps more than W)
+    # [N] fp64: logsumexp of x over the tokens min-p and top-k keep, before top-p (what top-p's masses and
+    # the sampler-shape depth are relative to); None where the filters are an engine's own (sglang)
+    base_norm: torch.Tensor | None = None
 
     def in_view(self) -> torch.Tensor:
         """[N, W] which view entries are kept."""
@@ -96,7 +99,7 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
         mass_before = torch.cumsum(probs, dim=-1) - probs
         keep = (mass_before < top_p.double()[:, None]) & in_view
         keep[:, 0] = True
-        n_keep = keep.sum(-1)
+        n_keep = row_count(keep)
         tau_p = top_vals.gather(1, (n_keep - 1)[:, None]).squeeze(1)
         # If top-p keeps the whole view while more tokens pass tau, the view was too narrow.
         needs_wider = p_on & ~inside & (n_keep == width)
@@ -168,13 +171,20 @@ def kept_set(
         inside[done] = top_vals[done, -1] < tau[done]  # usually False: fall through to the full-row mask
         idx = idx[again]
 
-    return KeptSet(tau, log_norm, top_vals, top_ids, inside)
+    return KeptSet(tau, log_norm, top_vals, top_ids, inside, base_norm)
+
+
+def row_count(mask: torch.Tensor) -> torch.Tensor:
+    """Per-row count of the true entries of ``mask`` [..., V], as int64. Summed in int32 (exact below 2^31
+    entries): torch's default int64 sum of booleans is 8-10x slower on a CPU, and on 262k-entry rows
+    it had become the largest single cost of scoring a deep claim."""
+    return mask.sum(-1, dtype=torch.int32).long()
 
 
 def rank_in_row(x: torch.Tensor, view: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """How many entries of each row of ``x`` exceed ``value``, using the sorted top view when it suffices."""
-    rank = (view > value[:, None]).sum(-1)
+    rank = row_count(view > value[:, None])
     outside = (value < view[:, -1]).nonzero().squeeze(1)
     if outside.numel():
-        rank[outside] = (x[outside] > value[outside, None]).sum(-1)
+        rank[outside] = row_count(x[outside] > value[outside, None])
     return rank

@@ -22,7 +22,7 @@ import torch
 from scipy.special import ndtr
 
 from verinfer.sampling.depth import depth_shift
-from verinfer.sampling.filters import kept_set, rank_in_row
+from verinfer.sampling.filters import kept_set, rank_in_row, row_count
 from verinfer.sampling.profiles.base import RowKeys
 from verinfer.sampling.replay import Replay
 
@@ -109,9 +109,9 @@ def replay(logits: torch.Tensor, params, profile, keys, claimed: torch.Tensor | 
                               torch.full((n,), -INF, dtype=torch.float64, device="cpu"))
     out.logit_rank = rank_in_row(x, kept.view, xc)
     # Candidates between the claim and the pick in the engine's order (0 = the claim was picked).
-    n_kept = (x >= kept.threshold[:, None]).sum(-1)
+    n_kept = row_count(x >= kept.threshold[:, None])
     out.gumbel_rank = torch.where(is_kept, torch.from_numpy(np.abs(claim_pos - pick_pos)), n_kept)
-    out.depth_shift = depth_shift(x, token, claimed, params, kept.view)
+    out.depth_shift = depth_shift(x, token, claimed, params, kept.view, kept.base_norm)
     out.ipt_distance = out.margin.clone()
     out.ipt_interval = (lo, hi, u)
     return out

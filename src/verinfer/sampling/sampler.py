@@ -15,7 +15,7 @@ import torch
 
 from verinfer.sampling import inverse_cdf
 from verinfer.sampling.depth import depth_shift
-from verinfer.sampling.filters import kept_set, rank_in_row
+from verinfer.sampling.filters import kept_set, rank_in_row, row_count
 from verinfer.sampling.params import SamplingParams
 from verinfer.sampling.profiles import Profile, RowKeys
 from verinfer.sampling.replay import Replay
@@ -151,12 +151,12 @@ def _replay_seeded(logits, params, profile, keys, claimed, s_idx, out: Replay) -
     # Tokens left unnoised score below the claim; a filtered claim ranks below every kept token.
     above = (scores_t > sc[rows_t]).long()
     rank = torch.zeros(n, dtype=torch.int64, device=x.device).scatter_add(0, rows_t, above)
-    n_kept = kept.in_view().sum(-1)
+    n_kept = row_count(kept.in_view())
     count = (~kept.inside & ~is_kept).nonzero().squeeze(1)  # wide rows whose claim was filtered (rare)
     if count.numel():
-        n_kept[count] = (x[count] >= kept.threshold[count, None]).sum(-1)
+        n_kept[count] = row_count(x[count] >= kept.threshold[count, None])
     out.gumbel_rank[s_idx] = torch.where(is_kept, rank, n_kept)
-    out.depth_shift[s_idx] = depth_shift(x, winner, c, sub, kept.view)
+    out.depth_shift[s_idx] = depth_shift(x, winner, c, sub, kept.view, kept.base_norm)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], profile: Profile, keys: RowKeys) -> torch.Tensor:

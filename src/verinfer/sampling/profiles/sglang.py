@@ -40,11 +40,13 @@ The filters need ``Profile.kept_set`` to be honoured by the sampler.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from verinfer.sampling import murmur3
-from verinfer.sampling.filters import kept_set as shared_kept_set
+from verinfer.sampling.filters import kept_set as shared_kept_set, row_count
 from verinfer.sampling.params import MIN_TEMPERATURE
 from verinfer.sampling.profiles.base import Profile, reach
 
@@ -105,7 +107,7 @@ def sglang_keep_counts(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
     keep = (torch.arange(vocab, device=x.device)[None, :] < k[:, None]) & ~(mass_before > top_p.float()[:, None])
     keep[:, 0] = True
-    return keep.sum(-1)
+    return row_count(keep)
 
 
 class SglangProfile(Profile):
@@ -125,7 +127,8 @@ class SglangProfile(Profile):
             order = sorted_probs(xs)  # one sort per row: its keep count here, its rank columns for the noise
             k_eff[idx] = sglang_keep_counts(xs, top_k[idx], top_p[idx], order.values).to(k_eff.dtype)
             ranks = dict(zip(idx.tolist(), sorted_ranks(xs, order.indices)))
-        kept = shared_kept_set(x, k_eff, torch.ones_like(top_p), torch.zeros_like(min_p))
+        # base_norm: not over the claimed min-p and top-k's tokens here (k_eff folds top-p in)
+        kept = replace(shared_kept_set(x, k_eff, torch.ones_like(top_p), torch.zeros_like(min_p)), base_norm=None)
         object.__setattr__(kept, _RANKS, {"x": x, "rows": ranks})  # KeptSet is frozen; other rows' ranks lazily
         return kept
 
