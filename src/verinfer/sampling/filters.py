@@ -141,7 +141,7 @@ def _top_p_views(x: torch.Tensor, top: torch.Tensor, log_norm: torch.Tensor, top
     computes the threshold from the view exactly, and a view that top-p fills after all is widened
     again, so a poor estimate costs time, never correctness."""
     n = x.shape[0]
-    if x.device.type == "cpu":  # one compiled pass, no [R, V] temporaries: 5x faster than the torch ops below
+    if x.device.type == "cpu":  # one compiled pass, no [R, V] temporaries (the int64 bins below cost most on a CPU)
         mass = torch.from_numpy(_mass_by_bin(np.ascontiguousarray(x.numpy()), top.numpy(),
                                              log_norm.float().numpy(), bins, np.float32(bins / span))).cumsum(1)
     else:
@@ -197,8 +197,8 @@ def kept_set(
 
 def row_count(mask: torch.Tensor) -> torch.Tensor:
     """Per-row count of the true entries of ``mask`` [..., V], as int64. Summed in int32 (exact below 2^31
-    entries): torch's default int64 sum of booleans is 8-10x slower on a CPU, and on 262k-entry rows
-    it had become the largest single cost of scoring a deep claim."""
+    entries): torch's default int64 sum of booleans is far slower on a CPU, and on 262k-entry rows it
+    was a leading cost of scoring a deep claim (RESULTS.md section 39)."""
     return mask.sum(-1, dtype=torch.int32).long()
 
 
