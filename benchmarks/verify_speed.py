@@ -70,7 +70,9 @@ CASES = [
     ("sglang, no filters", SamplingParams("sglang", 1.0, -1, 1.0)),
     ("vllm-v1, no filters", SamplingParams("vllm-v1", 1.0, -1, 1.0)),
     ("vllm-v1-cuda, no filters", SamplingParams("vllm-v1-cuda", 1.0, -1, 1.0)),
-    # transformers: each request its own batch of one (stream vocab filled in from the model)
+    # transformers: as `torch.manual_seed(seed); model.generate(batch)` samples, every request of a generation
+    # batch has the one seed and its row of the batch's stream (the generator records the place; the vocab
+    # is filled in from the model)
     ("transformers, top-k 50, top-p 0.95", SamplingParams("transformers", 1.0, 50, 0.95,
                                                           stream={"batch_size": 1, "row": 0})),
     ("transformers, no filters", SamplingParams("transformers", 1.0, -1, 1.0, stream={"batch_size": 1, "row": 0})),
@@ -133,7 +135,8 @@ class ScoringTimer:
 
 def cached_traces(be, prompts, params, args, cache_dir: Path | None):
     """Traces for one case: from the cache when present, else generated (timed) and cached."""
-    reqs = build_requests(be, prompts, params.with_(seed=None if params.is_greedy else args.seed))
+    reqs = build_requests(be, prompts, params.with_(seed=None if params.is_greedy else args.seed),
+                          seed_stride=0 if params.profile == "transformers" else 1)  # one seed a generate call
     key_src = json.dumps({"model": be.model_id, "prompts": [r.prompt_token_ids for r in reqs],
                           "params": [r.params.to_dict() for r in reqs], "new": args.new_tokens,
                           "batch": args.batch_size, "verinfer": verinfer.__version__,

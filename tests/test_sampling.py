@@ -108,9 +108,66 @@ def test_cpu_stream_uniforms_give_exponential_bit_for_bit(seed):
     from verinfer.sampling.profiles.vllm_v1 import gumbel_from_uniforms, uniform_draws
 
     gen = Mt19937(seed)
-    u = torch.cat([uniform_draws(gen, 1, 20000), uniform_draws(gen, 2, 20000)])
+    u = torch.from_numpy(np.concatenate([uniform_draws(gen, 1, 20000)[0][0], uniform_draws(gen, 2, 20000)[0][0]]))
     q = exponential_draws(seed, 3, 20000)
     assert torch.equal(gumbel_from_uniforms(u), -torch.log(q.double()))
+
+
+def test_requests_of_one_seeded_batch_draw_their_shared_stream_once(monkeypatch):
+    """The traces of one transformers ``generate`` call (one seed, batch B) read rows of the same
+    ``[B, V]`` draws: the profile draws each step once for the batch, not once per trace (B times the
+    generator's work), and every row still equals torch's own ``exponential_`` (steps split across two
+    calls, as across two row blocks, continue the stream; a trace asking again is not redrawn)."""
+    from verinfer.sampling.mt19937 import Mt19937
+
+    drawn = []
+    uniforms = Mt19937.uniforms
+    monkeypatch.setattr(Mt19937, "uniforms", lambda self, n: drawn.append(n) or uniforms(self, n))
+    batch, vocab, steps, seed = 4, 3000, 6, 77
+    torch.manual_seed(seed)
+    q = torch.empty(steps, batch, vocab).exponential_()
+    profile = get_profile("transformers")
+    rng = np.random.default_rng(0)
+    for lo, hi in ((0, 4), (4, 6)):
+        rows = [(r, k) for r in range(batch) for k in range(lo, hi)]
+        params = tuple(SamplingParams(profile="transformers", seed=seed, stream={"batch_size": batch, "row": r,
+                                                                                  "vocab": vocab}) for r, _ in rows)
+        keys = RowKeys(tuple(f"t{r}" for r, _ in rows), np.array([seed] * len(rows), dtype=object),
+                       np.array([k + 3 for _, k in rows]), np.array([k for _, k in rows]), params=params)
+        cols = torch.from_numpy(rng.integers(0, vocab, len(rows)))
+        for _ in range(2):
+            g = profile.gumbel(keys, torch.arange(len(rows)), cols, vocab)
+            want = torch.stack([-torch.log(q[k, r, c].double()) for (r, k), c in zip(rows, cols.tolist())])
+            assert torch.equal(g, want)
+    assert sum(drawn) == steps * batch * vocab  # each step's [B, V] once
+    for r in range(batch):
+        profile.forget(f"t{r}")
+    assert not profile._streams and not profile._drawn
+    # Through the sampler, rows trace by trace as verification gives them (its chunks of ROW_CHUNK rows
+    # end inside a step): still one draw per step, and the engine's tokens.
+    from verinfer.sampling.sampler import ROW_CHUNK
+
+    batch, steps = 5, 7
+    assert (batch * steps) % ROW_CHUNK and batch * steps > ROW_CHUNK
+    torch.manual_seed(seed)
+    q = torch.empty(steps, batch, vocab).exponential_()
+    logits = torch.randn(batch, steps, vocab, generator=torch.Generator().manual_seed(1)) * 2
+    engine = (logits.double() - torch.log(q.double()).transpose(0, 1)).argmax(-1)  # argmax(x + G), [B, steps]
+    rows = [(r, k) for r in range(batch) for k in range(steps)]
+    params = [SamplingParams(profile="transformers", seed=seed, temperature=1.0, top_k=-1, top_p=1.0,
+                             stream={"batch_size": batch, "row": r, "vocab": vocab}) for r, _ in rows]
+    keys = RowKeys(tuple(f"t{r}" for r, _ in rows), np.array([seed] * len(rows), dtype=object),
+                   np.array([k + 3 for _, k in rows]), np.array([k for _, k in rows]), params=tuple(params))
+    drawn.clear()
+    out = replay(logits.reshape(-1, vocab), params, get_profile("transformers"), keys, claimed=engine.reshape(-1))
+    assert torch.equal(out.token, engine.reshape(-1)) and bool((out.margin == 0).all())
+    assert sum(drawn) == steps * batch * vocab
+    # A request asked again under another seed (diagnose's seed candidates) leaves its old stream behind.
+    v1 = get_profile("vllm-v1")
+    for s in (1, 2, 3):
+        one = RowKeys(("x",), np.array([s], dtype=object), np.array([3]), np.array([0]))
+        v1.gumbel(one, torch.tensor([0]), torch.tensor([5]), vocab)
+    assert list(v1._streams) == [(3, 1, vocab)] and v1._streams[(3, 1, vocab)][2] == {"x"}
 
 
 @pytest.mark.parametrize("seed", [0, 1234, 2**32 + 5, 2**63 + 5, 2**64 - 1])

@@ -70,8 +70,8 @@ def replay(
         out.gumbel_rank = torch.empty(n, dtype=torch.int64, device=dev)
         out.depth_shift = torch.zeros(n, dtype=torch.float64, device=dev)  # greedy rows keep 0
 
-    for idx, replay_rows in ((greedy.nonzero().squeeze(1), _replay_greedy),
-                             ((~greedy).nonzero().squeeze(1), _replay_seeded)):
+    seeded = profile.replay_order(params, keys, (~greedy).nonzero().squeeze(1), vocab)
+    for idx, replay_rows in ((greedy.nonzero().squeeze(1), _replay_greedy), (seeded, _replay_seeded)):
         for a in range(0, idx.numel(), ROW_CHUNK):
             replay_rows(logits, params, profile, keys, claimed, idx[a:a + ROW_CHUNK], out)
     return out

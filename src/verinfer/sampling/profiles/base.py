@@ -9,6 +9,7 @@ source file and version it follows.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -133,6 +134,12 @@ class Profile:
         if params.stream:
             out.append(f"stream: profile {self.name!r} takes no stream fields, got {sorted(params.stream)}")
         return out
+
+    def replay_order(self, params: Sequence[SamplingParams], keys: RowKeys, idx: torch.Tensor,
+                     vocab_size: int) -> torch.Tensor:
+        """``idx`` (rows of ``keys``, sampled with ``params``) in the order the sampler replays them, in chunks: any order gives the
+        same result; a profile with a sequential stream orders rows so that consecutive chunks continue it."""
+        return idx
 
     def forget(self, request: str) -> None:
         """Release any per-request state once a request is finished (stateless profiles keep none)."""

@@ -74,9 +74,10 @@ def stream_problems(stream) -> list[str]:
 
 @dataclass
 class TransformersProfile(VllmV1Profile):
-    """Replays the global CPU generator of one ``generate`` call, per request (trace): the same CPU
-    exponential race as vLLM V1's (``profiles/vllm_v1.py``: the generator's fp64 uniforms, ``q`` only
-    where a token can win), with each step drawing the whole ``[batch, vocab]`` block."""
+    """Replays the global CPU generator of one ``generate`` call: the same CPU exponential race as vLLM
+    V1's (``profiles/vllm_v1.py``: the generator's fp64 uniforms, ``q`` only where a token can win), with
+    each step drawing the whole ``[batch, vocab]`` block. The traces of one call share its seed and so its
+    blocks: each step's block is drawn once for all of them (``VllmV1Profile._draw``), not once a trace."""
 
     name = "transformers"
     aliases = ("hf-transformers",)

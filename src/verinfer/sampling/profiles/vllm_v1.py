@@ -42,6 +42,7 @@ Two profiles, one per generator device:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -130,13 +131,29 @@ def cuda_exponential(seed: int, steps: np.ndarray, cols: np.ndarray, vocab_size:
     return exponential_of(u).reshape(cols.shape)
 
 
-def uniform_draws(gen: Mt19937, n_steps: int, vocab_size: int, batch: int = 1, row: int = 0) -> torch.Tensor:
-    """Row ``row`` of the next ``n_steps`` draws of ``gen``, each ``[batch, vocab_size]``, as the fp64
-    uniforms ``exponential_`` would transform ([n_steps, vocab_size]; drawn in bounded chunks)."""
+def uniform_draws(gen: Mt19937, n_steps: int, vocab_size: int, batch: int = 1,
+                  wants: Sequence[tuple[int, int, int]] = ((0, -1, 0),)) -> tuple[list[np.ndarray], np.ndarray | None]:
+    """The next ``n_steps`` draws of ``gen``, each ``[batch, vocab_size]`` fp64 uniforms as ``exponential_``
+    would transform them, drawn once in bounded chunks and handed out: for each ``(first, end, row)`` of
+    ``wants`` (steps relative to the first draw; ``end`` -1: all), that row of draws ``first..end-1``
+    ([end - first, vocab_size] each; rows of steps before the first draw are left for the caller to
+    fill). Also the last draw whole ([batch, vocab_size]; None when nothing was drawn)."""
+    wants = [(a, n_steps if b < 0 else b, r) for a, b, r in wants]
     per = max(1, _CHUNK_UNIFORMS // (batch * vocab_size))
-    parts = [gen.uniforms(m * batch * vocab_size).reshape(m, batch, vocab_size)[:, row]
-             for m in (min(per, n_steps - a) for a in range(0, n_steps, per))]
-    return torch.from_numpy(parts[0] if len(parts) == 1 else np.concatenate(parts or [np.empty((0, vocab_size))]))
+    if 0 < n_steps <= per:  # one chunk: views of it, no copies (the usual case)
+        chunk = gen.uniforms(n_steps * batch * vocab_size).reshape(n_steps, batch, vocab_size)
+        return [chunk[a:b, r] if a >= 0 else np.concatenate([np.empty((-a, vocab_size)), chunk[:b, r]])
+                for a, b, r in wants], chunk[-1]
+    out = [np.empty((b - a, vocab_size)) for a, b, _ in wants]
+    chunk = None
+    for at in range(0, n_steps, per):
+        m = min(per, n_steps - at)
+        chunk = gen.uniforms(m * batch * vocab_size).reshape(m, batch, vocab_size)
+        for (a, b, row), block in zip(wants, out):
+            lo, hi = max(a, at), min(b, at + m)
+            if lo < hi:
+                block[lo - a:hi - a] = chunk[lo - at:hi - at, row]
+    return out, None if chunk is None else chunk[-1]
 
 
 def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
@@ -146,59 +163,96 @@ def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
     return -torch.log(torch.from_numpy(q).double())
 
 
-def _rows_of(block: torch.Tensor, idx: np.ndarray) -> torch.Tensor:
-    """``block[idx]``, as a view without a copy when ``idx`` is a run of consecutive rows (the usual case)."""
-    idx = np.asarray(idx)
-    if idx.size and idx[0] + idx.size - 1 == idx[-1] and (idx.size < 2 or bool((np.diff(idx) == 1).all())):
-        return block[int(idx[0]):int(idx[0]) + idx.size]
-    return block[torch.from_numpy(idx)]
-
-
 @dataclass
 class VllmV1Profile(Profile):
-    """Each request keeps its generator, the next step it will draw and its last block of uniforms, so
-    consecutive steps (in generation, or in chunked verification) continue the stream; asking for a
-    step before the last block restarts the stream from the seed. Callers ``forget`` finished requests.
+    """Each stream (seed, batch, V) keeps its generator and the next step it will draw, and each request
+    its last block of uniforms, so consecutive steps (in generation, or in chunked verification)
+    continue the stream; asking for a step before the last draw restarts it from the seed. Callers
+    ``forget`` finished requests.
     """
 
     name = "vllm-v1"
     aliases = ("torch-exponential",)
     description = "vLLM V1 exponential race with a per-request torch.Generator (CPU stream)"
-    _streams: dict = field(default_factory=dict)
+    _drawn: dict = field(default_factory=dict)  # request -> (first step, end step, [end - first, V] uniforms)
+    _streams: dict = field(default_factory=dict)  # (seed, batch, V) -> (next step, generator, requests, last draw)
 
     def _layout(self, params, vocab_size: int) -> tuple[int, int]:
         """(batch, row): each step draws ``[batch, V]`` and the request reads row ``row`` (vLLM V1 draws
         each request's own ``[V]``)."""
         return 1, 0
 
-    def _uniforms(self, request: str, seed: int, steps: np.ndarray, vocab_size: int, batch: int = 1,
-                  row: int = 0) -> torch.Tensor:
-        """[len(steps), V] uniforms of ``steps`` of ``request``'s stream."""
-        next_step, gen, first, drawn = self._streams.get(request, (0, None, 0, None))
-        lo, hi = int(steps.min()), int(steps.max()) + 1
-        if drawn is not None and first <= lo and hi <= next_step:  # the block drawn last (one replay asks twice)
-            return _rows_of(drawn, steps - first)
-        if gen is None or lo < next_step:
-            gen = Mt19937(seed)
-            next_step = 0
-        if lo > next_step:  # skip draws nobody asked for
-            gen.skip((lo - next_step) * batch * vocab_size)
-        drawn = uniform_draws(gen, hi - lo, vocab_size, batch, row)
-        self._streams[request] = (hi, gen, lo, drawn)
-        return _rows_of(drawn, steps - lo)
+    def _draw(self, stream: tuple, wants: dict) -> None:
+        """Draw the uniforms of every ``request: (first, end, row)`` in ``wants`` from the one stream they
+        share: the draws are a function of (seed, batch, V) alone, so the requests of one seeded batch
+        (and requests given the same seed) are drawn once, not once each. The stream continues from its
+        last draw, which it keeps whole ([batch, V]) for the rows of that step still to come (a chunk of
+        the sampler's rows may end inside a step, ``replay_order``); asking for an earlier step restarts
+        it from the seed."""
+        seed, batch, vocab_size = stream
+        lo, hi = min(a for a, _, _ in wants.values()), max(b for _, b, _ in wants.values())
+        next_step, gen, members, last = self._streams.get(stream, (0, None, set(), None))
+        start = next_step if gen is not None and lo == next_step - 1 else lo  # step lo: the draw kept
+        if gen is None or start < next_step:
+            gen, next_step, start = Mt19937(seed), 0, lo
+        if start > next_step:  # skip draws nobody asked for
+            gen.skip((start - next_step) * batch * vocab_size)
+        blocks, drawn = uniform_draws(gen, hi - start, vocab_size, batch,
+                                      [(a - start, b - start, r) for a, b, r in wants.values()])
+        for (request, (a, b, row)), block in zip(wants.items(), blocks):
+            if a < start:
+                block[0] = last[row]
+            if request in self._drawn and self._drawn[request][3] != stream:  # the request read another stream
+                self.forget(request)
+            self._drawn[request] = (a, b, torch.from_numpy(block), stream)
+        self._streams[stream] = (hi, gen, members | set(wants), last if drawn is None else drawn)
+
+    def replay_order(self, params, keys, idx, vocab_size):
+        """Rows of one stream step by step (all its requests at step k, then k + 1), streams in order of
+        first appearance: the sampler's chunks then draw each step of a shared stream once and continue
+        it, where request after request would restart it from the seed for each (verification's rows
+        come trace by trace)."""
+        if idx.numel() < 2:
+            return idx
+        rows = idx.cpu().numpy()
+        streams: dict = {}
+        group, place = np.empty(rows.size, dtype=np.int64), np.empty(rows.size, dtype=np.int64)
+        for j, r in enumerate(rows.tolist()):
+            batch, row = self._layout(params[r], vocab_size)
+            group[j] = streams.setdefault((keys.seeds[r], batch), len(streams))
+            place[j] = row
+        if len(streams) == len({keys.requests[r] for r in rows.tolist()}):  # no stream shared: keep the order
+            return idx
+        order = np.lexsort((place, keys.steps[rows], group))
+        return idx[torch.from_numpy(order).to(idx.device)]
 
     def _by_request(self, keys: RowKeys, rows_np: np.ndarray, vocab_size: int):
         """For each request among ``rows_np`` (rows of ``keys``): the positions in ``rows_np`` of its
-        rows, its block of uniforms and each position's row in that block. The uniforms of all the
-        request's rows in ``keys`` are drawn as one block, whichever subset is asked, so the calls of
-        one replay share that block."""
+        rows, its block of uniforms and each position's row in that block. The uniforms of all the rows
+        in ``keys`` of every stream asked for are drawn at once, whichever subset is asked, so the calls
+        of one replay share them."""
         requests = np.asarray(keys.requests, dtype=object)
+        asked = dict.fromkeys(requests[rows_np].tolist())
         lookup = np.empty(len(requests), dtype=np.int64)
-        for request in dict.fromkeys(requests[rows_np].tolist()):
+        rows_of: dict = {}
+        wants: dict = {}  # stream -> {request: (first, end, row)}
+        for request in dict.fromkeys(requests.tolist()):
             members = np.flatnonzero(requests == request)
-            lookup[members] = np.arange(members.size)
+            steps = keys.steps[members]
+            lo, hi = int(steps.min()), int(steps.max()) + 1
             batch, row = self._layout(keys.params[members[0]] if keys.params else None, vocab_size)
-            block = self._uniforms(request, keys.seeds[members[0]], keys.steps[members], vocab_size, batch, row)
+            stream = (keys.seeds[members[0]], batch, vocab_size)
+            rows_of[request] = (members, steps)
+            drawn = self._drawn.get(request)
+            if drawn is None or drawn[3] != stream or not (drawn[0] <= lo and hi <= drawn[1]):  # not drawn last
+                wants.setdefault(stream, {})[request] = (lo, hi, row)
+        for stream, group in wants.items():
+            if any(r in asked for r in group):
+                self._draw(stream, group)
+        for request in asked:
+            members, steps = rows_of[request]
+            first, _, block, _ = self._drawn[request]
+            lookup[members] = steps - first
             at = np.flatnonzero(requests[rows_np] == request)
             yield torch.from_numpy(at), block, torch.from_numpy(lookup[rows_np[at]])
 
@@ -225,7 +279,13 @@ class VllmV1Profile(Profile):
         return torch.cat(found_r), torch.cat(found_c), torch.cat(found_s)
 
     def forget(self, request: str) -> None:
-        self._streams.pop(request, None)
+        """Drop the request's uniforms, and its stream once none of the requests drawn from it is left."""
+        drawn = self._drawn.pop(request, None)
+        if drawn is not None and drawn[3] in self._streams:
+            members = self._streams[drawn[3]][2]
+            members.discard(request)
+            if not members:
+                del self._streams[drawn[3]]
 
 
 @dataclass
