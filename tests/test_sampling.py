@@ -142,7 +142,7 @@ def test_requests_of_one_seeded_batch_draw_their_shared_stream_once(monkeypatch)
     assert sum(drawn) == steps * batch * vocab  # each step's [B, V] once
     for r in range(batch):
         profile.forget(f"t{r}")
-    assert not profile._streams and not profile._drawn
+    assert not profile._places and not profile._drawn
     # Through the sampler, rows trace by trace as verification gives them (its chunks of ROW_CHUNK rows
     # end inside a step): still one draw per step, and the engine's tokens.
     from verinfer.sampling.sampler import ROW_CHUNK
@@ -167,7 +167,18 @@ def test_requests_of_one_seeded_batch_draw_their_shared_stream_once(monkeypatch)
     for s in (1, 2, 3):
         one = RowKeys(("x",), np.array([s], dtype=object), np.array([3]), np.array([0]))
         v1.gumbel(one, torch.tensor([0]), torch.tensor([5]), vocab)
-    assert list(v1._streams) == [(3, 1, vocab)] and v1._streams[(3, 1, vocab)][2] == {"x"}
+    assert v1._places["x"].stream == (3, 1, vocab) and len(v1._places) == 1
+    # Requests of one seed at distant steps (a server's, joined at different times) each continue a place
+    # of their own, step after step, instead of restarting the stream for the other: n steps, n draws each.
+    drawn.clear()
+    for k in range(6):
+        both = RowKeys(("early", "late"), np.array([9, 9], dtype=object), np.array([20 + k, 3 + k]),
+                       np.array([20 + k, 3 + k]))
+        g = v1.gumbel(both, torch.tensor([0, 1]), torch.tensor([7, 8]), vocab)
+        gen = torch.Generator().manual_seed(9)
+        q = torch.empty(26, vocab).exponential_(generator=gen)
+        assert torch.equal(g, -torch.log(q[[20 + k, 3 + k], [7, 8]].double()))
+    assert sum(drawn) == (20 + 6 + 3 + 6) * vocab  # each place once from the seed to its last step
 
 
 @pytest.mark.parametrize("seed", [0, 1234, 2**32 + 5, 2**63 + 5, 2**64 - 1])

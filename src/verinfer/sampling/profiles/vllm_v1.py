@@ -164,18 +164,42 @@ def gumbel_from_uniforms(u: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass
+class _Place:
+    """A generator's place in one stream (seed, batch, V): shared by the requests drawn from it together."""
+
+    stream: tuple
+    gen: Mt19937 | None = None
+    next_step: int = 0
+    last: np.ndarray | None = None  # the last draw whole, [batch, V]
+
+
+def _clusters(wants: dict) -> list[dict]:
+    """``wants`` (request: (first, end, row)) split where their step ranges neither overlap nor touch:
+    requests of one stream at distant steps (a server's requests joined at different times) are drawn
+    from places of their own, so neither restarts the other's."""
+    out: list[dict] = []
+    end = None
+    for request, (a, b, row) in sorted(wants.items(), key=lambda kv: kv[1][0]):
+        if end is None or a > end:
+            out.append({})
+        out[-1][request] = (a, b, row)
+        end = b if end is None or a > end else max(end, b)
+    return out
+
+
+@dataclass
 class VllmV1Profile(Profile):
-    """Each stream (seed, batch, V) keeps its generator and the next step it will draw, and each request
+    """Requests drawn together share a place in their stream (generator and next step), and each keeps
     its last block of uniforms, so consecutive steps (in generation, or in chunked verification)
-    continue the stream; asking for a step before the last draw restarts it from the seed. Callers
-    ``forget`` finished requests.
+    continue the stream; asking for a step before a place's last draw restarts it from the seed.
+    Callers ``forget`` finished requests.
     """
 
     name = "vllm-v1"
     aliases = ("torch-exponential",)
     description = "vLLM V1 exponential race with a per-request torch.Generator (CPU stream)"
-    _drawn: dict = field(default_factory=dict)  # request -> (first step, end step, [end - first, V] uniforms)
-    _streams: dict = field(default_factory=dict)  # (seed, batch, V) -> (next step, generator, requests, last draw)
+    _drawn: dict = field(default_factory=dict)  # request -> (first step, end step, [end - first, V] uniforms, stream)
+    _places: dict = field(default_factory=dict)  # request -> its _Place
 
     def _layout(self, params, vocab_size: int) -> tuple[int, int]:
         """(batch, row): each step draws ``[batch, V]`` and the request reads row ``row`` (vLLM V1 draws
@@ -185,27 +209,29 @@ class VllmV1Profile(Profile):
     def _draw(self, stream: tuple, wants: dict) -> None:
         """Draw the uniforms of every ``request: (first, end, row)`` in ``wants`` from the one stream they
         share: the draws are a function of (seed, batch, V) alone, so the requests of one seeded batch
-        (and requests given the same seed) are drawn once, not once each. The stream continues from its
-        last draw, which it keeps whole ([batch, V]) for the rows of that step still to come (a chunk of
-        the sampler's rows may end inside a step, ``replay_order``); asking for an earlier step restarts
-        it from the seed."""
-        seed, batch, vocab_size = stream
-        lo, hi = min(a for a, _, _ in wants.values()), max(b for _, b, _ in wants.values())
-        next_step, gen, members, last = self._streams.get(stream, (0, None, set(), None))
-        start = next_step if gen is not None and lo == next_step - 1 else lo  # step lo: the draw kept
-        if gen is None or start < next_step:
-            gen, next_step, start = Mt19937(seed), 0, lo
-        if start > next_step:  # skip draws nobody asked for
-            gen.skip((start - next_step) * batch * vocab_size)
-        blocks, drawn = uniform_draws(gen, hi - start, vocab_size, batch,
-                                      [(a - start, b - start, r) for a, b, r in wants.values()])
-        for (request, (a, b, row)), block in zip(wants.items(), blocks):
-            if a < start:
-                block[0] = last[row]
-            if request in self._drawn and self._drawn[request][3] != stream:  # the request read another stream
-                self.forget(request)
-            self._drawn[request] = (a, b, torch.from_numpy(block), stream)
-        self._streams[stream] = (hi, gen, members | set(wants), last if drawn is None else drawn)
+        (and requests given the same seed) at the same steps are drawn once, not once each. A place
+        continues from its last draw, which it keeps whole for the rows of that step still to come (a
+        chunk of the sampler's rows may end inside a step, ``replay_order``); an earlier step starts a
+        place from the seed."""
+        for group in _clusters(wants):
+            lo, hi = min(a for a, _, _ in group.values()), max(b for _, b, _ in group.values())
+            places = [p for r in group if (p := self._places.get(r)) is not None and p.stream == stream]
+            usable = [p for p in places if p.next_step <= lo or (p.next_step == lo + 1 and p.last is not None)]
+            place = max(usable, key=lambda p: p.next_step) if usable else _Place(stream)
+            start = max(lo, place.next_step)
+            if place.gen is None:
+                place.gen, place.next_step, start = Mt19937(stream[0]), 0, lo
+            _, batch, vocab_size = stream
+            if start > place.next_step:  # skip draws nobody asked for
+                place.gen.skip((start - place.next_step) * batch * vocab_size)
+            blocks, drawn = uniform_draws(place.gen, hi - start, vocab_size, batch,
+                                          [(a - start, b - start, r) for a, b, r in group.values()])
+            for (request, (a, b, row)), block in zip(group.items(), blocks):
+                if a < start:  # step lo: the place's last draw
+                    block[0] = place.last[row]
+                self._drawn[request] = (a, b, torch.from_numpy(block), stream)
+                self._places[request] = place
+            place.next_step, place.last = hi, place.last if drawn is None else drawn
 
     def replay_order(self, params, keys, idx, vocab_size):
         """Rows of one stream step by step (all its requests at step k, then k + 1), streams in order of
@@ -279,13 +305,9 @@ class VllmV1Profile(Profile):
         return torch.cat(found_r), torch.cat(found_c), torch.cat(found_s)
 
     def forget(self, request: str) -> None:
-        """Drop the request's uniforms, and its stream once none of the requests drawn from it is left."""
-        drawn = self._drawn.pop(request, None)
-        if drawn is not None and drawn[3] in self._streams:
-            members = self._streams[drawn[3]][2]
-            members.discard(request)
-            if not members:
-                del self._streams[drawn[3]]
+        """Drop the request's uniforms and its place (freed with the last request that holds it)."""
+        self._drawn.pop(request, None)
+        self._places.pop(request, None)
 
 
 @dataclass
