@@ -137,8 +137,9 @@ class Profile:
 
     def replay_order(self, params: Sequence[SamplingParams], keys: RowKeys, idx: torch.Tensor,
                      vocab_size: int) -> torch.Tensor:
-        """``idx`` (rows of ``keys``, sampled with ``params``) in the order the sampler replays them, in chunks: any order gives the
-        same result; a profile with a sequential stream orders rows so that consecutive chunks continue it."""
+        """``idx`` (rows of ``keys``, sampled with ``params``) in the order the sampler replays them in
+        chunks: any order gives the same result; a profile with a sequential stream orders rows so that
+        consecutive chunks continue it."""
         return idx
 
     def forget(self, request: str) -> None:

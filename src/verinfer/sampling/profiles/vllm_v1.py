@@ -168,7 +168,7 @@ class _Place:
     """A generator's place in one stream (seed, batch, V): shared by the requests drawn from it together."""
 
     stream: tuple
-    gen: Mt19937 | None = None
+    gen: Mt19937
     next_step: int = 0
     last: np.ndarray | None = None  # the last draw whole, [batch, V]
 
@@ -198,13 +198,18 @@ class VllmV1Profile(Profile):
     name = "vllm-v1"
     aliases = ("torch-exponential",)
     description = "vLLM V1 exponential race with a per-request torch.Generator (CPU stream)"
-    _drawn: dict = field(default_factory=dict)  # request -> (first step, end step, [end - first, V] uniforms, stream)
-    _places: dict = field(default_factory=dict)  # request -> its _Place
+    _drawn: dict = field(default_factory=dict)  # request -> (first step, end step, [end - first, V] uniforms)
+    _places: dict = field(default_factory=dict)  # request -> its _Place (its stream among them)
 
     def _layout(self, params, vocab_size: int) -> tuple[int, int]:
         """(batch, row): each step draws ``[batch, V]`` and the request reads row ``row`` (vLLM V1 draws
         each request's own ``[V]``)."""
         return 1, 0
+
+    def _stream(self, params, seed, vocab_size: int) -> tuple[tuple, int]:
+        """The stream a request reads, (seed, batch, V), and its row in each draw."""
+        batch, row = self._layout(params, vocab_size)
+        return (seed, batch, vocab_size), row
 
     def _draw(self, stream: tuple, wants: dict) -> None:
         """Draw the uniforms of every ``request: (first, end, row)`` in ``wants`` from the one stream they
@@ -217,10 +222,8 @@ class VllmV1Profile(Profile):
             lo, hi = min(a for a, _, _ in group.values()), max(b for _, b, _ in group.values())
             places = [p for r in group if (p := self._places.get(r)) is not None and p.stream == stream]
             usable = [p for p in places if p.next_step <= lo or (p.next_step == lo + 1 and p.last is not None)]
-            place = max(usable, key=lambda p: p.next_step) if usable else _Place(stream)
+            place = max(usable, key=lambda p: p.next_step) if usable else _Place(stream, Mt19937(stream[0]))
             start = max(lo, place.next_step)
-            if place.gen is None:
-                place.gen, place.next_step, start = Mt19937(stream[0]), 0, lo
             _, batch, vocab_size = stream
             if start > place.next_step:  # skip draws nobody asked for
                 place.gen.skip((start - place.next_step) * batch * vocab_size)
@@ -229,7 +232,7 @@ class VllmV1Profile(Profile):
             for (request, (a, b, row)), block in zip(group.items(), blocks):
                 if a < start:  # step lo: the place's last draw
                     block[0] = place.last[row]
-                self._drawn[request] = (a, b, torch.from_numpy(block), stream)
+                self._drawn[request] = (a, b, torch.from_numpy(block))
                 self._places[request] = place
             place.next_step, place.last = hi, place.last if drawn is None else drawn
 
@@ -244,9 +247,8 @@ class VllmV1Profile(Profile):
         streams: dict = {}
         group, place = np.empty(rows.size, dtype=np.int64), np.empty(rows.size, dtype=np.int64)
         for j, r in enumerate(rows.tolist()):
-            batch, row = self._layout(params[r], vocab_size)
-            group[j] = streams.setdefault((keys.seeds[r], batch), len(streams))
-            place[j] = row
+            stream, place[j] = self._stream(params[r], keys.seeds[r], vocab_size)
+            group[j] = streams.setdefault(stream, len(streams))
         if len(streams) == len({keys.requests[r] for r in rows.tolist()}):  # no stream shared: keep the order
             return idx
         order = np.lexsort((place, keys.steps[rows], group))
@@ -266,18 +268,18 @@ class VllmV1Profile(Profile):
             members = np.flatnonzero(requests == request)
             steps = keys.steps[members]
             lo, hi = int(steps.min()), int(steps.max()) + 1
-            batch, row = self._layout(keys.params[members[0]] if keys.params else None, vocab_size)
-            stream = (keys.seeds[members[0]], batch, vocab_size)
+            stream, row = self._stream(keys.params[members[0]] if keys.params else None, keys.seeds[members[0]],
+                                       vocab_size)
             rows_of[request] = (members, steps)
             drawn = self._drawn.get(request)
-            if drawn is None or drawn[3] != stream or not (drawn[0] <= lo and hi <= drawn[1]):  # not drawn last
+            if drawn is None or self._places[request].stream != stream or not (drawn[0] <= lo and hi <= drawn[1]):
                 wants.setdefault(stream, {})[request] = (lo, hi, row)
         for stream, group in wants.items():
             if any(r in asked for r in group):
                 self._draw(stream, group)
         for request in asked:
             members, steps = rows_of[request]
-            first, _, block, _ = self._drawn[request]
+            first, _, block = self._drawn[request]
             lookup[members] = steps - first
             at = np.flatnonzero(requests[rows_np] == request)
             yield torch.from_numpy(at), block, torch.from_numpy(lookup[rows_np[at]])
